@@ -1,0 +1,27 @@
+# Two commands from a fresh clone: `make demo` (the main job) and `make test` (the suite).
+# Each creates .venv on first use; nothing else needs to be installed by hand.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "funcgrad needs Python >= 3.11; run make PYTHON=python3.11 ...")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/funcgrad train --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/train_step.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,24 @@
+"""funcgrad: make gradients in JAX easy to see, check and trust.
+
+PyTorch's autograd habits (``.grad``, ``zero_grad``, ``gradcheck``, ...) in functional form on
+``jax.grad`` / ``jax.vjp`` / ``jax.jit`` and optax. The public API is re-exported here by name.
+"""
+from funcgrad.data import Dataset as Dataset
+from funcgrad.data import batches as batches
+from funcgrad.data import load_digits as load_digits
+from funcgrad.manual import two_layer_grads as two_layer_grads
+from funcgrad.nn import accuracy as accuracy
+from funcgrad.nn import mean_squared_error as mean_squared_error
+from funcgrad.nn import mlp_apply as mlp_apply
+from funcgrad.nn import mlp_init as mlp_init
+from funcgrad.nn import softmax_cross_entropy as softmax_cross_entropy
+from funcgrad.train import FitResult as FitResult
+from funcgrad.train import History as History
+from funcgrad.train import NonFiniteReport as NonFiniteReport
+from funcgrad.train import TrainState as TrainState
+from funcgrad.train import fit as fit
+from funcgrad.train import init_train_state as init_train_state
+from funcgrad.train import make_optimizer as make_optimizer
+from funcgrad.train import make_train_step as make_train_step
+
+__version__ = "0.1.0"

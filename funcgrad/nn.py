@@ -1,0 +1,125 @@
+"""Models as pure functions: a multilayer perceptron as a parameter pytree plus an apply function.
+
+The parameters are a list of layers, each a dict ``{"w": (in, out), "b": (out,)}``, so a leaf's
+pytree path reads ``[0]['w']``. Losses come from optax where optax has them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+PyTree = Any
+Params = list[dict[str, jax.Array]]
+
+#: Activation name -> (function, weight initializer). He (Kaiming) init keeps the forward
+#: variance of ReLU-like units (He et al. 2015, arXiv:1502.01852); Glorot (Xavier) init keeps it
+#: for units that are linear near 0 (Glorot & Bengio 2010).
+ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], Callable[..., jax.Array]]] = {
+    "relu": (jax.nn.relu, jax.nn.initializers.he_normal()),
+    "gelu": (jax.nn.gelu, jax.nn.initializers.he_normal()),
+    "tanh": (jnp.tanh, jax.nn.initializers.glorot_normal()),
+    "sigmoid": (jax.nn.sigmoid, jax.nn.initializers.glorot_normal()),
+    "identity": (lambda z: z, jax.nn.initializers.glorot_normal()),
+}
+
+
+def _activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"unknown activation {name!r}; expected one of {sorted(ACTIVATIONS)}.")
+    return ACTIVATIONS[name]
+
+
+def mlp_init(key: jax.Array, sizes: Sequence[int], *, activation: str = "relu",
+             dtype: jnp.dtype = jnp.float32) -> Params:
+    """Returns the parameters of a multilayer perceptron with layer widths `sizes`.
+
+    Args:
+      key: a JAX PRNG key (``jax.random.key(seed)`` or ``jax.random.PRNGKey(seed)``).
+      sizes: layer widths ``(in, hidden..., out)``, at least two positive ints; e.g.
+        ``(64, 128, 10)`` gives two layers.
+      activation: name of the hidden activation (a key of `ACTIVATIONS`); it picks the weight
+        initializer: He normal for "relu"/"gelu", Glorot normal for the others.
+      dtype: floating dtype of every leaf.
+    Returns:
+      a list of ``len(sizes) - 1`` dicts; layer ``i`` has ``"w"`` of shape
+      ``(sizes[i], sizes[i+1])`` and ``"b"`` of shape ``(sizes[i+1],)``, zeros.
+    Raises:
+      ValueError: if `sizes` has fewer than two entries or a non-positive one, or the
+        activation is unknown.
+    """
+    sizes = tuple(sizes)
+    if len(sizes) < 2 or not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise ValueError(
+            f"mlp_init: sizes must be at least two positive ints (in, ..., out), got {sizes!r}. "
+            "Example: mlp_init(key, (64, 128, 10)).")
+    _, init = _activation(activation)
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [
+        {"w": init(k, (fan_in, fan_out), dtype), "b": jnp.zeros((fan_out,), dtype)}
+        for k, fan_in, fan_out in zip(keys, sizes[:-1], sizes[1:])
+    ]
+
+
+def mlp_apply(params: Params, x: jax.Array, *, activation: str = "relu") -> jax.Array:
+    """Returns the logits of the perceptron: ``act(x W0 + b0) ... W_last + b_last``.
+
+    Args:
+      params: the list of ``{"w": (in, out), "b": (out,)}`` dicts made by `mlp_init`.
+      x: inputs of shape ``(batch, in)``, floating.
+      activation: the hidden activation's name; the last layer is linear.
+    Returns:
+      logits of shape ``(batch, out)`` in the dtype of the parameters and `x` combined.
+    Raises:
+      ValueError: if `x` is not 2-D or its width does not match the first layer.
+    """
+    act, _ = _activation(activation)
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(
+            f"mlp_apply: x must have shape (batch, in), got shape {x.shape}. "
+            "For a single example use x[None, :].")
+    if not params or "w" not in params[0]:
+        raise ValueError("mlp_apply: params must be the list of {'w', 'b'} dicts from mlp_init.")
+    if x.shape[1] != params[0]["w"].shape[0]:
+        raise ValueError(
+            f"mlp_apply: x has {x.shape[1]} features but params[0]['w'] expects "
+            f"{params[0]['w'].shape[0]} (shape {params[0]['w'].shape}).")
+    h = x
+    for i, layer in enumerate(params):
+        h = h @ layer["w"] + layer["b"][None, :]
+        if i < len(params) - 1:
+            h = act(h)
+    return h
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy over the batch, for integer class labels.
+
+    Args:
+      logits: shape ``(batch, classes)``, floating.
+      labels: shape ``(batch,)``, integer class indices in ``[0, classes)``.
+    Returns:
+      a scalar (shape ``()``) in nats, the dtype of `logits`.
+    """
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean of ``(predictions - targets)**2`` over every element (optax.squared_error, averaged).
+
+    Args:
+      predictions, targets: arrays of the same shape, floating.
+    Returns:
+      a scalar (shape ``()``) in the squared units of the targets.
+    """
+    return optax.squared_error(predictions, targets).mean()
+
+
+def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Fraction of rows whose arg-max logit equals the label; shape ``()``, float32, in [0, 1]."""
+    return (jnp.argmax(logits, axis=-1) == labels).mean(dtype=jnp.float32)

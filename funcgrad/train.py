@@ -1,0 +1,290 @@
+"""A functional training loop: an explicit train state, one jitted step, and a guarded `fit`.
+
+There is no ``zero_grad``: each step computes fresh gradients with ``jax.value_and_grad`` and
+hands them to an optax optimizer, so nothing accumulates between steps unless you ask for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from funcgrad.data import batches
+
+PyTree = Any
+Batch = Mapping[str, Any]
+LossFn = Callable[[PyTree, Batch], jax.Array]
+
+#: Optimizer names accepted wherever an optimizer is asked for, and what they build.
+OPTIMIZERS: dict[str, str] = {
+    "sgd": "optax.sgd(learning_rate)",
+    "momentum": "optax.sgd(learning_rate, momentum=momentum)  # v = momentum*v + g; p -= lr*v",
+    "adam": "optax.adam(learning_rate)",
+}
+
+
+class TrainState(NamedTuple):
+    """Everything that persists from one step to the next, as one pytree.
+
+    Attributes:
+      params: the model's parameter pytree.
+      opt_state: the optax optimizer state for `params`.
+      step: shape (), int32; number of steps applied so far (skipped steps do not count).
+    """
+    params: PyTree
+    opt_state: optax.OptState
+    step: jax.Array
+
+
+class NonFiniteReport(NamedTuple):
+    """Where a training run met a non-finite loss or global gradient norm.
+
+    Attributes:
+      step: index of the offending step (0-based, counted over the whole run).
+      epoch: epoch of that step (0-based).
+      batch: index of the batch within that epoch (0-based).
+      loss: the loss of that step (a Python float; may be nan or inf).
+      grad_norm: the pre-clip global gradient norm of that step (may be nan or inf).
+    """
+    step: int
+    epoch: int
+    batch: int
+    loss: float
+    grad_norm: float
+
+    def __str__(self) -> str:
+        return (f"non-finite value at step {self.step} (epoch {self.epoch}, batch {self.batch}): "
+                f"loss={self.loss}, grad_norm={self.grad_norm}. Training stopped; the returned "
+                "state is the last one with finite loss and gradients (this step was not "
+                "applied). Try a lower learning rate, clip_norm, or check the inputs of that "
+                "batch.")
+
+
+def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate: float = 1e-3,
+                   *, momentum: float = 0.9) -> optax.GradientTransformation:
+    """Returns an optax optimizer given by name (see `OPTIMIZERS`), or `optimizer` unchanged.
+
+    Args:
+      optimizer: "sgd", "momentum" (SGD with heavy-ball momentum), "adam", or an
+        ``optax.GradientTransformation``, which is returned as is.
+      learning_rate: step size, > 0 (units of params per unit of gradient for SGD).
+      momentum: the momentum coefficient beta in [0, 1) for "momentum".
+    Raises:
+      ValueError: for an unknown name, a non-positive learning rate or a momentum outside [0, 1).
+      TypeError: if `optimizer` is neither a name nor an optax transformation.
+    """
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or an optax "
+            f"GradientTransformation such as optax.adam(1e-3), got {type(optimizer).__name__}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {list(OPTIMIZERS)} "
+                         "or an optax GradientTransformation.")
+    if not (isinstance(learning_rate, (int, float)) and learning_rate > 0):
+        raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}.")
+    if optimizer == "sgd":
+        return optax.sgd(learning_rate)
+    if optimizer == "momentum":
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
+        return optax.sgd(learning_rate, momentum=momentum)
+    return optax.adam(learning_rate)
+
+
+def init_train_state(params: PyTree, optimizer: optax.GradientTransformation) -> TrainState:
+    """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0."""
+    return TrainState(params=params, opt_state=optimizer.init(params),
+                      step=jnp.zeros((), jnp.int32))
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                    clip_norm: float | None = None,
+                    jit: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
+
+    The step computes ``loss, grads = value_and_grad(loss_fn)(state.params, batch)``, the global
+    norm ``||grads||_2`` over all leaves (``optax.tree.norm``), clips the gradients to
+    `clip_norm` by global norm if asked (``optax.clip_by_global_norm``, which keeps their
+    direction), and applies the optimizer's update.
+
+    Guard: if the loss or the global norm is not finite, the step returns the *input* state
+    unchanged (params, optimizer state and step count), so a NaN or inf never reaches the
+    parameters; ``metrics["finite"]`` says whether the step was applied. `fit` stops there.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar``; a pure function.
+      optimizer: an optax optimizer (see `make_optimizer` for names); the state passed to the
+        step must come from ``init_train_state(params, optimizer)``.
+      clip_norm: if given (> 0), the maximum global norm of the gradients used for the update.
+      jit: if False the step is returned un-jitted (for debugging with prints).
+    Returns:
+      ``step(state, batch) -> (state, metrics)`` with metrics ``{"loss": (), "grad_norm": ()
+      float — the pre-clip global norm, "finite": () bool}`` as device arrays (no host sync).
+    Raises:
+      ValueError: if `clip_norm` is not positive; at the first call, if the loss is not a
+        scalar or the optimizer state does not match `optimizer` and the params.
+    """
+    optimizer = make_optimizer(optimizer)
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
+    clipper = optax.clip_by_global_norm(clip_norm) if clip_norm is not None else None
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        _check_state(state, optimizer)
+        loss, grads = jax.value_and_grad(_scalar_loss(loss_fn))(state.params, batch)
+        grad_norm = optax.tree.norm(grads)
+        if clipper is not None:
+            grads, _ = clipper.update(grads, clipper.init(grads))
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new = TrainState(params, opt_state, state.step + 1)
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+    return jax.jit(step) if jit else step
+
+
+def _scalar_loss(loss_fn: LossFn) -> LossFn:
+    def wrapped(params, batch):
+        loss = loss_fn(params, batch)
+        if jnp.shape(loss) != ():
+            raise ValueError(
+                f"loss_fn must return a scalar, got shape {jnp.shape(loss)}. "
+                "Reduce it, e.g. return per_example_loss.mean().")
+        return loss
+    return wrapped
+
+
+def _check_state(state: TrainState, optimizer: optax.GradientTransformation) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"the step takes a TrainState (from init_train_state), got "
+                        f"{type(state).__name__}.")
+    expected = jax.tree.structure(jax.eval_shape(optimizer.init, state.params))
+    got = jax.tree.structure(state.opt_state)
+    if expected != got:
+        raise ValueError(
+            "the optimizer state in the TrainState was not made by this optimizer for these "
+            f"params.\n  expected structure: {expected}\n  got: {got}\n"
+            "Create the state with init_train_state(params, optimizer) using the same optimizer.")
+
+
+@dataclasses.dataclass
+class History:
+    """What `fit` recorded: one row per epoch and the loss and gradient norm of every step.
+
+    Attributes:
+      epochs: list of dicts ``{"epoch", "steps", "loss", "grad_norm", **evaluate(params)}``;
+        "loss" and "grad_norm" are means over the epoch's applied steps.
+      step_loss, step_grad_norm: per-step values (Python floats), in step order.
+    """
+    epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    step_loss: list[float] = dataclasses.field(default_factory=list)
+    step_grad_norm: list[float] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epochs": self.epochs,
+                "steps": {"step": list(range(len(self.step_loss))), "loss": self.step_loss,
+                          "grad_norm": self.step_grad_norm}}
+
+
+class FitResult(NamedTuple):
+    """What `fit` returns: the final (last finite) state, the history, and why it stopped early.
+
+    Attributes:
+      state: the `TrainState` after the last applied step.
+      history: the `History` of the run.
+      nonfinite: a `NonFiniteReport` if training stopped on a non-finite value, else None.
+    """
+    state: TrainState
+    history: History
+    nonfinite: NonFiniteReport | None
+
+
+def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epochs: int,
+        batch_size: int, seed: int = 0, evaluate: Callable[[PyTree], Mapping[str, float]] | None = None,
+        progress: bool = True, log: Callable[[str], None] | None = None) -> FitResult:
+    """Trains for `epochs` passes over ``(x, y)`` with a progress bar, stopping on a non-finite.
+
+    Each epoch visits the examples in a seeded order (`funcgrad.data.batches` with
+    ``(seed, epoch)``), calls ``step(state, {"x": ..., "y": ...})`` and records the loss and
+    the global gradient norm. After the epoch, ``evaluate(state.params)`` (if given) adds its
+    numbers (e.g. test accuracy) to the epoch's row, and `log` gets a one-line summary.
+
+    If a step reports a non-finite loss or gradient norm, training stops at once: the step was
+    not applied (see `make_train_step`), the result carries a `NonFiniteReport` and a
+    ``RuntimeWarning`` with the same text is issued.
+
+    Args:
+      step: a step from `make_train_step`.
+      state: the starting `TrainState`.
+      x, y: training inputs ``(n, ...)`` and targets ``(n, ...)``, NumPy or JAX arrays.
+      epochs: number of passes, a positive int.
+      batch_size: examples per step, a positive int (the last batch of an epoch may be smaller).
+      seed: seed of the batch order.
+      evaluate: ``evaluate(params) -> {name: float}``, called once per epoch.
+      progress: show a tqdm progress bar on stderr.
+      log: called with each epoch's summary line (e.g. `print`); None for silence.
+    Returns:
+      a `FitResult`.
+    Raises:
+      ValueError: if `epochs` or `batch_size` is not a positive int.
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"fit: epochs must be a positive int, got {epochs!r}.")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"fit: batch_size must be a positive int, got {batch_size!r}.")
+    history = History()
+    steps_per_epoch = math.ceil(len(x) / batch_size)
+    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step", leave=False)
+    say = (lambda s: tqdm.write(s) if progress else log(s)) if log is not None else None
+    run_step = 0
+    try:
+        for epoch in range(epochs):
+            first = len(history.step_loss)
+            for i, batch in enumerate(batches(x, y, batch_size=batch_size, seed=seed,
+                                              epoch=epoch)):
+                state, metrics = step(state, batch)
+                m = jax.device_get(metrics)
+                if not bool(m["finite"]):
+                    report = NonFiniteReport(run_step, epoch, i, float(m["loss"]),
+                                             float(m["grad_norm"]))
+                    warnings.warn(str(report), RuntimeWarning, stacklevel=2)
+                    if say is not None:
+                        say(str(report))
+                    return FitResult(state, history, report)
+                history.step_loss.append(float(m["loss"]))
+                history.step_grad_norm.append(float(m["grad_norm"]))
+                run_step += 1
+                bar.update(1)
+                bar.set_postfix(epoch=epoch, loss=f"{history.step_loss[-1]:.4f}", refresh=False)
+            row = {"epoch": epoch, "steps": run_step,
+                   "loss": float(np.mean(history.step_loss[first:])),
+                   "grad_norm": float(np.mean(history.step_grad_norm[first:]))}
+            if evaluate is not None:
+                row.update({k: float(v) for k, v in evaluate(state.params).items()})
+            history.epochs.append(row)
+            if say is not None:
+                say(format_epoch(row))
+    finally:
+        bar.close()
+    return FitResult(state, history, None)
+
+
+def format_epoch(row: Mapping[str, float]) -> str:
+    """One line for an epoch's row of the history: ``epoch   3  loss 0.1234  grad_norm ...``."""
+    extra = "  ".join(f"{k} {v:.4f}" for k, v in row.items()
+                      if k not in ("epoch", "steps", "loss", "grad_norm"))
+    return (f"epoch {int(row['epoch']) + 1:3d}  loss {row['loss']:.4f}  "
+            f"grad_norm {row['grad_norm']:.4f}  {extra}").rstrip()
