@@ -1,0 +1,73 @@
+"""The digits split, its standardisation and the seeded batch iterator."""
+import sys
+
+import numpy as np
+import pytest
+
+import funcgrad as fg
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return fg.load_digits(seed=0)
+
+
+def test_split_sizes_and_classes(digits):
+    # 1797 examples; sklearn's train_test_split puts ceil(0.2 * 1797) = 360 in the test split.
+    assert digits.x_train.shape == (1437, 64) and digits.x_test.shape == (360, 64)
+    assert digits.y_train.shape == (1437,) and digits.num_classes == 10
+    assert digits.x_train.dtype == np.float32 and digits.y_train.dtype == np.int32
+    # Stratified: each of the 10 classes has 35 or 36 of the 360 test examples (~178/1797 * 360).
+    assert set(np.bincount(digits.y_test)) <= {35, 36, 37}
+
+
+def test_standardised_with_train_statistics_only(digits):
+    from sklearn.datasets import load_digits
+    x, _ = load_digits(return_X_y=True)
+    # Second method: undo the transform and compare the statistics with NumPy's on raw train rows.
+    raw_train = digits.x_train.astype(np.float64) * digits.scale + digits.mean
+    np.testing.assert_allclose(digits.mean, raw_train.mean(axis=0), atol=1e-4)
+    varying = raw_train.std(axis=0) > 0
+    np.testing.assert_allclose(digits.x_train[:, varying].mean(axis=0), 0.0, atol=1e-5)
+    np.testing.assert_allclose(digits.x_train[:, varying].std(axis=0), 1.0, atol=1e-4)
+    # The recovered raw rows are real digits rows (pixel values are integers 0..16).
+    np.testing.assert_allclose(raw_train, np.round(raw_train), atol=1e-4)
+    assert raw_train.shape[0] + digits.x_test.shape[0] == x.shape[0]
+
+
+def test_split_is_seeded(digits):
+    again = fg.load_digits(seed=0)
+    other = fg.load_digits(seed=1)
+    np.testing.assert_array_equal(digits.x_test, again.x_test)
+    assert not np.array_equal(digits.y_test, other.y_test)
+
+
+def test_batches_cover_each_example_once_per_epoch():
+    x = np.arange(10)[:, None]
+    y = np.arange(10)
+    seen = [b["y"] for b in fg.batches(x, y, batch_size=4, seed=3, epoch=0)]
+    assert [len(b) for b in seen] == [4, 4, 2]
+    assert sorted(np.concatenate(seen)) == list(range(10))
+    assert all(np.array_equal(b["x"][:, 0], b["y"]) for b in fg.batches(x, y, batch_size=4))
+    replay = np.concatenate([b["y"] for b in fg.batches(x, y, batch_size=4, seed=3, epoch=0)])
+    next_epoch = np.concatenate([b["y"] for b in fg.batches(x, y, batch_size=4, seed=3, epoch=1)])
+    np.testing.assert_array_equal(np.concatenate(seen), replay)
+    assert not np.array_equal(replay, next_epoch)
+    assert [len(b["y"]) for b in fg.batches(x, y, batch_size=4, drop_last=True)] == [4, 4]
+    ordered = np.concatenate([b["y"] for b in fg.batches(x, y, batch_size=3, shuffle=False)])
+    np.testing.assert_array_equal(ordered, y)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="x has 3 rows but y has 2"):
+        next(fg.batches(np.zeros((3, 1)), np.zeros(2), batch_size=1))
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        next(fg.batches(np.zeros((3, 1)), np.zeros(3), batch_size=0))
+    with pytest.raises(ValueError, match="test_size must be in"):
+        fg.load_digits(test_size=1.5)
+
+
+def test_missing_scikit_learn_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # makes the import fail
+    with pytest.raises(ImportError, match=r"pip install 'funcgrad\[examples\]'"):
+        fg.load_digits()

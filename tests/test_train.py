@@ -1,0 +1,146 @@
+"""The functional train step, clipping, the non-finite guard and `fit` on real data (concepts 10, 13)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import funcgrad as fg
+
+
+def half_squared_norm(params, batch):
+    # L = ||p||^2 / 2  ->  dL/dp = p
+    del batch
+    return 0.5 * jnp.sum(params["p"] ** 2)
+
+
+def _mlp_problem():
+    params = fg.mlp_init(jax.random.key(0), (6, 8, 3))
+    batch = {"x": jax.random.normal(jax.random.key(1), (5, 6)), "y": jnp.array([0, 1, 2, 1, 0])}
+
+    def loss_fn(p, b):
+        return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
+    return params, batch, loss_fn
+
+
+def test_step_equals_hand_written_step():
+    # Second method: the plain jit(value_and_grad + optax update) loop users write by hand.
+    params, batch, loss_fn = _mlp_problem()
+    tx = optax.adam(1e-2)
+    step = fg.make_train_step(loss_fn, tx)
+    state = fg.init_train_state(params, tx)
+    ref_params, ref_opt = params, tx.init(params)
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        ref_loss, grads = jax.value_and_grad(loss_fn)(ref_params, batch)
+        updates, ref_opt = tx.update(grads, ref_opt, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
+        # float32, same ops in a different fusion: agreement to a few ulps of values ~1.
+        np.testing.assert_allclose(metrics["grad_norm"], np.linalg.norm(flat), rtol=1e-5)
+        assert bool(metrics["finite"])
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(state.step) == 3
+
+
+@pytest.mark.parametrize("clip_norm, expected", [
+    # p = (3, 4): g = p, ||g|| = 5. Clipped to 0.5, g' = g * 0.5/5 = (0.3, 0.4); SGD lr=1 gives
+    # p - g' = (2.7, 3.6): the same direction, shortened.
+    (0.5, [2.7, 3.6]),
+    # ||g|| = 5 <= 10: no clipping, p - g = (0, 0).
+    (10.0, [0.0, 0.0]),
+], ids=["clipped", "under_the_bound"])
+def test_clip_by_global_norm_reports_preclip_norm(clip_norm, expected):
+    tx = optax.sgd(1.0)
+    step = fg.make_train_step(half_squared_norm, tx, clip_norm=clip_norm)
+    state, metrics = step(fg.init_train_state({"p": jnp.array([3.0, 4.0])}, tx), {})
+    assert float(metrics["grad_norm"]) == pytest.approx(5.0, rel=1e-6)
+    np.testing.assert_allclose(state.params["p"], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_nonfinite_step_is_not_applied():
+    params, batch, loss_fn = _mlp_problem()
+    tx = optax.adam(1e-2)
+    step = fg.make_train_step(loss_fn, tx)
+    state, _ = step(fg.init_train_state(params, tx), batch)
+    bad = dict(batch, x=batch["x"].at[2, 3].set(jnp.nan))
+    after, metrics = step(state, bad)
+    assert not bool(metrics["finite"]) and math.isnan(float(metrics["loss"]))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, b)  # params, both Adam moments, counts, step: untouched
+
+
+def test_fit_stops_at_first_overflow_and_keeps_last_finite_state():
+    # SGD with lr=1000 on L = p^2: p <- p - 1000*2p = -1999 p, so p_k = (-1999)^k from p_0 = 1.
+    # Step k computes L(p_k) = 1999^(2k). In float32 (max ~3.4e38) 1999^10 ~ 1.0e33 is finite but
+    # 1999^12 ~ 4.1e39 overflows to inf, so steps 0..5 apply and step 6 is refused:
+    # the state keeps p_6 = 1999^6 ~ 6.37e19 with 6 steps counted. The global norm of step 6's
+    # gradient 2*p_6 ~ 1.3e20 is inf as well: optax.tree.norm squares it (~1.6e40 > 3.4e38).
+    tx = optax.sgd(1000.0)
+    step = fg.make_train_step(lambda p, b: p["p"] ** 2, tx)
+    state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
+    x = np.zeros((8, 1), np.float32)
+    with pytest.warns(RuntimeWarning, match="non-finite value at step 6"):
+        result = fg.fit(step, state, x, np.zeros(8), epochs=2, batch_size=1, progress=False)
+    report = result.nonfinite
+    assert (report.step, report.epoch, report.batch) == (6, 0, 6)
+    assert math.isinf(report.loss) and math.isinf(report.grad_norm)
+    assert int(result.state.step) == 6
+    assert float(result.state.params["p"]) == pytest.approx(1999.0 ** 6, rel=1e-6)
+    assert len(result.history.step_loss) == 6 and result.history.epochs == []
+
+
+def test_fit_reaches_095_on_digits_quickly():
+    data = fg.load_digits(seed=0)
+    params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
+
+    def loss_fn(p, b):
+        return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
+
+    acc = jax.jit(lambda p: fg.accuracy(fg.mlp_apply(p, data.x_test), data.y_test))
+    tx = fg.make_optimizer("adam", 1e-3)
+    result = fg.fit(fg.make_train_step(loss_fn, tx), fg.init_train_state(params, tx),
+                    data.x_train, data.y_train, epochs=8, batch_size=32,
+                    evaluate=lambda p: {"test_accuracy": acc(p)}, progress=False)
+    history = result.history
+    assert result.nonfinite is None
+    assert history.epochs[-1]["test_accuracy"] >= 0.95
+    # ceil(1437 / 32) = 45 steps per epoch; each row's loss is the mean of its epoch's steps.
+    assert len(history.step_loss) == 8 * 45 and history.epochs[-1]["steps"] == 360
+    assert history.epochs[1]["loss"] == pytest.approx(np.mean(history.step_loss[45:90]))
+    assert history.epochs[-1]["loss"] < history.epochs[0]["loss"] / 5
+
+
+def test_optimizers_by_name():
+    assert isinstance(fg.make_optimizer("sgd", 0.1), optax.GradientTransformation)
+    tx = optax.sgd(0.1)
+    assert fg.make_optimizer(tx) is tx
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+        fg.make_optimizer("rmsprop")
+    with pytest.raises(ValueError, match="learning_rate must be a positive"):
+        fg.make_optimizer("adam", -1.0)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+        fg.make_optimizer("momentum", 0.1, momentum=1.5)
+    with pytest.raises(TypeError, match="optimizer must be a name"):
+        fg.make_optimizer(3)
+
+
+def test_step_errors_are_clear():
+    params, batch, loss_fn = _mlp_problem()
+    with pytest.raises(ValueError, match="clip_norm must be a positive"):
+        fg.make_train_step(loss_fn, optax.sgd(0.1), clip_norm=0.0)
+    per_example = fg.make_train_step(lambda p, b: fg.mlp_apply(p, b["x"]).sum(axis=1), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar, got shape \(5,\)"):
+        per_example(fg.init_train_state(params, optax.sgd(0.1)), batch)
+    step = fg.make_train_step(loss_fn, optax.adam(1e-3))
+    with pytest.raises(ValueError, match="not made by this optimizer"):
+        step(fg.init_train_state(params, optax.sgd(0.1, momentum=0.9)), batch)
+    with pytest.raises(TypeError, match="takes a TrainState"):
+        step((params, None, 0), batch)
+    with pytest.raises(ValueError, match="epochs must be a positive int"):
+        fg.fit(step, fg.init_train_state(params, optax.adam(1e-3)), np.zeros((2, 6)),
+               np.zeros(2), epochs=0, batch_size=1)
