@@ -1,0 +1,61 @@
+"""The main job: `funcgrad train` writes its history and plot; bad flags get one-line errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from funcgrad.cli import main
+
+
+def test_train_writes_metrics_and_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(["train", "--epochs", "2", "--batch-size", "64", "--out", str(out), "--no-progress"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "epoch   2" in printed and "test_accuracy" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    # ceil(1437 / 64) = 23 steps per epoch, 2 epochs.
+    assert len(metrics["steps"]["loss"]) == 46 and len(metrics["epochs"]) == 2
+    assert metrics["epochs"][-1]["steps"] == 46 and metrics["sizes"] == [64, 128, 10]
+    assert 0.5 < metrics["epochs"][-1]["test_accuracy"] <= 1.0
+    assert metrics["config"]["optimizer"] == "adam" and metrics["nonfinite"] is None
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nonfinite_run_exits_1_with_report(tmp_path, capsys):
+    # SGD with lr = 1e6 blows up within a few steps; the run must stop and say where.
+    with pytest.warns(RuntimeWarning, match="non-finite value at step"):
+        status = main(["train", "--optimizer", "sgd", "--lr", "1e6", "--epochs", "1",
+                       "--out", str(tmp_path), "--no-progress"])
+    assert status == 1
+    assert "non-finite value at step" in capsys.readouterr().err
+    assert json.loads((tmp_path / "metrics.json").read_text())["nonfinite"]["step"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--lr", "-1"], "argument --lr: expected a positive float, got '-1'"),
+    (["train", "--epochs", "two"], "argument --epochs: expected a positive int, got 'two'"),
+    (["train", "--optimizer", "rmsprop"], "argument --optimizer: invalid choice: 'rmsprop'"),
+    (["train", "--momentum", "1.5"], "argument --momentum: expected a number in [0, 1)"),
+    (["train", "--hidden"], "argument --hidden: expected at least one argument"),
+    (["train", "--test-size", "1"], "argument --test-size: expected a number in (0, 1)"),
+    (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "the following arguments are required: command"),
+], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
+        "test_size", "unknown_flag", "no_command"])
+def test_bad_flags_give_one_line(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "funcgrad", *argv], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_unwritable_output_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = subprocess.run([sys.executable, "-m", "funcgrad", "train", "--out", str(blocker / "run")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("funcgrad: error:") and "Traceback" not in proc.stderr
