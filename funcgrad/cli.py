@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 
 
@@ -111,10 +112,13 @@ def _train(args: argparse.Namespace) -> int:
           f"{args.optimizer} lr={args.lr:g}, {len(data.x_train)} train / {len(data.x_test)} test "
           f"digits, {args.epochs} epochs of batch {args.batch_size}"
           + (f", clip_norm={args.clip_norm:g}" if args.clip_norm else ""), flush=True)
-    result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm), init_train_state(params, tx),
-                 data.x_train, data.y_train, epochs=args.epochs, batch_size=args.batch_size,
-                 seed=args.seed, evaluate=lambda p: {"test_accuracy": test_accuracy(p)},
-                 progress=not args.no_progress, log=print)
+    with warnings.catch_warnings():  # the report is printed once, below, not also as a warning
+        warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
+        result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm),
+                     init_train_state(params, tx), data.x_train, data.y_train, epochs=args.epochs,
+                     batch_size=args.batch_size, seed=args.seed,
+                     evaluate=lambda p: {"test_accuracy": test_accuracy(p)},
+                     progress=not args.no_progress, log=print)
     history = result.history
     metrics_path = os.path.join(args.out, "metrics.json")
     with open(metrics_path, "w") as f:
@@ -123,7 +127,7 @@ def _train(args: argparse.Namespace) -> int:
                    "nonfinite": result.nonfinite._asdict() if result.nonfinite else None},
                   f, indent=1)
     plot_path = _plot(history, os.path.join(args.out, "training.png"))
-    final = history.epochs[-1]["test_accuracy"] if history.epochs else float("nan")
+    final = float(test_accuracy(result.state.params))  # the last finite state if stopped early
     print(f"final test accuracy {final:.4f}; wrote {metrics_path} and {plot_path} "
           f"({time.perf_counter() - start:.1f} s)")
     if result.nonfinite is not None:
