@@ -1,0 +1,129 @@
+"""The scalar objective a gradient check differentiates: a user function seen as R^n -> R.
+
+Private to `funcgrad.check`. The differentiated leaves are flattened into one float64 vector
+``theta``; the function's output is reduced to a scalar by a fixed random cotangent when it is
+not a scalar (so the check compares uᵀJ, a vector-Jacobian product, with its finite difference);
+order k > 1 checks the gradient of ``<u_k, grad of order k-1>`` (Hessian-vector products).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+
+class Spec(NamedTuple):
+    """Everything static about the objective; hashable, so compiled checks are cached per spec."""
+    fn: Callable
+    has_aux: bool
+    treedef: Any                      # of the whole args tuple
+    diff_positions: tuple[int, ...]   # flat positions (in the args' leaves) that theta feeds
+    shapes: tuple[tuple[int, ...], ...]
+    order: int
+    scalar_output: bool
+    see_through_stop_gradient: bool = False
+
+
+def unflatten(spec: Spec, theta: jax.Array, leaves: tuple) -> tuple:
+    """The args tuple with theta's pieces put in place of the differentiated leaves."""
+    sizes = [math.prod(s) for s in spec.shapes]
+    pieces = jnp.split(theta, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [theta]
+    leaves = list(leaves)
+    for pos, piece, shape in zip(spec.diff_positions, pieces, spec.shapes):
+        leaves[pos] = piece.reshape(shape)
+    return jax.tree.unflatten(spec.treedef, leaves)
+
+
+def output_vector(spec: Spec, theta: jax.Array, leaves: tuple) -> jax.Array:
+    """The function's output at theta, all output leaves raveled into one vector (its dtype kept)."""
+    out = spec.fn(*unflatten(spec, theta, leaves))
+    if spec.has_aux:
+        out = out[0]
+    flat = [jnp.ravel(o) for o in jax.tree.leaves(out)]
+    return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+
+
+def objective(spec: Spec, theta: jax.Array, leaves: tuple, cotangents: tuple) -> jax.Array:
+    """phi_order(theta): a scalar, float64 (computed in the function's own precision).
+
+    cotangents[0] reduces a non-scalar output (unused for a scalar output); cotangents[k-1]
+    (shape (n,)) reduces the order-(k-1) gradient for order k.
+    """
+    def phi1(t):
+        y = output_vector(spec, t, leaves).astype(t.dtype)
+        return y[0] if spec.scalar_output else jnp.dot(cotangents[0], y)
+
+    phi = _without_stop_gradient(phi1) if spec.see_through_stop_gradient else phi1
+    for k in range(1, spec.order):
+        phi = _reduce_grad(phi, cotangents[k])
+    return phi(theta)
+
+
+def _reduce_grad(phi, u):
+    return lambda t: jnp.dot(u, jax.grad(phi)(t))
+
+
+# --- stop_gradient made transparent -------------------------------------------------------
+# Finite differences see through stop_gradient; to tell "zero because of stop_gradient" from a
+# wrong gradient, the check can differentiate the same program with stop_gradient replaced by
+# the identity. Calls (jit) are entered; other higher-order primitives (scan, cond, custom
+# rules) are bound as they are, so a stop_gradient inside them stays in force.
+
+_CALL_PRIMITIVES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                    "core_call": "call_jaxpr"}
+
+
+def has_stop_gradient(jaxpr) -> bool:
+    """Whether a (closed) jaxpr holds a stop_gradient, entering nested calls."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "stop_gradient":
+            return True
+        for sub in _param_jaxprs(eqn):
+            if has_stop_gradient(sub):
+                return True
+    return False
+
+
+def _param_jaxprs(eqn):
+    for value in eqn.params.values():
+        for v in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                yield v
+
+
+def _without_stop_gradient(f):
+    def wrapped(theta):
+        closed = jax.make_jaxpr(f)(theta)
+        return _eval(closed.jaxpr, closed.consts, theta)[0]
+    return wrapped
+
+
+def _eval(jaxpr, consts, *args):
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for var, val in zip(jaxpr.constvars, consts):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+        env[var] = val
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "stop_gradient":
+            outs = ins
+        elif name in _CALL_PRIMITIVES and _CALL_PRIMITIVES[name] in eqn.params:
+            sub = eqn.params[_CALL_PRIMITIVES[name]]
+            outs = _eval(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), *ins)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, val in zip(eqn.outvars, outs):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]

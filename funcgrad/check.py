@@ -1,0 +1,436 @@
+"""Gradient checking by central finite differences, in float64, that says which leaf and element is wrong.
+
+Concept 19 (article A §4.5, B §3.2-3.3). Two modes:
+
+* ``mode="full"`` perturbs every element of every differentiated leaf: all 2n forward
+  evaluations run inside one compiled call (``jax.lax.map`` over ``vmap``-ed chunks), and the
+  reverse-mode gradient is compared element by element; forward mode (``jvp``) is compared
+  along random tangents restricted to each leaf against the same numerical gradient.
+* ``mode="directional"`` checks random unit tangents v: the central difference of
+  phi(theta + h v) against ``jvp`` (fwd) and ``<grad, v>`` (rev), for all leaves together and
+  for each leaf alone; a failing leaf is then bisected over element ranges (O(log n)
+  evaluations) to name the element responsible.
+
+Non-scalar outputs are reduced by a fixed random cotangent u (seeded), so what is checked is
+the vector-Jacobian product uᵀJ. ``order=2`` checks the gradient of <u2, grad f>, i.e.
+Hessian-vector products, the same way.
+
+Step size and tolerances come from the floating dtype the function actually computed in
+(`TOLERANCES`). Central differences have truncation error h²/6·|f'''| and round-off error
+about u·|f|/h for unit round-off u, so the best h is near (3u)^(1/3) and the attainable
+error near u^(2/3)·|f| (Nocedal & Wright, Numerical Optimization, §8.1).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from funcgrad import _objective as obj
+from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
+
+#: dtype the function computed in -> (eps, rtol, atol). An element passes when
+#: |analytic - numeric| <= atol * max(1, |f|) + rtol * |numeric|.
+#: float64: u = 1.1e-16, h = 1e-6 -> round-off ~1e-10·|f|, truncation ~2e-13·|f'''|; atol 1e-7
+#:   leaves a 100x margin over both.
+#: float32: u = 6.0e-8, h = 1e-3 -> round-off ~6e-5·|f|, truncation ~2e-7·|f'''|.
+#: float16: u = 4.9e-4, h = 3e-2 -> round-off ~1.6e-2·|f|, truncation ~1.5e-4·|f'''|.
+#: bfloat16: u = 3.9e-3, h = 1e-1 -> round-off ~3.9e-2·|f|, truncation ~1.7e-3·|f'''|.
+TOLERANCES: dict[str, tuple[float, float, float]] = {
+    "float64": (1e-6, 1e-6, 1e-7),
+    "float32": (1e-3, 1e-2, 1e-3),
+    "float16": (3e-2, 1e-1, 1e-1),
+    "bfloat16": (1e-1, 2e-1, 2e-1),
+}
+
+#: Full mode perturbs theta one element at a time; each vmapped chunk holds chunk x n floats.
+_CHUNK_ELEMENTS = 1 << 24  # 16M float64 = 128 MiB per chunk of perturbed inputs
+
+
+def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                mode: str = "full", modes: Sequence[str] = ("rev", "fwd"), order: int = 1,
+                eps: float | None = None, rtol: float | None = None, atol: float | None = None,
+                num_directions: int = 4, seed: int = 0, chunk_size: int | None = None,
+                respect_stop_gradient: bool = True) -> GradCheckReport:
+    """Compares the gradients of `fn` at `args` with central finite differences.
+
+    Args:
+      fn: ``fn(*args)`` returning a floating array or pytree of arrays (any shape); with
+        `has_aux`, a pair ``(output, aux)`` whose aux is ignored.
+      *args: the primal point. Floating leaves of every argument are promoted to float64 for
+        the check (inside ``jax.enable_x64``; the global flag is never changed).
+      argnums: which positional argument(s) to differentiate. Integer and boolean leaves inside
+        them are skipped and listed in the report.
+      mode: "full" (every element) or "directional" (random tangents; for large models).
+      modes: which analytic derivatives to check: "rev" (``grad``/``vjp``), "fwd" (``jvp``).
+        "fwd" is skipped with a note when `fn` uses ``custom_vjp``.
+      order: 1 checks the gradient; 2 checks the gradient of <u, gradient> (Hessian-vector
+        products).
+      eps, rtol, atol: override `TOLERANCES` for the dtype used.
+      num_directions: random tangents per check in directional mode, and per leaf for the
+        fwd check in full mode.
+      seed: seeds the tangents and the output cotangents.
+      chunk_size: perturbations evaluated per vmapped batch in full mode; by default as many
+        as fit 128 MiB of perturbed inputs.
+      respect_stop_gradient: if True, a leaf whose analytic gradient is zero only because of
+        ``stop_gradient`` (finite differences see through it) is marked "stop_gradient" and not
+        counted as a failure.
+    Returns:
+      a `GradCheckReport`: one `LeafCheck` row per differentiated leaf, ``.ok``,
+      ``.raise_if_failed()``, ``.to_dict()``; ``print(report)`` shows the table.
+    Raises:
+      ValueError: for an unknown mode, an argnum out of range, a selected argument that is an
+        integer or boolean array, nothing floating to differentiate, or a non-finite output at
+        the primal point (the message names the output leaf and the argument shapes).
+      TypeError: if `fn` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"check_grads: fn must be callable, got {type(fn).__name__}.")
+    if mode not in ("full", "directional"):
+        raise ValueError(f"check_grads: mode must be 'full' or 'directional', got {mode!r}.")
+    if not set(modes) <= {"rev", "fwd"} or not modes:
+        raise ValueError(f"check_grads: modes must be a non-empty subset of ('rev', 'fwd'), got {modes!r}.")
+    if order not in (1, 2):
+        raise ValueError(f"check_grads: order must be 1 or 2, got {order!r}.")
+    argnums_t = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    names = _arg_names(fn, len(args))
+    with jax.enable_x64(True):
+        prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
+        cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
+        run = _run_full if mode == "full" else _run_directional
+        rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size,
+                          respect_stop_gradient)
+    notes = prob["notes"] + notes
+    return GradCheckReport(rows=rows, mode=mode, modes=tuple(modes), order=order,
+                           dtype_used=prob["dtype_used"], eps=cfg_tol[0], rtol=cfg_tol[1],
+                           atol=cfg_tol[2], skipped=prob["skipped"], notes=notes)
+
+
+def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 50_000,
+          **kwargs: Any) -> GradCheckReport:
+    """Checks every leaf of a model's loss gradient: full mode when small, directional when large.
+
+    The article's audit (B §3.3): one row per parameter leaf (``params[1]['w']``, ...).
+
+    Args:
+      loss_fn: ``loss_fn(params, *batch) -> scalar``.
+      params: the parameter pytree (differentiated).
+      *batch: the remaining arguments (not differentiated).
+      max_full_elements: up to this many floating parameter elements the check is "full"
+        (2n forward passes); above it "directional". 50,000 keeps a full check under a few
+        seconds for an MLP with a small batch on a 2-core CPU.
+      **kwargs: passed to `check_grads`.
+    """
+    n = sum(int(np.size(x)) for x in jax.tree.leaves(params)
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating))
+    mode = "full" if n <= max_full_elements else "directional"
+    return check_grads(loss_fn, params, *batch, argnums=0, mode=mode, **kwargs)
+
+
+# --- set-up -------------------------------------------------------------------------------
+
+def _arg_names(fn, nargs):
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(nargs):
+        if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY,
+                                                   params[i].POSITIONAL_OR_KEYWORD):
+            names.append(params[i].name)
+        else:
+            names.append(f"args[{i}]")
+    return names
+
+
+def _promote(x):
+    x = jnp.asarray(x)
+    return x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _setup(fn, args, argnums, has_aux, order, names, seed):
+    for a in argnums:
+        if not -len(args) <= a < len(args):
+            raise ValueError(f"check_grads: argnums={a} is out of range for {len(args)} positional args.")
+    argnums = tuple(a % len(args) for a in argnums)
+    for a in argnums:
+        if isinstance(args[a], (jax.Array, np.ndarray, int, bool)) and not jnp.issubdtype(
+                jnp.result_type(args[a]), jnp.inexact):
+            raise ValueError(
+                f"check_grads: argument {names[a]} (argnums={a}) has dtype "
+                f"{jnp.result_type(args[a])}, which cannot be differentiated. Select floating "
+                "arguments with argnums, or cast it: x.astype(jnp.float32).")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tuple(args))
+    diff, paths, skipped, original_dtypes = [], [], [], []
+    for pos, (path, leaf) in enumerate(flat):
+        arg = path[0].idx
+        name = names[arg] + jax.tree_util.keystr(path[1:])
+        dtype = jnp.result_type(leaf)
+        if arg in argnums:
+            if jnp.issubdtype(dtype, jnp.floating):
+                diff.append(pos), paths.append(name), original_dtypes.append(str(dtype))
+            elif jnp.issubdtype(dtype, jnp.complexfloating):
+                raise ValueError(f"check_grads: {name} is complex; complex leaves are not supported.")
+            else:
+                skipped.append(f"{name} ({dtype}, not differentiated)")
+    if not diff:
+        raise ValueError(
+            f"check_grads: no floating leaf to differentiate in argnums={argnums} "
+            f"({', '.join(names[a] for a in argnums)}).")
+    leaves = tuple(_promote(leaf) for _, leaf in flat)
+    shapes = tuple(tuple(leaves[p].shape) for p in diff)
+    theta = jnp.concatenate([jnp.ravel(leaves[p]) for p in diff])
+    probe = obj.Spec(fn, has_aux, treedef, tuple(diff), shapes, 1, True)
+    out = jax.eval_shape(lambda t, lv: obj.output_vector(probe, t, lv), theta, leaves)
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        raise ValueError(f"check_grads: fn returned dtype {out.dtype}; it must return floating values.")
+    spec = probe._replace(order=order, scalar_output=out.size == 1)
+    _check_finite_output(spec, theta, leaves, names, args)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    cotangents = (jax.random.normal(keys[0], out.shape, jnp.float64),
+                  jax.random.normal(keys[1], theta.shape, jnp.float64))
+    dtype_used = str(out.dtype)
+    notes = []
+    if dtype_used != "float64":
+        notes.append(f"fn computes in {dtype_used} even with float64 inputs; eps and tolerances "
+                     f"are those of {dtype_used}.")
+    if not spec.scalar_output:
+        notes.append(f"output has {out.size} elements: checked uᵀJ for a fixed random cotangent u.")
+    return dict(spec=spec, theta=theta, leaves=leaves, cotangents=cotangents, paths=paths,
+                shapes=shapes, dtypes=original_dtypes, skipped=skipped, dtype_used=dtype_used,
+                notes=notes)
+
+
+def _check_finite_output(spec, theta, leaves, names, args):
+    out = spec.fn(*obj.unflatten(spec, theta, leaves))
+    out = out[0] if spec.has_aux else out
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        bad = ~np.isfinite(np.asarray(leaf))
+        if bad.any():
+            first = np.unravel_index(int(np.argmax(bad)), np.shape(leaf))
+            where = "output" + jax.tree_util.keystr(path)
+            point = ", ".join(f"{n}: {_describe(a)}" for n, a in zip(names, args))
+            raise ValueError(
+                f"check_grads: {where} has {int(bad.sum())} non-finite element(s) at the primal "
+                f"point (first at index {first}: {np.asarray(leaf)[first]}). Finite differences "
+                f"need a finite output there. Point: {point}.")
+
+
+def _describe(a):
+    leaves = jax.tree.leaves(a)
+    if len(leaves) == 1 and leaves[0] is a:
+        return f"{jnp.result_type(a)}{list(np.shape(a))}"
+    return f"pytree of {len(leaves)} leaves"
+
+
+def _tolerances(dtype_used, eps, rtol, atol):
+    d_eps, d_rtol, d_atol = TOLERANCES.get(dtype_used, TOLERANCES["float32"])
+    return (eps or d_eps, d_rtol if rtol is None else rtol, d_atol if atol is None else atol)
+
+
+def _segments(prob):
+    sizes = [math.prod(s) for s in prob["shapes"]]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+
+
+# --- compiled kernels (cached on the static spec) -----------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("spec", "eps", "chunk"))
+def _full_kernel(spec, theta, leaves, cotangents, *, eps, chunk):
+    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
+    n = theta.shape[0]
+    index = jnp.arange(n)
+
+    def plus_minus(i):
+        e = jnp.where(index == i, eps, 0.0)
+        return phi(theta + e), phi(theta - e)
+
+    f_plus, f_minus = jax.lax.map(plus_minus, index, batch_size=chunk)
+    return phi(theta), f_plus, f_minus, jax.grad(phi)(theta)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _rev_kernel(spec, theta, leaves, cotangents):
+    return jax.grad(lambda t: obj.objective(spec, t, leaves, cotangents))(theta)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _jvp_kernel(spec, theta, leaves, cotangents, tangents):
+    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
+    return jax.lax.map(lambda v: jax.jvp(phi, (theta,), (v,))[1], tangents)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "eps"))
+def _directional_kernel(spec, theta, leaves, cotangents, tangents, *, eps):
+    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
+    f_plus, f_minus = jax.lax.map(lambda v: (phi(theta + eps * v), phi(theta - eps * v)), tangents)
+    return phi(theta), f_plus, f_minus, jax.grad(phi)(theta)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "eps"))
+def _masked_kernel(spec, theta, leaves, cotangents, direction, lo, hi, *, eps):
+    """Central/one-sided differences along `direction` restricted to [lo, hi), unit-normalised."""
+    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
+    index = jnp.arange(theta.shape[0])
+    v = jnp.where((index >= lo) & (index < hi), direction, 0.0)
+    v = v / jnp.linalg.norm(v)
+    return v, phi(theta + eps * v), phi(theta - eps * v)
+
+
+def _random_tangents(key, n, segments, k):
+    """k unit tangents per segment (zero outside it) and k over everything: (k*(L+1), n)."""
+    raw = np.asarray(jax.random.normal(key, (k, n), jnp.float64))
+    out = []
+    for lo, hi in [*segments, (0, n)]:
+        for j in range(k):
+            v = np.zeros(n)
+            v[lo:hi] = raw[j, lo:hi]
+            out.append(v / np.linalg.norm(v))
+    return np.stack(out)
+
+
+def _fwd_supported(spec, theta, leaves, cotangents):
+    try:
+        _jvp_kernel(spec, theta, leaves, cotangents, theta[None, :])
+        return True, None
+    except TypeError as e:
+        if "custom_vjp" in str(e):
+            return False, ("fwd skipped: fn uses a custom_vjp function, which cannot be "
+                           "forward-differentiated (jvp, jacfwd); rev checked only.")
+        raise
+
+
+_SG_NOTE = {
+    True: "fn contains stop_gradient, which finite differences see through; leaves whose "
+          "gradient it cuts are marked 'stop_gradient', not failed (respect_stop_gradient=True).",
+    False: "fn contains stop_gradient, which finite differences see through; the gradients it "
+           "cuts count as failures (respect_stop_gradient=False).",
+}
+
+
+# --- the two modes ------------------------------------------------------------------------
+
+def _see_through_grad(prob):
+    """Gradient with stop_gradient made transparent, or None if the program has none."""
+    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
+    jaxpr = jax.make_jaxpr(lambda t: obj.objective(spec, t, leaves, cots))(theta)
+    if not obj.has_stop_gradient(jaxpr):
+        return None
+    return np.asarray(_rev_kernel(spec._replace(see_through_stop_gradient=True), theta, leaves, cots))
+
+
+def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
+    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
+    eps, rtol, atol = tol
+    n = theta.shape[0]
+    chunk = int(chunk_size or max(1, min(n, _CHUNK_ELEMENTS // max(n, 1))))
+    f0, fp, fm, grad = (np.asarray(a) for a in _full_kernel(spec, theta, leaves, cots, eps=eps,
+                                                               chunk=chunk))
+    numeric = (fp - fm) / (2 * eps)
+    scale = max(1.0, abs(float(f0)))
+    right, left = (fp - f0) / eps, (f0 - fm) / eps
+    cls = classify_elements(grad, numeric, right, left, None, atol * scale, rtol)
+    notes = []
+    if (cls["fail"] & ~cls["kink"]).any():  # only then ask whether stop_gradient explains it
+        g_st = _see_through_grad(prob)
+        if g_st is not None:
+            cls = classify_elements(grad, numeric, right, left, g_st, atol * scale, rtol)
+            if cls["sg"].any():
+                notes.append(_SG_NOTE[respect_sg])
+    segments = _segments(prob)
+    fwd = None
+    if "fwd" in modes:
+        ok, note = _fwd_supported(spec, theta, leaves, cots)
+        if ok:
+            tangents = _random_tangents(jax.random.key(seed + 1), n, segments, k)
+            jvps = np.asarray(_jvp_kernel(spec, theta, leaves, cots, jnp.asarray(tangents)))
+            accepted = np.where(cls["explained"], grad, numeric)  # JAX's value at kinks
+            fwd = (tangents, jvps, tangents @ accepted)
+        else:
+            notes.append(note)
+    rows = []
+    for li, (lo, hi) in enumerate(segments):
+        fwd_err = None
+        if fwd is not None:
+            sel = slice(li * k, (li + 1) * k)
+            fwd_err = (fwd[1][sel], fwd[2][sel])
+        rows.append(LeafCheck.from_elements(
+            prob["paths"][li], prob["shapes"][li], prob["dtype_used"], cls, lo, hi,
+            "rev" in modes, fwd_err, atol * scale, rtol, respect_sg))
+    return rows, notes
+
+
+def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
+    del chunk_size
+    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
+    eps, rtol, atol = tol
+    n = theta.shape[0]
+    segments = _segments(prob)
+    key = jax.random.key(seed + 1)
+    tangents = jnp.asarray(_random_tangents(key, n, segments, k))
+    f0, fp, fm, grad = (np.asarray(a) for a in _directional_kernel(
+        spec, theta, leaves, cots, tangents, eps=eps))
+    scale = max(1.0, abs(float(f0)))
+    numeric = (fp - fm) / (2 * eps)
+    analytic = {}
+    if "rev" in modes:
+        analytic["rev"] = np.asarray(tangents) @ grad
+    notes = []
+    if "fwd" in modes:
+        ok, note = _fwd_supported(spec, theta, leaves, cots)
+        if ok:
+            analytic["fwd"] = np.asarray(_jvp_kernel(spec, theta, leaves, cots, tangents))
+        else:
+            notes.append(note)
+    mismatch = any((np.abs(a - numeric) > atol * scale + rtol * np.abs(numeric)).any()
+                   for a in analytic.values())
+    g_st = _see_through_grad(prob) if mismatch else None
+    if g_st is not None:
+        notes.append(_SG_NOTE[respect_sg])
+    rows = []
+    for li, (lo, hi) in enumerate(segments):
+        sel = slice(li * k, (li + 1) * k)
+        t = np.asarray(tangents[sel])
+        row = LeafCheck.from_directions(
+            prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
+            {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
+            (f0 - fm[sel]) / eps, None if g_st is None else t @ g_st, atol * scale, rtol,
+            respect_sg)
+        if row.status == "fail" and "rev" in analytic:
+            j = int(np.argmax(np.abs(analytic["rev"][sel] - numeric[sel])))
+            raw = np.asarray(jax.random.normal(key, (k, n), jnp.float64))[j]
+            i, a, num, evaluations = _bisect(prob, tol, grad, raw, lo, hi)
+            row = row.located(i - lo, a, num, evaluations)
+        rows.append(row)
+    return rows, notes
+
+
+def _bisect(prob, tol, grad, direction, lo, hi):
+    """Halves [lo, hi) towards the larger rev-vs-numeric discrepancy; returns the element found."""
+    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
+    eps = tol[0]
+
+    def discrepancy(a, b):
+        v, f_plus, f_minus = _masked_kernel(spec, theta, leaves, cots, direction, a, b, eps=eps)
+        return abs(float(jnp.dot(grad, v)) - (float(f_plus) - float(f_minus)) / (2 * eps))
+
+    evaluations = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        left, right = discrepancy(lo, mid), discrepancy(mid, hi)
+        evaluations += 2
+        lo, hi = (lo, mid) if left >= right else (mid, hi)
+    one_hot = np.zeros(theta.shape[0])
+    one_hot[lo] = 1.0
+    _, f_plus, f_minus = _masked_kernel(spec, theta, leaves, cots, jnp.asarray(one_hot), lo,
+                                        lo + 1, eps=eps)
+    numeric = (float(f_plus) - float(f_minus)) / (2 * eps)
+    return lo, float(grad[lo]), numeric, evaluations + 1

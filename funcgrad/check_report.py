@@ -1,0 +1,232 @@
+"""The gradient check's verdicts: per-element classification, one row per leaf, and the report.
+
+An element fails when |analytic - numeric| > atol·max(1, |f|) + rtol·|numeric|. A failing element
+is *explained* rather than failed when
+  * it sits at a non-differentiable point: the one-sided differences (f(x+h) - f(x))/h and
+    (f(x) - f(x-h))/h disagree by more than the tolerance and JAX's value lies between them
+    (JAX picks one side or their mean there: abs'(0) = 1, relu'(0) = 0, maximum(x, 0)'(0) = 0.5);
+  * or, when the program has a stop_gradient, the gradient of the same program with
+    stop_gradient made transparent matches the finite difference (status "stop_gradient").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+STATUSES = ("ok", "fail", "nondifferentiable_point", "stop_gradient")
+
+
+def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol) -> dict[str, Any]:
+    """Element-wise verdicts; every argument is a float64 vector of the same length (or None)."""
+    tol = atol_abs + rtol * np.abs(numeric)
+    err = np.abs(grad - numeric)
+    fail = err > tol
+    lo, hi = np.minimum(left, right), np.maximum(left, right)
+    kink = fail & (np.abs(right - left) > tol) & (grad >= lo - tol) & (grad <= hi + tol)
+    if see_through is None:
+        sg = np.zeros_like(fail)
+    else:
+        sg = fail & ~kink & (np.abs(see_through - numeric) <= tol) & (np.abs(grad - see_through) > tol)
+    return dict(grad=grad, numeric=numeric, right=right, left=left, err=err, tol=tol, fail=fail,
+                kink=kink, sg=sg, explained=kink | sg)
+
+
+def _convention(a, left, right, tol):
+    if abs(a - right) <= tol and abs(a - left) > tol:
+        return "right derivative"
+    if abs(a - left) <= tol and abs(a - right) > tol:
+        return "left derivative"
+    if abs(a - (left + right) / 2) <= tol:
+        return "mean of the one-sided derivatives"
+    return "a subgradient between the one-sided derivatives"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafCheck:
+    """One differentiated leaf's verdict.
+
+    Attributes:
+      path: the leaf's name, argument name plus pytree path, e.g. ``params[1]['w']``.
+      shape: the leaf's shape; dtype: the dtype the function computed in.
+      status: "ok", "fail", "nondifferentiable_point" (only kinks disagreed; not a failure)
+        or "stop_gradient" (zero only because of stop_gradient; a failure only when
+        ``respect_stop_gradient=False``).
+      max_abs_error, max_rel_error: over the leaf's elements (full mode) or tangents
+        (directional mode), excluding explained elements; rel = abs / max(|analytic|, |numeric|).
+      worst_index: index (into `shape`) of the worst element, or None when not located.
+      analytic, numeric: the two derivatives at `worst_index` (or along the worst tangent).
+      kinks: ``(index, left, right, jax_value, convention)`` for elements at kinks.
+      notes: further remarks, e.g. which mode failed or how the element was located.
+    """
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    status: str
+    max_abs_error: float
+    max_rel_error: float
+    worst_index: tuple[int, ...] | None
+    analytic: float | None
+    numeric: float | None
+    kinks: tuple = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("ok", "nondifferentiable_point", "stop_gradient")
+
+    @classmethod
+    def from_elements(cls, path, shape, dtype, c, lo, hi, rev_checked, fwd, atol_abs, rtol,
+                      respect_sg) -> LeafCheck:
+        s = slice(lo, hi)
+        kink, sg = c["kink"][s], c["sg"][s]
+        excused = kink | (sg if respect_sg else np.zeros_like(sg))
+        err, tol, grad, num = c["err"][s], c["tol"][s], c["grad"][s], c["numeric"][s]
+        notes, abs_err, rel_err, worst = [], 0.0, 0.0, None
+        failed = False
+        if rev_checked:
+            considered = ~excused
+            failed = bool((c["fail"][s] & considered).any())
+            if considered.any():
+                ratio = np.where(considered, err / tol, -1.0)
+                w = int(np.argmax(ratio))
+                worst = (tuple(int(i) for i in np.unravel_index(w, shape)), float(grad[w]), float(num[w]))
+                abs_err = float(err[considered].max())
+                rel_err = float(_rel(err, grad, num)[considered].max())
+        if fwd is not None:
+            jvps, projected = fwd
+            f_err = np.abs(jvps - projected)
+            f_tol = atol_abs + rtol * np.abs(projected)
+            abs_err = max(abs_err, float(f_err.max()))
+            rel_err = max(rel_err, float(_rel(f_err, jvps, projected).max()))
+            if (f_err > f_tol).any():
+                failed = True
+                notes.append(f"fwd: jvp disagrees with the numerical gradient along "
+                             f"{int((f_err > f_tol).sum())} of {len(f_err)} random tangents "
+                             f"(max error {f_err.max():.3g})")
+        kinks = tuple(
+            (tuple(int(j) for j in np.unravel_index(i, shape)), float(c["left"][s][i]),
+             float(c["right"][s][i]), float(grad[i]),
+             _convention(grad[i], c["left"][s][i], c["right"][s][i], tol[i]))
+            for i in np.flatnonzero(kink))
+        if kinks:
+            notes.append(f"{len(kinks)} element(s) at a non-differentiable point; at {kinks[0][0]} "
+                         f"the one-sided derivatives are {kinks[0][1]:.6g} (left) and "
+                         f"{kinks[0][2]:.6g} (right) and JAX's value {kinks[0][3]:.6g} is the "
+                         f"{kinks[0][4]}")
+        if sg.any():
+            notes.append(f"{int(sg.sum())} element(s) have zero gradient only because of stop_gradient")
+        status = ("fail" if failed or (sg.any() and not respect_sg) else
+                  "nondifferentiable_point" if kinks else "stop_gradient" if sg.any() else "ok")
+        return cls(path, tuple(shape), dtype, status, abs_err, rel_err,
+                   *(worst if worst else (None, None, None)), kinks, tuple(notes))
+
+    @classmethod
+    def from_directions(cls, path, shape, dtype, analytic, numeric, right, left, see_through,
+                        atol_abs, rtol, respect_sg) -> LeafCheck:
+        notes, abs_err, rel_err, failed = [], 0.0, 0.0, False
+        any_kink = any_sg = False
+        worst = (None, None, None)
+        for m, a in analytic.items():
+            c = classify_elements(a, numeric, right, left, see_through, atol_abs, rtol)
+            excused = c["kink"] | (c["sg"] if respect_sg else np.zeros_like(c["sg"]))
+            any_kink |= bool(c["kink"].any())
+            any_sg |= bool(c["sg"].any())
+            considered = ~excused
+            if considered.any():
+                abs_err = max(abs_err, float(c["err"][considered].max()))
+                rel_err = max(rel_err, float(_rel(c["err"], a, numeric)[considered].max()))
+                w = int(np.argmax(np.where(considered, c["err"] / c["tol"], -1.0)))
+                if worst[1] is None or c["err"][w] > abs(worst[1] - worst[2]):
+                    worst = (None, float(a[w]), float(numeric[w]))
+            bad = c["fail"] & considered
+            if bad.any():
+                failed = True
+                notes.append(f"{m}: disagrees with the central difference along {int(bad.sum())} "
+                             f"of {len(bad)} random unit tangents on this leaf")
+        if any_kink:
+            notes.append("a tangent crosses a non-differentiable point (one-sided differences disagree)")
+        status = ("fail" if failed or (any_sg and not respect_sg) else
+                  "nondifferentiable_point" if any_kink else "stop_gradient" if any_sg else "ok")
+        return cls(path, tuple(shape), dtype, status, abs_err, rel_err, *worst, (), tuple(notes))
+
+    def located(self, flat_index: int, analytic: float, numeric: float, evaluations: int) -> LeafCheck:
+        """This row with its worst element set to the one found by bisection."""
+        index = tuple(int(i) for i in np.unravel_index(flat_index, self.shape))
+        return dataclasses.replace(
+            self, worst_index=index, analytic=analytic, numeric=numeric,
+            notes=self.notes + (f"element {index} located by bisection over element ranges "
+                                f"({evaluations} masked evaluations)",))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"ok": self.ok}
+
+
+def _rel(err, a, b):
+    denom = np.maximum(np.abs(a), np.abs(b))
+    return np.where(denom > 0, err / np.where(denom > 0, denom, 1.0), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradCheckReport:
+    """The result of `funcgrad.check_grads`: a row per leaf plus how the check was made.
+
+    Attributes:
+      rows: one `LeafCheck` per differentiated leaf, in pytree order.
+      mode, modes, order: what was checked ("full"/"directional", ("rev", "fwd"), 1 or 2).
+      dtype_used: the dtype the function computed in (float64 unless it forces lower).
+      eps, rtol, atol: the step and tolerances used (see `funcgrad.check.TOLERANCES`).
+      skipped: integer/boolean leaves that were not differentiated.
+      notes: remarks (fwd skipped for custom_vjp, lower precision, stop_gradient, ...).
+    """
+    rows: list[LeafCheck]
+    mode: str
+    modes: tuple[str, ...]
+    order: int
+    dtype_used: str
+    eps: float
+    rtol: float
+    atol: float
+    skipped: list[str]
+    notes: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    @property
+    def failures(self) -> list[LeafCheck]:
+        return [r for r in self.rows if not r.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "mode": self.mode, "modes": list(self.modes), "order": self.order,
+                "dtype_used": self.dtype_used, "eps": self.eps, "rtol": self.rtol,
+                "atol": self.atol, "skipped": list(self.skipped), "notes": list(self.notes),
+                "rows": [r.to_dict() for r in self.rows]}
+
+    def raise_if_failed(self) -> None:
+        """Raises AssertionError with the table if any leaf failed."""
+        if not self.ok:
+            raise AssertionError(f"gradient check failed for {len(self.failures)} leaf/leaves:\n{self}")
+
+    def __str__(self) -> str:
+        head = (f"gradient check ({self.mode}, {'+'.join(self.modes)}, order {self.order}, "
+                f"{self.dtype_used}, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}): "
+                f"{'OK' if self.ok else 'FAILED'}")
+        cols = ("leaf", "shape", "max abs err", "max rel err", "worst element", "analytic",
+                "numeric", "status")
+        table = [cols]
+        for r in self.rows:
+            table.append((r.path, str(r.shape), f"{r.max_abs_error:.3g}", f"{r.max_rel_error:.3g}",
+                          "-" if r.worst_index is None else str(r.worst_index),
+                          "-" if r.analytic is None else f"{r.analytic:.6g}",
+                          "-" if r.numeric is None else f"{r.numeric:.6g}", r.status))
+        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                          for row in table]
+        for r in self.rows:
+            lines += [f"  {r.path}: {n}" for n in r.notes]
+        lines += [f"  skipped: {s}" for s in self.skipped]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
