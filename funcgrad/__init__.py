@@ -20,5 +20,9 @@ from funcgrad.train import fit as fit
 from funcgrad.train import init_train_state as init_train_state
 from funcgrad.train import make_optimizer as make_optimizer
 from funcgrad.train import make_train_step as make_train_step
+from funcgrad.check import audit as audit
+from funcgrad.check import check_grads as check_grads
+from funcgrad.check_report import GradCheckReport as GradCheckReport
+from funcgrad.check_report import LeafCheck as LeafCheck
 
 __version__ = "0.1.0"

@@ -28,19 +28,32 @@ class Spec(NamedTuple):
     see_through_stop_gradient: bool = False
 
 
-def unflatten(spec: Spec, theta: jax.Array, leaves: tuple) -> tuple:
-    """The args tuple with theta's pieces put in place of the differentiated leaves."""
+def split(spec: Spec, theta: jax.Array) -> list[jax.Array]:
+    """theta cut into the differentiated leaves, each reshaped to its leaf's shape."""
     sizes = [math.prod(s) for s in spec.shapes]
     pieces = jnp.split(theta, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [theta]
+    return [p.reshape(shape) for p, shape in zip(pieces, spec.shapes)]
+
+
+def unflatten(spec: Spec, theta: jax.Array, leaves: tuple) -> tuple:
+    """The args tuple with theta's pieces put in place of the differentiated leaves."""
+    return _args(spec, split(spec, theta), leaves)
+
+
+def _args(spec: Spec, pieces: list, leaves: tuple) -> tuple:
     leaves = list(leaves)
-    for pos, piece, shape in zip(spec.diff_positions, pieces, spec.shapes):
-        leaves[pos] = piece.reshape(shape)
+    for pos, piece in zip(spec.diff_positions, pieces):
+        leaves[pos] = piece
     return jax.tree.unflatten(spec.treedef, leaves)
 
 
 def output_vector(spec: Spec, theta: jax.Array, leaves: tuple) -> jax.Array:
     """The function's output at theta, all output leaves raveled into one vector (its dtype kept)."""
-    out = spec.fn(*unflatten(spec, theta, leaves))
+    return _output(spec, _args(spec, split(spec, theta), leaves))
+
+
+def _output(spec: Spec, args: tuple) -> jax.Array:
+    out = spec.fn(*args)
     if spec.has_aux:
         out = out[0]
     flat = [jnp.ravel(o) for o in jax.tree.leaves(out)]
@@ -61,6 +74,18 @@ def objective(spec: Spec, theta: jax.Array, leaves: tuple, cotangents: tuple) ->
     for k in range(1, spec.order):
         phi = _reduce_grad(phi, cotangents[k])
     return phi(theta)
+
+
+def objective_of_pieces(spec: Spec, pieces: list, leaves: tuple, cotangents: tuple) -> jax.Array:
+    """`objective` with theta given as its leaf pieces. At order 1 without see-through, the
+    pieces go straight into the function, so under ``vmap`` only a perturbed piece is batched
+    and work that does not depend on it is done once, not once per perturbation."""
+    if spec.order > 1 or spec.see_through_stop_gradient:
+        theta = jnp.concatenate([jnp.ravel(p) for p in pieces])
+        return objective(spec, theta, leaves, cotangents)
+    dtype = pieces[0].dtype
+    y = _output(spec, _args(spec, pieces, leaves)).astype(dtype)
+    return y[0] if spec.scalar_output else jnp.dot(cotangents[0], y)
 
 
 def _reduce_grad(phi, u):
@@ -122,7 +147,9 @@ def _eval(jaxpr, consts, *args):
             sub = eqn.params[_CALL_PRIMITIVES[name]]
             outs = _eval(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), *ins)
         else:
-            outs = eqn.primitive.bind(*ins, **eqn.params)
+            bind = eqn.primitive.get_bind_params(eqn.params)  # higher-order ones need subfuns
+            subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
+            outs = eqn.primitive.bind(*subfuns, *ins, **params)
             outs = outs if eqn.primitive.multiple_results else [outs]
         for var, val in zip(eqn.outvars, outs):
             env[var] = val

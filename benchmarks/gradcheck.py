@@ -1,0 +1,136 @@
+"""Time and maximum error of gradient checkers on a 64 -> h -> 10 tanh MLP (digits, float64).
+
+In one run, for h = 32, 64, 128, with softmax cross-entropy on a batch of 16 digits:
+funcgrad full, funcgrad directional, ``jax.test_util.check_grads`` (one random direction,
+order 1, fwd+rev), and, when PyTorch is installed, ``torch.autograd.gradcheck`` with default
+settings and with ``fast_mode=True`` (same weights, same batch). Times are medians over
+repeats after a first call, which is reported separately (it includes tracing and
+compilation for the JAX checkers). "max err" is the largest |analytic - numeric| each tool
+reports (torch and jax.test_util report only pass/fail; for torch the error of its default
+central differences, eps = 1e-6, is recomputed element by element, see `_torch_max_error`).
+
+    $ python benchmarks/gradcheck.py [--repeats 5] [--out benchmarks/results/gradcheck.json]
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.test_util import check_grads as jax_check_grads
+
+import funcgrad as fg
+
+
+def _loss(params, x, y):
+    return fg.softmax_cross_entropy(fg.mlp_apply(params, x, activation="tanh"), y)
+
+
+def _timed(fn, repeats):
+    start = time.perf_counter()
+    out = fn()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return first, statistics.median(times), out
+
+
+def _torch_case(params, x, y):
+    import torch
+    ws = [torch.tensor(np.asarray(p[k], np.float64), requires_grad=True)
+          for p in params for k in ("w", "b")]
+    xt = torch.tensor(np.asarray(x, np.float64))
+    yt = torch.tensor(np.asarray(y), dtype=torch.long)
+
+    def f(w1, b1, w2, b2):
+        logits = torch.tanh(xt @ w1 + b1) @ w2 + b2
+        return torch.nn.functional.cross_entropy(logits, yt)
+    return torch, f, tuple(ws)
+
+
+def _torch_max_error(torch, f, inputs):
+    # gradcheck only says pass/fail, so its error is recomputed the way it computes it: central
+    # differences with its default eps = 1e-6 for every element, against torch.autograd.grad.
+    with torch.no_grad():
+        out = []
+        for w in inputs:
+            flat = w.view(-1)
+            for i in range(flat.numel()):
+                old = flat[i].item()
+                flat[i] = old + 1e-6
+                fp = f(*inputs).item()
+                flat[i] = old - 1e-6
+                fm = f(*inputs).item()
+                flat[i] = old
+                out.append((i, w, (fp - fm) / 2e-6))
+    grads = torch.autograd.grad(f(*inputs), inputs)
+    index = {id(w): g.view(-1) for w, g in zip(inputs, grads)}
+    return max(abs(index[id(w)][i].item() - num) for i, w, num in out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/gradcheck.json")
+    args = parser.parse_args()
+    try:
+        import torch  # noqa: F401
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    data = fg.load_digits(seed=0)
+    x, y = data.x_train[:16], data.y_train[:16]
+    rows = []
+    for h in (32, 64, 128):
+        with jax.enable_x64(True):
+            params = fg.mlp_init(jax.random.key(0), (64, h, 10), activation="tanh",
+                                 dtype=jnp.float64)
+            x64 = jnp.asarray(x, jnp.float64)
+        n = sum(int(np.size(v)) for p in params for v in p.values())
+        results = {}
+        first, med, rep = _timed(lambda: fg.check_grads(_loss, params, x, y), args.repeats)
+        results["funcgrad full"] = (first, med, max(r.max_abs_error for r in rep.rows), rep.ok)
+        first, med, rep = _timed(lambda: fg.check_grads(_loss, params, x, y, mode="directional",
+                                                        num_directions=1), args.repeats)
+        results["funcgrad directional (1 dir)"] = (first, med, max(r.max_abs_error for r in rep.rows),
+                                                   rep.ok)
+
+        def jax_tu():
+            with jax.enable_x64(True):
+                jax_check_grads(lambda p: _loss(p, x64, y), (params,), order=1, modes=("fwd", "rev"))
+            return True
+        first, med, _ = _timed(jax_tu, args.repeats)
+        results["jax.test_util.check_grads"] = (first, med, None, True)
+        if have_torch:
+            torch, f, inputs = _torch_case(params, x, y)
+            for name, kw in (("torch gradcheck", {}), ("torch gradcheck fast_mode", {"fast_mode": True})):
+                first, med, ok = _timed(lambda kw=kw: torch.autograd.gradcheck(f, inputs, **kw),
+                                        args.repeats)
+                results[name] = (first, med, _torch_max_error(torch, f, inputs), bool(ok))
+        base = results["funcgrad full"][1]
+        for name, (first, med, err, ok) in results.items():
+            rows.append({"h": h, "params": n, "checker": name, "first_s": first, "median_s": med,
+                         "ratio_to_funcgrad_full": med / base, "max_error": err, "passed": ok})
+    print(f"{'h':>4} {'params':>7}  {'checker':<30}{'first (s)':>10}{'median (s)':>11}"
+          f"{'x full':>8}{'max err':>11}")
+    for r in rows:
+        err = "-" if r["max_error"] is None else f"{r['max_error']:.2e}"
+        print(f"{r['h']:>4} {r['params']:>7}  {r['checker']:<30}{r['first_s']:>10.3f}"
+              f"{r['median_s']:>11.4f}{r['ratio_to_funcgrad_full']:>8.2f}{err:>11}")
+    if not have_torch:
+        print("note: PyTorch is not installed; torch.autograd.gradcheck rows skipped "
+              "(pip install torch to include them)")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump({"jax": jax.__version__, "repeats": args.repeats, "rows": rows}, fh, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The gradient checker: passes correct code, names the leaf and element of planted bugs,
+reports kinks and stop_gradient instead of failing them, checks second order (concept 19)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funcgrad as fg
+from funcgrad.testing import assert_grads_close
+
+
+# --- a dense layer with a hand-written backward, optionally wrong ------------------------
+
+def make_dense(bug=None):
+    """y = x @ w + b with a custom_vjp; `bug` plants one error in the backward pass:
+    ("double", (i, j)) doubles dW[i, j]; "sign_b" flips db; None is correct."""
+    @jax.custom_vjp
+    def dense(w, b, x):
+        return x @ w + b[None, :]
+
+    def fwd(w, b, x):
+        return dense(w, b, x), (w, x)
+
+    def bwd(res, g):
+        w, x = res
+        dw, db, dx = x.T @ g, g.sum(axis=0), g @ w.T
+        if bug and bug[0] == "double":
+            dw = dw.at[bug[1]].multiply(2.0)
+        if bug == "sign_b":
+            db = -db
+        return dw, db, dx
+
+    dense.defvjp(fwd, bwd)
+    return dense
+
+
+def mlp_loss(params, x, y, dense=None):
+    # `dense` (possibly buggy) for the first layer, a correct one for the second.
+    h = jnp.tanh((dense or make_dense())(params[0]["w"], params[0]["b"], x))
+    logits = make_dense()(params[1]["w"], params[1]["b"], h)
+    return fg.softmax_cross_entropy(logits, y)
+
+
+def _mlp(sizes=(5, 4, 3), seed=0, batch=6, dtype=jnp.float32):
+    params = fg.mlp_init(jax.random.key(seed), sizes, activation="tanh", dtype=dtype)
+    params = [dict(p, b=jnp.full_like(p["b"], 0.1)) for p in params]
+    x = jax.random.normal(jax.random.key(seed + 1), (batch, sizes[0]), dtype)
+    y = jnp.arange(batch) % sizes[-1]
+    return params, x, y
+
+
+# --- correct functions pass -------------------------------------------------------------
+
+def plain_loss(params, x, y):
+    return fg.softmax_cross_entropy(fg.mlp_apply(params, x, activation="tanh"), y)
+
+
+STRUCTURES = {
+    "list_of_dicts": lambda p: p,
+    "dict": lambda p: {"first": p[0], "second": p[1]},
+    "nested": lambda p: {"layers": [p[0], {"inner": p[1]}]},
+}
+
+
+def _as_list(tree):
+    if isinstance(tree, list):
+        return tree
+    if "layers" in tree:
+        return [tree["layers"][0], tree["layers"][1]["inner"]]
+    return [tree["first"], tree["second"]]
+
+
+@pytest.mark.parametrize("mode", ["full", "directional"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_correct_function_passes(mode, dtype, structure):
+    with jax.enable_x64(dtype == jnp.float64):
+        params, x, y = _mlp(dtype=dtype)
+        tree = STRUCTURES[structure](params)
+        report = fg.check_grads(lambda p, x, y: plain_loss(_as_list(p), x, y), tree, x, y, mode=mode)
+    assert report.ok, str(report)
+    assert report.dtype_used == "float64"  # float32 inputs are promoted for the check
+    assert len(report.rows) == 4 and all(r.status == "ok" for r in report.rows)
+    assert all(r.max_abs_error < 1e-7 for r in report.rows)
+
+
+def test_has_aux_and_argnums_tuple_name_each_argument():
+    def f(scale, x, bias):
+        return jnp.sum(jnp.sin(x * scale)) + jnp.sum(bias["c"] ** 2), {"ignored": x}
+
+    report = fg.check_grads(f, 1.5, jnp.linspace(-1, 1, 4), {"c": jnp.ones(2)}, argnums=(0, 2),
+                            has_aux=True)
+    assert report.ok, str(report)
+    assert [r.path for r in report.rows] == ["scale", "bias['c']"]
+    # d/dbias sum(bias^2) = 2*bias = 2 at bias = 1: the analytic value of the worst element.
+    assert report.rows[1].analytic == pytest.approx(2.0)
+
+
+def test_non_scalar_output_checks_vjp_with_a_random_cotangent():
+    report = fg.check_grads(lambda x: jnp.tanh(x) * x, jnp.linspace(-2, 2, 6).reshape(2, 3))
+    assert report.ok and any("uᵀJ" in n for n in report.notes)
+
+
+# --- planted bugs are caught and located ---------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["full", "directional"])
+def test_doubled_element_is_located_to_leaf_and_element(mode):
+    params, x, y = _mlp()
+    buggy = functools.partial(mlp_loss, dense=make_dense(("double", (2, 1))))
+    report = fg.check_grads(buggy, params, x, y, mode=mode)
+    assert not report.ok
+    [bad] = report.failures
+    assert bad.path == "params[0]['w']" and bad.worst_index == (2, 1)
+    # The analytic value is exactly twice the true derivative, which the numeric value is.
+    assert bad.analytic == pytest.approx(2 * bad.numeric, rel=1e-6)
+    assert any("fwd skipped" in n for n in report.notes)  # custom_vjp: no jvp
+
+
+def test_sign_error_in_one_leaf():
+    params, x, y = _mlp()
+    report = fg.check_grads(functools.partial(mlp_loss, dense=make_dense("sign_b")), params, x, y)
+    assert [r.path for r in report.failures] == ["params[0]['b']"]
+    for r in report.failures:
+        assert r.analytic == pytest.approx(-r.numeric, rel=1e-6)
+
+
+def test_missing_term_in_a_fan_out_sum():
+    # f(x) = sin(x) * x uses x twice; df/dx = cos(x)*x + sin(x). The backward below forgets the
+    # second path's term sin(x), as when one branch of a fan-out is not summed.
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x) * x
+
+    f.defvjp(lambda x: (f(x), x), lambda x, g: (g * jnp.cos(x) * x,))
+    x = jnp.array([0.5, 1.0, 2.0])
+    report = fg.check_grads(lambda p: jnp.sum(f(p["x"])), {"x": x})
+    [bad] = report.failures
+    i = bad.worst_index[0]
+    xi = float(x[i])
+    assert bad.analytic == pytest.approx(np.cos(xi) * xi, rel=1e-6)
+    assert bad.numeric == pytest.approx(np.cos(xi) * xi + np.sin(xi), rel=1e-6)
+
+
+def test_directional_mode_localises_in_a_large_model():
+    # 256 -> 512 -> 256 -> 10: 264,458 parameters; dW[1] doubled at its largest-gradient element
+    # (doubling a zero gradient would change nothing, so no checker could see it).
+    sizes = (256, 512, 256, 10)
+    params = fg.mlp_init(jax.random.key(0), sizes, activation="tanh")
+    x = jax.random.normal(jax.random.key(1), (8, sizes[0]))
+    y = jnp.arange(8) % 10
+
+    def loss(params, x, y, dense):
+        h = x
+        for i, p in enumerate(params):
+            h = dense(p["w"], p["b"], h)
+            h = jnp.tanh(h) if i < len(params) - 1 else h
+        return fg.softmax_cross_entropy(h, y)
+
+    g = jax.grad(loss)(params, x, y, make_dense())
+    target = tuple(int(i) for i in np.unravel_index(np.argmax(np.abs(g[1]["w"])), g[1]["w"].shape))
+    report = fg.check_grads(functools.partial(loss, dense=make_dense(("double", target))),
+                            params, x, y, mode="directional")
+    assert [r.path for r in report.failures] == ["params[1]['w']"]
+    bad = report.failures[0]
+    assert bad.worst_index == target
+    assert bad.analytic == pytest.approx(2 * bad.numeric, rel=1e-5)
+    assert any("bisection" in n for n in bad.notes)
+
+
+# --- kinks and stop_gradient -------------------------------------------------------------
+
+@pytest.mark.parametrize("fn, expected_value, convention", [
+    # relu at 0: left derivative 0, right derivative 1; JAX's relu'(0) = 0, the left one.
+    (jax.nn.relu, 0.0, "the left derivative"),
+    # |x| at 0: left -1, right 1; JAX's abs'(0) = 1, the right one.
+    (jnp.abs, 1.0, "the right derivative"),
+    # maximum(x, 0) at 0: JAX splits the tie, 0.5 = the mean of 0 and 1.
+    (lambda x: jnp.maximum(x, 0.0), 0.5, "the mean of the one-sided derivatives"),
+], ids=["relu", "abs", "maximum"])
+def test_kinks_are_reported_not_failed(fn, expected_value, convention):
+    report = fg.check_grads(lambda x: jnp.sum(fn(x) * jnp.array([1.0, 1.0, 1.0])),
+                            jnp.array([0.0, 1.5, -2.0]))
+    assert report.ok, str(report)
+    [row] = report.rows
+    assert row.status == "nondifferentiable_point"
+    [(index, left, right, value, conv)] = row.kinks
+    assert index == (0,) and value == pytest.approx(expected_value) and conv == convention
+    assert right - left == pytest.approx(1.0 if fn is not jnp.abs else 2.0, rel=1e-6)
+
+
+def test_stop_gradient_is_marked_not_failed():
+    def f(p):
+        return jnp.sum(jax.lax.stop_gradient(p["a"]) * p["b"])
+
+    p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
+    report = fg.check_grads(f, p)
+    assert report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"]
+    assert any("stop_gradient" in n for n in report.notes)
+    strict = fg.check_grads(f, p, respect_stop_gradient=False)
+    assert [r.path for r in strict.failures] == ["p['a']"]
+
+
+# --- second order -----------------------------------------------------------------------
+
+SECOND_ORDER = {
+    "tanh_sum": (lambda x: jnp.sum(jnp.tanh(x)), (jnp.linspace(-1, 1, 5, dtype=jnp.float32),)),
+    "logsumexp": (jax.nn.logsumexp, (jnp.linspace(-2, 3, 6, dtype=jnp.float32),)),
+    "softmax_xent": (lambda z: fg.softmax_cross_entropy(z, jnp.array([0, 2])),
+                     (jnp.array([[0.1, -1.0, 2.0], [1.0, 0.5, -0.3]], jnp.float32),)),
+    "mlp": (lambda p: plain_loss(p, *_mlp()[1:]), (_mlp()[0],)),
+}
+
+
+@pytest.mark.parametrize("name", list(SECOND_ORDER))
+def test_order_two_passes_from_float32_inputs(name):
+    fn, args = SECOND_ORDER[name]
+    report = fg.check_grads(fn, *args, order=2)
+    assert report.ok and report.order == 2 and report.dtype_used == "float64", str(report)
+
+
+def test_order_two_catches_a_wrong_hessian():
+    # cube(x) = x^3 with a jvp rule 3 * frozen_sq(x) * t: right at first order (3x^2), but
+    # frozen_sq declares a zero derivative, so the Hessian comes out 0 instead of 6x.
+    @jax.custom_jvp
+    def frozen_sq(x):
+        return x ** 2
+
+    frozen_sq.defjvp(lambda p, t: (p[0] ** 2, jnp.zeros_like(t[0])))
+
+    @jax.custom_jvp
+    def cube(x):
+        return x ** 3
+
+    cube.defjvp(lambda p, t: (cube(p[0]), 3 * frozen_sq(p[0]) * t[0]))
+    x = jnp.array([0.7, -1.2])
+    assert fg.check_grads(lambda x: jnp.sum(cube(x)), x).ok
+    second = fg.check_grads(lambda x: jnp.sum(cube(x)), x, order=2)
+    [bad] = second.failures
+    assert bad.analytic == pytest.approx(0.0, abs=1e-12) and abs(bad.numeric) > 1.0
+
+
+# --- precision, skipped leaves, errors ---------------------------------------------------
+
+def test_function_forcing_float32_is_checked_with_float32_tolerances():
+    report = fg.check_grads(lambda x: jnp.sum(jnp.tanh(x.astype(jnp.float32))), jnp.linspace(-1, 1, 5))
+    assert report.ok and report.dtype_used == "float32"
+    assert (report.eps, report.rtol, report.atol) == fg.check.TOLERANCES["float32"]
+    assert any("computes in float32" in n for n in report.notes)
+
+
+def test_integer_leaves_are_skipped_and_listed():
+    report = fg.check_grads(lambda p: jnp.sum(p["w"] ** 2) * p["n"], {"w": jnp.ones(3), "n": jnp.array(3)})
+    assert report.ok and [r.path for r in report.rows] == ["p['w']"]
+    assert report.skipped == ["p['n'] (int32, not differentiated)"] or \
+        report.skipped == ["p['n'] (int64, not differentiated)"]
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match=r"argument n \(argnums=0\) has dtype int.*cannot be differentiated"):
+        fg.check_grads(lambda n: n * 2.0, jnp.array(3))
+    with pytest.raises(ValueError, match=r"not finite at the primal point.*first at output\[1\] = -inf"):
+        fg.check_grads(lambda x: jnp.log(x), jnp.array([1.0, 0.0, 2.0]))
+    with pytest.raises(ValueError, match="mode must be 'full' or 'directional'"):
+        fg.check_grads(jnp.sum, jnp.ones(2), mode="fast")
+    with pytest.raises(ValueError, match="argnums=3 is out of range"):
+        fg.check_grads(jnp.sum, jnp.ones(2), argnums=3)
+    with pytest.raises(ValueError, match="order must be 1 or 2"):
+        fg.check_grads(jnp.sum, jnp.ones(2), order=3)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        fg.check_grads("loss", jnp.ones(2))
+
+
+# --- report forms, pytest helper, audit --------------------------------------------------
+
+def test_report_table_dict_and_raise():
+    params, x, y = _mlp()
+    report = fg.check_grads(functools.partial(mlp_loss, dense=make_dense(("double", (0, 0)))),
+                            params, x, y)
+    text = str(report)
+    assert "FAILED" in text and "params[0]['w']" in text and "(0, 0)" in text
+    d = report.to_dict()
+    assert d["ok"] is False and d["rows"][1]["path"] == "params[0]['w']"
+    assert d["rows"][1]["status"] == "fail" and d["rows"][0]["status"] == "ok"
+    with pytest.raises(AssertionError, match=r"params\[0\]\['w'\]"):
+        report.raise_if_failed()
+
+
+def test_assert_grads_close():
+    params, x, y = _mlp()
+    assert assert_grads_close(plain_loss, params, x, y).ok
+    with pytest.raises(AssertionError, match="gradient check failed for 1 leaf"):
+        assert_grads_close(functools.partial(mlp_loss, dense=make_dense(("double", (1, 1)))),
+                           params, x, y)
+
+
+def test_audit_picks_full_or_directional():
+    params, x, y = _mlp()
+    assert fg.audit(plain_loss, params, x, y).mode == "full"
+    report = fg.audit(plain_loss, params, x, y, max_full_elements=10)
+    assert report.mode == "directional" and report.ok
+    assert [r.path for r in report.rows] == ["params[0]['b']", "params[0]['w']",
+                                             "params[1]['b']", "params[1]['w']"]
