@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -23,19 +24,42 @@ def _positive(kind):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
-        if not value > 0:
+        if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
         return value
     return parse
 
 
 def _fraction(text: str) -> float:
+    # Each split needs every one of the 10 classes: at least 10 of the 1,797 digits each.
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    if not 10 <= round(1797 * value) <= 1787:
+        raise argparse.ArgumentTypeError(
+            f"expected a number in (0, 1) leaving at least 10 of the 1797 digits in each split "
+            f"(0.006 to 0.994), got {text!r}")
+    return value
+
+
+def _unit_interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 2**32), got {text!r}")
     return value
 
 
@@ -57,11 +81,11 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam",
                    help="optax optimizer (default: adam)")
     t.add_argument("--lr", type=_positive(float), default=1e-3, help="learning rate (default: 1e-3)")
-    t.add_argument("--momentum", type=float, default=0.9,
+    t.add_argument("--momentum", type=_unit_interval, default=0.9,
                    help="momentum coefficient for --optimizer momentum (default: 0.9)")
     t.add_argument("--epochs", type=_positive(int), default=30, help="passes over the train split (default: 30)")
     t.add_argument("--batch-size", type=_positive(int), default=32, help="examples per step (default: 32)")
-    t.add_argument("--seed", type=int, default=0, help="seed of the init, split and batch order (default: 0)")
+    t.add_argument("--seed", type=_seed, default=0, help="seed of the init, split and batch order (default: 0)")
     t.add_argument("--clip-norm", type=_positive(float), default=None,
                    help="clip gradients to this global norm (default: no clipping)")
     t.add_argument("--test-size", type=_fraction, default=0.2,
@@ -76,12 +100,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "train":
-        if not 0.0 <= args.momentum < 1.0:
-            parser.error(f"argument --momentum: expected a number in [0, 1), got {args.momentum}")
         try:
             return _train(args)
-        except (ImportError, OSError) as e:
-            print(f"funcgrad: error: {e}", file=sys.stderr)
+        except KeyboardInterrupt:
+            print("funcgrad: interrupted", file=sys.stderr)
+            return 130
+        except (ImportError, OSError, ValueError, MemoryError) as e:
+            print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
+        except Exception as e:  # e.g. XLA running out of memory for a huge --hidden
+            if type(e).__name__ != "JaxRuntimeError":
+                raise
+            print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1
     return 2  # pragma: no cover - argparse requires a command
 
@@ -122,10 +152,10 @@ def _train(args: argparse.Namespace) -> int:
     history = result.history
     metrics_path = os.path.join(args.out, "metrics.json")
     with open(metrics_path, "w") as f:
-        json.dump({"config": {k: v for k, v in vars(args).items() if k != "command"},
-                   "sizes": list(sizes), **history.to_dict(),
-                   "nonfinite": result.nonfinite._asdict() if result.nonfinite else None},
-                  f, indent=1)
+        json.dump(_strict_json({
+            "config": {k: v for k, v in vars(args).items() if k != "command"},
+            "sizes": list(sizes), **history.to_dict(),
+            "nonfinite": result.nonfinite._asdict() if result.nonfinite else None}), f, indent=1)
     plot_path = _plot(history, os.path.join(args.out, "training.png"))
     final = float(test_accuracy(result.state.params))  # the last finite state if stopped early
     print(f"final test accuracy {final:.4f}; wrote {metrics_path} and {plot_path} "
@@ -134,6 +164,17 @@ def _train(args: argparse.Namespace) -> int:
         print(f"funcgrad: error: {result.nonfinite}", file=sys.stderr)
         return 1
     return 0
+
+
+def _strict_json(value):
+    """NaN and inf become null: metrics.json stays valid JSON for any reader."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def _plot(history, path: str) -> str:

@@ -89,8 +89,14 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {list(OPTIMIZERS)} "
                          "or an optax GradientTransformation.")
-    if not (isinstance(learning_rate, (int, float)) and learning_rate > 0):
-        raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}.")
+    if not callable(learning_rate):  # an optax schedule is passed through
+        try:
+            lr = float(learning_rate)
+        except (TypeError, ValueError):
+            lr = float("nan")
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"learning_rate must be a positive finite number or an optax "
+                             f"schedule, got {learning_rate!r}.")
     if optimizer == "sgd":
         return optax.sgd(learning_rate)
     if optimizer == "momentum":
@@ -100,8 +106,12 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
     return optax.adam(learning_rate)
 
 
-def init_train_state(params: PyTree, optimizer: optax.GradientTransformation) -> TrainState:
-    """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0."""
+def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation) -> TrainState:
+    """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
+
+    `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
+    """
+    optimizer = make_optimizer(optimizer)
     return TrainState(params=params, opt_state=optimizer.init(params),
                       step=jnp.zeros((), jnp.int32))
 
@@ -138,7 +148,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         scalar or the optimizer state does not match `optimizer` and the params.
     """
     optimizer = make_optimizer(optimizer)
-    if clip_norm is not None and not clip_norm > 0:
+    if clip_norm is not None and not (isinstance(clip_norm, (int, float, np.number))
+                                      and math.isfinite(clip_norm) and clip_norm > 0):
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
     clipper = optax.clip_by_global_norm(clip_norm) if clip_norm is not None else None
 
@@ -158,6 +169,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 def _scalar_loss(loss_fn: LossFn) -> LossFn:
     def wrapped(params, batch):
         loss = loss_fn(params, batch)
+        if isinstance(loss, (tuple, list)):
+            raise ValueError(
+                f"loss_fn returned a {type(loss).__name__} of {len(loss)}; make_train_step needs "
+                "the scalar loss alone. Drop the auxiliary outputs (or compute them in evaluate).")
         if jnp.shape(loss) != ():
             raise ValueError(
                 f"loss_fn must return a scalar, got shape {jnp.shape(loss)}. "
@@ -170,12 +185,14 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation) -> 
     if not isinstance(state, TrainState):
         raise TypeError(f"the step takes a TrainState (from init_train_state), got "
                         f"{type(state).__name__}.")
-    expected = jax.tree.structure(jax.eval_shape(optimizer.init, state.params))
-    got = jax.tree.structure(state.opt_state)
-    if expected != got:
+    shapes = lambda tree: jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), tree)
+    expected = jax.eval_shape(optimizer.init, state.params)
+    got = state.opt_state
+    if jax.tree.structure(expected) != jax.tree.structure(got) or shapes(expected) != shapes(got):
         raise ValueError(
             "the optimizer state in the TrainState was not made by this optimizer for these "
-            f"params.\n  expected structure: {expected}\n  got: {got}\n"
+            f"params (structure or leaf shapes differ).\n  expected: "
+            f"{jax.tree.structure(expected)}\n  got: {jax.tree.structure(got)}\n"
             "Create the state with init_train_state(params, optimizer) using the same optimizer.")
 
 
@@ -224,7 +241,10 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     Guard: if a step reports a non-finite loss or gradient norm, training stops at once and
     the state from *before* that step is returned (JAX arrays are immutable, so keeping it
     costs no copy); the result carries a `NonFiniteReport` and a ``RuntimeWarning`` with the
-    same text is issued. Nothing non-finite reaches the returned parameters through a step.
+    same text is issued. If that earlier state's params are themselves non-finite (an update
+    that overflowed while its loss and gradient were finite), the state from the end of the
+    last epoch whose params were all finite is returned instead (params are checked once per
+    epoch, not per step, to keep the loop free of extra reductions).
 
     Args:
       step: a step from `make_train_step`.
@@ -243,14 +263,22 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     """
     from tqdm.auto import tqdm
 
-    if not isinstance(epochs, int) or epochs < 1:
+    if not isinstance(epochs, (int, np.integer)) or epochs < 1:
         raise ValueError(f"fit: epochs must be a positive int, got {epochs!r}.")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"fit: batch_size must be a positive int, got {batch_size!r}.")
     history = History()
     steps_per_epoch = math.ceil(len(x) / batch_size)
     bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step", leave=False)
-    say = (lambda s: tqdm.write(s) if progress else log(s)) if log is not None else None
+    if len(x) == 0:
+        raise ValueError("fit: x is empty; there is nothing to train on.")
+
+    def say(line):
+        if log is not None:
+            with tqdm.external_write_mode():  # keeps the bar intact around the log line
+                log(line)
+
+    verified = state  # last state whose params were checked finite (at each epoch's end)
     run_step = 0
     try:
         for epoch in range(epochs):
@@ -262,6 +290,10 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                     (metrics["loss"], metrics["grad_norm"])))
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                     report = NonFiniteReport(run_step, epoch, i, loss, grad_norm)
+                    if not _all_finite(state.params):
+                        # The step before applied an update that overflowed the params although
+                        # its own loss and gradient were finite: go back to the epoch's start.
+                        state = verified
                     warnings.warn(str(report), RuntimeWarning, stacklevel=2)
                     return FitResult(state, history, report)
                 state = new_state
@@ -274,13 +306,27 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                    "loss": float(np.mean(history.step_loss[first:])),
                    "grad_norm": float(np.mean(history.step_grad_norm[first:]))}
             if evaluate is not None:
-                row.update({k: float(v) for k, v in evaluate(state.params).items()})
+                scores = evaluate(state.params)
+                if not isinstance(scores, Mapping):
+                    raise TypeError("fit: evaluate(params) must return a mapping such as "
+                                    f"{{'test_accuracy': 0.97}}, got {type(scores).__name__}.")
+                row.update({k: float(v) for k, v in scores.items()})
             history.epochs.append(row)
-            if say is not None:
-                say(format_epoch(row))
+            if _all_finite(state.params):
+                verified = state
+            say(format_epoch(row))
     finally:
         bar.close()
     return FitResult(state, history, None)
+
+
+@jax.jit
+def _all_finite_device(params):
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
+
+
+def _all_finite(params) -> bool:
+    return bool(_all_finite_device(params)) if jax.tree.leaves(params) else True
 
 
 def format_epoch(row: Mapping[str, float]) -> str:

@@ -37,13 +37,17 @@ def test_nonfinite_run_exits_1_with_report(tmp_path, capsys):
     (["train", "--lr", "-1"], "argument --lr: expected a positive float, got '-1'"),
     (["train", "--epochs", "two"], "argument --epochs: expected a positive int, got 'two'"),
     (["train", "--optimizer", "rmsprop"], "argument --optimizer: invalid choice: 'rmsprop'"),
-    (["train", "--momentum", "1.5"], "argument --momentum: expected a number in [0, 1)"),
+    (["train", "--momentum", "1.5"], "funcgrad train: error: argument --momentum: expected a number in [0, 1)"),
     (["train", "--hidden"], "argument --hidden: expected at least one argument"),
     (["train", "--test-size", "1"], "argument --test-size: expected a number in (0, 1)"),
+    (["train", "--test-size", "0.001"], "at least 10 of the 1797 digits in each split"),
+    (["train", "--seed", "-1"], "argument --seed: expected an int in [0, 2**32)"),
+    (["train", "--lr", "inf"], "argument --lr: expected a positive float, got 'inf'"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     ([], "the following arguments are required: command"),
 ], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
-        "test_size", "unknown_flag", "no_command"])
+        "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag",
+        "no_command"])
 def test_bad_flags_give_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "funcgrad", *argv], capture_output=True,
                           text=True, timeout=60)

@@ -99,6 +99,29 @@ def test_fit_stops_at_first_overflow_and_keeps_last_finite_state():
     assert len(result.history.step_loss) == 6 and result.history.epochs == []
 
 
+def test_fit_never_returns_params_overflowed_by_an_update():
+    # SGD lr=1e38 on L = -w from w = 3e38 (float32 max ~3.40e38): step 0 has loss -3e38 and
+    # gradient -1, both finite, but its update makes w = 3e38 + 1e38 = inf. Step 1's loss is
+    # -inf, so fit stops; the state before step 1 holds w = inf, so fit falls back to the last
+    # state verified finite, the initial one (w = 3e38, step 0).
+    tx = optax.sgd(1e38)
+    step = fg.make_train_step(lambda p, b: -p["w"], tx)
+    with pytest.warns(RuntimeWarning, match="non-finite value at step 1"):
+        result = fg.fit(step, fg.init_train_state({"w": jnp.float32(3e38)}, tx),
+                        np.zeros((4, 1)), np.zeros(4), epochs=1, batch_size=1, progress=False)
+    assert float(result.state.params["w"]) == pytest.approx(3e38, rel=1e-6)
+    assert int(result.state.step) == 0
+
+
+def test_fit_logs_through_the_progress_bar():
+    lines = []
+    tx = optax.sgd(0.1)
+    fg.fit(fg.make_train_step(half_squared_norm, tx), fg.init_train_state({"p": jnp.ones(2)}, tx),
+           np.zeros((4, 1)), np.zeros(4), epochs=2, batch_size=2, progress=True, log=lines.append)
+    # L = |p|^2/2 from p = (1, 1), lr 0.1: step losses 1.0 then 0.81 (p -> 0.9p); mean 0.905.
+    assert len(lines) == 2 and lines[0].startswith("epoch   1  loss 0.9")
+
+
 def test_fit_reaches_095_on_digits_quickly():
     data = fg.load_digits(seed=0)
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
@@ -144,6 +167,12 @@ def test_step_errors_are_clear():
     step = fg.make_train_step(loss_fn, optax.adam(1e-3))
     with pytest.raises(ValueError, match="not made by this optimizer"):
         step(fg.init_train_state(params, optax.sgd(0.1, momentum=0.9)), batch)
+    other = fg.mlp_init(jax.random.key(0), (6, 9, 3))  # same structure, other shapes
+    with pytest.raises(ValueError, match="leaf shapes differ"):
+        step(fg.TrainState(params, optax.adam(1e-3).init(other), jnp.zeros((), jnp.int32)), batch)
+    with pytest.raises(ValueError, match="loss_fn returned a tuple of 2"):
+        fg.make_train_step(lambda p, b: (loss_fn(p, b), 0.0), optax.sgd(0.1))(
+            fg.init_train_state(params, "sgd"), batch)
     with pytest.raises(TypeError, match="takes a TrainState"):
         step((params, None, 0), batch)
     with pytest.raises(ValueError, match="epochs must be a positive int"):
