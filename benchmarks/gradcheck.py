@@ -74,6 +74,44 @@ def _torch_max_error(torch, f, inputs):
     return max(abs(index[id(w)][i].item() - num) for i, w, num in out)
 
 
+def _localise_large(seed=0):
+    """Directional mode on a 512 -> 1024 -> 512 -> 10 tanh MLP (1,055,242 params) with one
+    element of dW[1] doubled by a custom_vjp: seconds to find and locate it (first call)."""
+    def make(bug):
+        @jax.custom_vjp
+        def d(w, b, x):
+            return x @ w + b[None, :]
+
+        def bwd(res, g):
+            w, x = res
+            dw = x.T @ g
+            return (dw if bug is None else dw.at[bug].multiply(2.0)), g.sum(axis=0), g @ w.T
+        d.defvjp(lambda w, b, x: (d(w, b, x), (w, x)), bwd)
+        return d
+
+    sizes = (512, 1024, 512, 10)
+    params = fg.mlp_init(jax.random.key(seed), sizes, activation="tanh")
+    x = jax.random.normal(jax.random.key(1), (16, 512))
+    y = jnp.arange(16) % 10
+
+    def loss(params, x, y, layer1):
+        h = jnp.tanh(make(None)(params[0]["w"], params[0]["b"], x))
+        h = jnp.tanh(layer1(params[1]["w"], params[1]["b"], h))
+        return fg.softmax_cross_entropy(make(None)(params[2]["w"], params[2]["b"], h), y)
+
+    g = jax.grad(loss)(params, x, y, make(None))
+    bug = tuple(int(i) for i in np.unravel_index(np.argmax(np.abs(g[1]["w"])), g[1]["w"].shape))
+    start = time.perf_counter()
+    report = fg.check_grads(lambda params, x, y: loss(params, x, y, make(bug)), params, x, y,
+                            mode="directional")
+    seconds = time.perf_counter() - start
+    [bad] = report.failures
+    n = sum(int(np.size(v)) for p in params for v in p.values())
+    return {"params": n, "planted": list(bug), "located_leaf": bad.path,
+            "located_element": list(bad.worst_index), "seconds": seconds,
+            "correct": bad.path == "params[1]['w']" and bad.worst_index == bug}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -123,12 +161,18 @@ def main() -> None:
         err = "-" if r["max_error"] is None else f"{r['max_error']:.2e}"
         print(f"{r['h']:>4} {r['params']:>7}  {r['checker']:<30}{r['first_s']:>10.3f}"
               f"{r['median_s']:>11.4f}{r['ratio_to_funcgrad_full']:>8.2f}{err:>11}")
+    loc = _localise_large()
+    print(f"directional localisation, {loc['params']:,} params: planted at params[1]['w']"
+          f"{tuple(loc['planted'])}, located {loc['located_leaf']}{tuple(loc['located_element'])} "
+          f"in {loc['seconds']:.2f} s (first call, compile included)"
+          + ("" if loc["correct"] else "  WRONG"))
     if not have_torch:
         print("note: PyTorch is not installed; torch.autograd.gradcheck rows skipped "
               "(pip install torch to include them)")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"jax": jax.__version__, "repeats": args.repeats, "rows": rows}, fh, indent=1)
+        json.dump({"jax": jax.__version__, "repeats": args.repeats, "rows": rows,
+                   "localisation": loc}, fh, indent=1)
     print(f"wrote {args.out}")
 
 
