@@ -18,49 +18,29 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive(kind):
+def _checked(kind, ok, expected: str):
+    """An argparse type: parse `text` with `kind`, accept it if ok(value), else one clear line."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
     return parse
 
 
-def _fraction(text: str) -> float:
-    # Each split needs every one of the 10 classes: at least 10 of the 1,797 digits each.
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 10 <= round(1797 * value) <= 1787:
-        raise argparse.ArgumentTypeError(
-            f"expected a number in (0, 1) leaving at least 10 of the 1797 digits in each split "
-            f"(0.006 to 0.994), got {text!r}")
-    return value
+def _positive(kind):
+    return _checked(kind, lambda v: v > 0 and math.isfinite(v), f"a positive {kind.__name__}")
 
 
-def _unit_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"expected an int in [0, 2**32), got {text!r}")
-    return value
+# Each split needs every one of the 10 classes: at least 10 of the 1,797 digits each.
+_fraction = _checked(float, lambda v: 10 <= round(1797 * v) <= 1787,
+                     "a number in (0, 1) leaving at least 10 of the 1797 digits in each split "
+                     "(0.006 to 0.994)")
+_unit_interval = _checked(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+_seed = _checked(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
