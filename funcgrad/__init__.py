@@ -3,6 +3,7 @@
 PyTorch's autograd habits (``.grad``, ``zero_grad``, ``gradcheck``, ...) in functional form on
 ``jax.grad`` / ``jax.vjp`` / ``jax.jit`` and optax. The public API is re-exported here by name.
 """
+from funcgrad.clipping import global_norm as global_norm
 from funcgrad.data import Dataset as Dataset
 from funcgrad.data import batches as batches
 from funcgrad.data import load_digits as load_digits

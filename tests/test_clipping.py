@@ -1,0 +1,55 @@
+"""Tests for funcgrad.clipping."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from funcgrad.clipping import global_norm
+
+
+def test_global_norm_three_four_five():
+    # Hand: the elements 3 and 4 in two leaves of different shapes; sqrt(9 + 16) = 5.
+    tree = {"a": jnp.array([3.0]), "b": [jnp.array([[0.0, 4.0]])]}
+    chex.assert_trees_all_close(global_norm(tree), jnp.float32(5.0))
+
+
+def test_global_norm_matches_optax_on_random_trees():
+    # Second method: optax.tree.norm sums each leaf separately; only rounding may differ.
+    keys = jax.random.split(jax.random.key(0), 4)
+    tree = {"w": jax.random.normal(keys[0], (64, 128)), "b": jax.random.normal(keys[1], (128,)),
+            "nested": [jax.random.normal(keys[2], (3, 4, 5)), jax.random.normal(keys[3], ())]}
+    np.testing.assert_allclose(global_norm(tree), optax.tree.norm(tree), rtol=1e-6)
+
+
+def test_global_norm_mixed_dtypes_and_half_precision_in_float32():
+    # Hand: 300 bfloat16 ones and one float32 element 10 -> sqrt(300 + 100) = 20. Summed in
+    # bfloat16 (8 significant bits) 300 ones would stall at 256; the float32 sum is exact.
+    tree = {"h": jnp.ones((300,), jnp.bfloat16), "f": jnp.array([10.0], jnp.float32)}
+    out = global_norm(tree)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, 20.0, rtol=0)
+
+
+def test_global_norm_complex_and_empty():
+    # Hand: |3+4i| = 5. An empty tree has norm 0.
+    np.testing.assert_allclose(global_norm([jnp.array([3 + 4j], jnp.complex64)]), 5.0, rtol=1e-6)
+    assert float(global_norm({})) == 0.0
+
+
+def test_global_norm_propagates_nan_and_overflow():
+    # 2e19**2 = 4e38 > float32 max (3.4e38): the sum of squares overflows to inf, as optax's does.
+    assert np.isinf(global_norm([jnp.array([2e19], jnp.float32)]))
+    assert np.isnan(global_norm({"a": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2)}))
+
+
+def test_global_norm_under_jit_equals_eager():
+    tree = [jnp.arange(5.0), jnp.full((2, 2), 0.5)]
+    # Hand: 0+1+4+9+16 = 30, plus 4 * 0.25 = 1 -> sqrt(31).
+    np.testing.assert_allclose(jax.jit(global_norm)(tree), np.sqrt(31.0), rtol=1e-6)
+
+
+def test_global_norm_rejects_integer_leaves():
+    with pytest.raises(TypeError, match="floating-point leaves, got a leaf of dtype int32"):
+        global_norm({"steps": jnp.array([1, 2], jnp.int32)})
