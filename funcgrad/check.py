@@ -23,7 +23,6 @@ error near u^(2/3)·|f| (Nocedal & Wright, Numerical Optimization, §8.1).
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad import _objective as obj
+from funcgrad._jaxpr import arg_names
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
 
 #: dtype the function computed in -> (eps, rtol, atol). An element passes when
@@ -101,7 +101,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     if order not in (1, 2):
         raise ValueError(f"check_grads: order must be 1 or 2, got {order!r}.")
     argnums_t = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    names = _arg_names(fn, len(args))
+    names = arg_names(fn, len(args))
     with jax.enable_x64(True):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
@@ -136,21 +136,6 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
 
 
 # --- set-up -------------------------------------------------------------------------------
-
-def _arg_names(fn, nargs):
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    names = []
-    for i in range(nargs):
-        if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY,
-                                                   params[i].POSITIONAL_OR_KEYWORD):
-            names.append(params[i].name)
-        else:
-            names.append(f"args[{i}]")
-    return names
-
 
 def _promote(x):
     """Floating leaves to float64 NumPy arrays (host-side: no per-shape compilation)."""

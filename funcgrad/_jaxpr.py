@@ -1,0 +1,68 @@
+"""Small, shared readers of jaxprs and argument pytrees (private).
+
+Used by `funcgrad.check`, `funcgrad.graph` and `funcgrad.diagnose` to name leaves by pytree
+path (``params[0]['w']``), to say where an equation came from (``file.py:12``) and to find
+the jaxprs nested in an equation's parameters (jit, custom_jvp/vjp, scan, cond, remat, while).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+
+def arg_names(fn: Callable, nargs: int) -> list[str]:
+    """Names of the first `nargs` positional parameters of `fn` (``args[i]`` where unknown)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(nargs):
+        if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY,
+                                                   params[i].POSITIONAL_OR_KEYWORD):
+            names.append(params[i].name)
+        else:
+            names.append(f"args[{i}]")
+    return names
+
+
+def leaf_paths(args: tuple, names: list[str]) -> list[str]:
+    """One name per leaf of the tuple `args`, in ``jax.tree.leaves(args)`` order:
+    the argument's name followed by the leaf's key path, e.g. ``params[0]['w']``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
+    return [names[path[0].idx] + jax.tree_util.keystr(path[1:]) for path, _ in flat]
+
+
+def source_line(eqn: Any) -> str:
+    """Where the user's code created `eqn`, as ``file.py:LINE (function)``; "" if unknown.
+
+    The file is shown by its base name; JAX's own frames are skipped by JAX."""
+    try:
+        text = source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 - source info is best effort
+        return ""
+    if not text or text.startswith("unknown"):
+        return ""
+    head, sep, rest = text.partition(":")
+    return os.path.basename(head) + sep + rest if sep else text
+
+
+def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, jex_core.Jaxpr, tuple]]:
+    """The jaxprs nested in `eqn`'s parameters as ``(param name, jaxpr, consts)``.
+
+    A tuple-valued parameter (cond's ``branches``) yields one entry per element, named
+    ``branches[i]``."""
+    for key, value in eqn.params.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for i, v in enumerate(values):
+            name = f"{key}[{i}]" if isinstance(value, (tuple, list)) else key
+            if isinstance(v, jex_core.ClosedJaxpr):
+                yield name, v.jaxpr, tuple(v.consts)
+            elif isinstance(v, jex_core.Jaxpr):
+                yield name, v, ()
