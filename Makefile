@@ -22,6 +22,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
+	$(BIN)/python benchmarks/taps.py
+	$(BIN)/python benchmarks/gradcheck.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

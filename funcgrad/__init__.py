@@ -25,5 +25,7 @@ from funcgrad.check import audit as audit
 from funcgrad.check import check_grads as check_grads
 from funcgrad.check_report import GradCheckReport as GradCheckReport
 from funcgrad.check_report import LeafCheck as LeafCheck
+from funcgrad.taps import intermediate_grads as intermediate_grads
+from funcgrad.taps import tap as tap
 
 __version__ = "0.1.0"

@@ -1,0 +1,255 @@
+"""Gradients of intermediate values: PyTorch's ``retain_grad`` as a transformation.
+
+Name a value inside a pure function with ``h = tap("hidden", h)``. On its own, a tap is the
+identity: it is a primitive that lowers to nothing, so a jitted function with taps compiles to
+the same program as one without (``benchmarks/taps.py`` measures it). `intermediate_grads`
+transforms the function so that it also returns d(output)/d(each tapped value).
+
+How: the function is traced to a jaxpr, and every tap site is replaced by ``x + p`` where ``p``
+is an extra input, zero in value; the gradient with respect to ``p`` is the cotangent that
+reaches the tapped value, i.e. d(loss)/d(value) — the "perturbation" method (as in flax's
+``Module.perturb``), applied to the program rather than to a module.
+
+Where taps may sit, and what shape their gradients have:
+  * at top level, inside ``jax.jit`` (nested calls are evaluated inline) and inside
+    ``jax.checkpoint`` (kept, with its policy): the tapped value's shape;
+  * inside ``jax.vmap``: the batched shape, one row per mapped example (the jaxpr sees the
+    batched value);
+  * inside ``lax.scan`` (nested scans too): stacked over iterations, shape
+    ``(length, *value_shape)``;
+  * inside ``lax.cond`` / ``lax.switch`` branches: the branch's value; zero when the branch
+    was not taken;
+  * not inside ``while_loop`` (it cannot be reverse-differentiated) or inside a
+    ``custom_jvp`` / ``custom_vjp`` function (their rules cannot see the perturbation):
+    both raise ValueError.
+Names must be unique within one call of the function: a repeated name raises ValueError naming
+both sites (a tap inside a scan body is one site and gives one value per iteration).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+from jax.interpreters import ad, batching, mlir
+
+from funcgrad._jaxpr import source_line
+
+tap_p = jex_core.Primitive("tap")
+tap_p.def_impl(lambda x, *, name: x)
+tap_p.def_abstract_eval(lambda aval, *, name: aval)
+ad.defjvp(tap_p, lambda tangent, x, *, name: tangent)
+batching.primitive_batchers[tap_p] = lambda args, dims, *, name: (tap_p.bind(args[0], name=name),
+                                                                   dims[0])
+mlir.register_lowering(tap_p, lambda ctx, x, *, name: [x])
+# Source lines of tap sites name the caller of `tap`, not this file.
+source_info_util.register_exclusion(__file__)
+
+
+def tap(name: str, x: jax.Array) -> jax.Array:
+    """Names the intermediate value `x` so that `intermediate_grads` can return its gradient.
+
+    Args:
+      name: a non-empty string, unique within one call of the function being transformed.
+      x: a floating-point array of any shape (a tracer inside jit/vmap/scan is fine).
+    Returns:
+      `x` itself (same shape, dtype and value). Without `intermediate_grads` around the
+      function, the tap is the identity and compiles to nothing.
+    Raises:
+      TypeError: if `name` is not a non-empty string, or `x` is not a floating-point array
+        (an integer value has no gradient).
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"tap: name must be a non-empty string, got {name!r}.")
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"tap({name!r}, x): x must be a floating-point array, got dtype {dtype}. "
+                        "Only floating values have gradients; tap the float value it came from.")
+    return tap_p.bind(jnp.asarray(x), name=name)
+
+
+class _Site(NamedTuple):
+    name: str
+    shape: tuple[int, ...]   # including the leading scan lengths
+    dtype: Any
+    where: str
+
+
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+           "core_call": "call_jaxpr"}
+_REMAT = {"checkpoint", "remat", "remat2"}
+_OPAQUE = {"custom_jvp_call": "a custom_jvp function", "custom_vjp_call": "a custom_vjp function",
+           "custom_vjp_call_jaxpr": "a custom_vjp function", "while": "a while_loop"}
+
+
+def _closed(sub):
+    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
+
+
+def _has_tap(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is tap_p:
+            return True
+        for v in eqn.params.values():
+            for s in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(s, (jex_core.ClosedJaxpr, jex_core.Jaxpr)) and _has_tap(_closed(s)[0]):
+                    return True
+    return False
+
+
+def _find_sites(jaxpr, prefix: tuple[int, ...], sites: dict[str, _Site]) -> None:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if eqn.primitive is tap_p:
+            tap_name = eqn.params["name"]
+            aval = eqn.invars[0].aval
+            site = _Site(tap_name, prefix + tuple(aval.shape), aval.dtype, source_line(eqn))
+            if tap_name in sites:
+                raise ValueError(
+                    f"tap name {tap_name!r} is used twice in one call: at "
+                    f"{sites[tap_name].where or '?'} and at {site.where or '?'}. Names must be "
+                    f"unique; use distinct names (e.g. f'{tap_name}{{i}}'). A tap inside a "
+                    "lax.scan body is one site and already gives one value per iteration.")
+            sites[tap_name] = site
+        elif name in _INLINE and _INLINE[name] in eqn.params:
+            _find_sites(_closed(eqn.params[_INLINE[name]])[0], prefix, sites)
+        elif name in _REMAT:
+            _find_sites(_closed(eqn.params["jaxpr"])[0], prefix, sites)
+        elif name == "scan":
+            _find_sites(eqn.params["jaxpr"].jaxpr, prefix + (eqn.params["length"],), sites)
+        elif name == "cond":
+            for branch in eqn.params["branches"]:
+                _find_sites(branch.jaxpr, prefix, sites)
+        elif name in _OPAQUE and any(_has_tap(_closed(s)[0]) for s in _subs(eqn)):
+            raise ValueError(
+                f"a tap sits inside {_OPAQUE[name]} (at {source_line(eqn) or '?'}); "
+                "intermediate_grads cannot reach it there. Move the tap outside that function.")
+
+
+def _subs(eqn):
+    for v in eqn.params.values():
+        for s in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(s, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                yield s
+
+
+def _eval(jaxpr, consts, args, perts: dict[str, jax.Array]):
+    """Evaluates `jaxpr`, replacing each tap site by ``x + perts[name]``."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for var, val in zip(jaxpr.constvars, consts):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+        env[var] = val
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if eqn.primitive is tap_p:
+            x = ins[0]
+            outs = [x + perts[eqn.params["name"]].astype(x.dtype)]
+        elif not any(_has_tap(_closed(s)[0]) for s in _subs(eqn)):
+            outs = _bind(eqn, ins)
+        elif name in _INLINE and _INLINE[name] in eqn.params:
+            sub, sub_consts = _closed(eqn.params[_INLINE[name]])
+            outs = _eval(sub, sub_consts, ins, perts)
+        elif name in _REMAT:  # keep the rematerialisation around the interpreted body
+            sub, sub_consts = _closed(eqn.params["jaxpr"])
+            outs = jax.checkpoint(lambda *a: _eval(sub, sub_consts, a, perts),
+                                  prevent_cse=eqn.params.get("prevent_cse", True),
+                                  policy=eqn.params.get("policy"))(*ins)
+        elif name == "scan":
+            outs = _eval_scan(eqn, ins, perts)
+        elif name == "cond":
+            outs = _eval_cond(eqn, ins, perts)
+        else:  # _find_sites has already rejected the rest
+            raise AssertionError(f"unexpected tap inside {name}")
+        for var, val in zip(eqn.outvars, outs):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn, ins):
+    bind = eqn.primitive.get_bind_params(eqn.params)  # higher-order primitives need subfuns
+    subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
+    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _eval_scan(eqn, ins, perts):
+    p = eqn.params
+    body = p["jaxpr"]
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+    inner = {}
+    _find_sites(body.jaxpr, (), inner)
+    names = sorted(inner)
+
+    def step(carry, x):
+        xs_t, perts_t = x
+        outs = _eval(body.jaxpr, body.consts, [*consts, *carry, *xs_t],
+                     {**perts, **dict(zip(names, perts_t))})
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = jax.lax.scan(step, list(init), (list(xs), [perts[n] for n in names]),
+                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
+
+
+def _eval_cond(eqn, ins, perts):
+    index, ops = ins[0], ins[1:]
+    branches = [lambda *o, b=b: _eval(b.jaxpr, b.consts, o, perts) for b in eqn.params["branches"]]
+    return list(jax.lax.switch(index, branches, *ops))
+
+
+def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
+                       has_aux: bool = False) -> Callable:
+    """Transforms `fn` to return its value, its gradient and the gradients of its taps.
+
+    PyTorch's ``h.retain_grad()`` then ``loss.backward()`` then ``h.grad``, as one function:
+    ``loss, grads, tap_grads = intermediate_grads(loss_fn)(params, batch)`` where
+    ``tap_grads["hidden"]`` is d(loss)/d(h) for ``h = tap("hidden", h)`` inside `loss_fn`.
+
+    Args:
+      fn: ``fn(*args) -> scalar`` (or ``(scalar, aux)`` with `has_aux`), pure, with `tap`
+        calls inside (anywhere it calls, including jitted, vmapped and scanned code).
+      argnums: which positional arguments to differentiate, as in ``jax.grad``.
+      has_aux: whether `fn` returns ``(value, aux)``.
+    Returns:
+      A function of the same arguments returning ``(value, grads, tap_grads)`` (value is
+      ``(value, aux)`` with `has_aux`): `grads` as ``jax.grad(fn, argnums)`` gives them;
+      `tap_grads` a dict from tap name to an array of the tapped value's dtype and shape, with
+      the batch axis where the tap sits under vmap and a leading ``length`` axis per enclosing
+      scan (see the module docstring). The function can itself be jitted or vmapped.
+    Raises:
+      ValueError: when called, if a tap name is used twice, or a tap sits inside a while_loop
+        or a custom_jvp/custom_vjp function. ``jax.grad``'s own TypeError if the output is not
+        a real scalar.
+    """
+    if not callable(fn):
+        raise TypeError(f"intermediate_grads needs a callable, got {type(fn).__name__}.")
+    single = isinstance(argnums, int)
+    nums = (argnums,) if single else tuple(argnums)
+
+    def transformed(*args):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        sites: dict[str, _Site] = {}
+        _find_sites(closed.jaxpr, (), sites)
+        out_tree = jax.tree.structure(out_shape)
+        zeros = {n: jnp.zeros(s.shape, s.dtype) for n, s in sites.items()}
+
+        def with_perts(perts, *args):
+            outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), perts)
+            return jax.tree.unflatten(out_tree, outs)
+
+        value, grads = jax.value_and_grad(with_perts, argnums=(0, *(n + 1 for n in nums)),
+                                          has_aux=has_aux)(zeros, *args)
+        tap_grads, arg_grads = grads[0], grads[1:]
+        return value, (arg_grads[0] if single else arg_grads), tap_grads
+
+    return transformed
