@@ -25,6 +25,8 @@ from funcgrad.check import audit as audit
 from funcgrad.check import check_grads as check_grads
 from funcgrad.check_report import GradCheckReport as GradCheckReport
 from funcgrad.check_report import LeafCheck as LeafCheck
+from funcgrad.diagnose import GradExplanation as GradExplanation
+from funcgrad.diagnose import explain_grads as explain_grads
 from funcgrad.taps import intermediate_grads as intermediate_grads
 from funcgrad.taps import tap as tap
 

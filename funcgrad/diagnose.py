@@ -1,0 +1,353 @@
+"""Why is this leaf's gradient zero? One status per parameter leaf, with the reason.
+
+PyTorch gives ``None`` for a parameter that never reached the loss; JAX gives zeros, and the same
+zeros for a parameter behind ``stop_gradient``, behind ``round``, or behind a dead ReLU layer.
+`explain_grads` tells them apart (article A §4.1 and §6, B §5.2; concept 15 of CONCEPTS.md):
+
+  ``connected``                      the gradient is non-zero;
+  ``unused``                         the loss does not depend on the leaf at all (PyTorch: None);
+  ``blocked_by_stop_gradient``       it depends on it only through ``stop_gradient``;
+  ``blocked_by_zero_derivative_op``  only through ops whose derivative is zero everywhere it is
+                                     defined: round, floor, ceil, sign, comparisons, argmax /
+                                     argmin, casts to integer or bool, ...;
+  ``numerically_zero``               connected through differentiable ops, but the gradient is
+                                     exactly zero for this input (dead ReLU units, saturation, a
+                                     ``where`` branch no example took);
+  ``not_differentiable``             an integer or boolean leaf (it has no gradient).
+
+The structural questions are answered from the program, not from the numbers:
+  * *does the loss depend on the leaf at all* — a dependence analysis of the jaxpr of the loss
+    (entering jit, custom_jvp/vjp, remat, scan with a fixpoint over the carry, cond, while);
+  * *is there a differentiable path* — the same analysis run on the linear jaxpr of
+    ``jax.linearize``: JAX's own derivative rules drop a tangent that is a symbolic zero
+    (stop_gradient, round, comparisons, custom rules), so a leaf whose tangent input does not
+    reach the tangent output has no differentiable path. Custom derivative rules are
+    therefore judged by what they do (a straight-through estimator around ``round`` counts as
+    connected);
+  * *what blocks it* — the dependence analysis again, now tracking for each leaf the best
+    kind of path (differentiable > through stop_gradient > through a zero-derivative op) and
+    where the path was cut (primitive and source line).
+Only the last status needs the numbers: the gradient itself, and the ReLU units' activations
+(a unit is *dead for this batch* when its pre-activation is <= 0 for every example, so its
+derivative, relu'(z) = 0 for z <= 0 in JAX, is zero for every example).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from funcgrad._jaxpr import arg_names, leaf_paths, source_line
+
+STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
+            "numerically_zero", "not_differentiable")
+
+#: Primitives with a floating output whose derivative is zero wherever it is defined. Any
+#: primitive with an integer or boolean output (comparisons, argmax, casts to int, ...) cuts the
+#: derivative as well, by its dtype.
+ZERO_DERIVATIVE_PRIMITIVES = frozenset({"round", "floor", "ceil", "sign", "is_finite",
+                                        "nextafter", "stop_gradient"})
+
+_DIFF, _STOP, _ZERO = 3, 2, 1  # kinds of path from a leaf, best first
+
+
+class _Path(NamedTuple):
+    kind: int
+    where: str  # the primitive and line that cut the path ("" for a differentiable path)
+
+
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+
+
+def _merge(*deps: dict[int, _Path]) -> dict[int, _Path]:
+    out: dict[int, _Path] = {}
+    for d in deps:
+        for leaf, path in d.items():
+            if leaf not in out or path.kind > out[leaf].kind:
+                out[leaf] = path
+    return out
+
+
+def _cut(deps: dict[int, _Path], kind: int, where: str) -> dict[int, _Path]:
+    return {leaf: (p if p.kind <= kind else _Path(kind, where)) for leaf, p in deps.items()}
+
+
+def _closed(sub):
+    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
+
+
+def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "") -> list[dict[int, _Path]]:
+    """For each output of `jaxpr`, the leaves it depends on and the best kind of path."""
+    env: dict[Any, dict[int, _Path]] = {}
+    for var, deps in zip(jaxpr.invars, in_deps):
+        env[var] = deps
+
+    def read(v):
+        return {} if isinstance(v, jex_core.Literal) else env.get(v, {})
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        for var, deps in zip(eqn.outvars, _transfer(eqn, ins, source_line(eqn) or where)):
+            env[var] = deps
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _transfer(eqn, ins, where):
+    name = eqn.primitive.name
+    at = f"{name} at {where}" if where else name
+    if name in _CALLS and _CALLS[name] in eqn.params:
+        sub, consts = _closed(eqn.params[_CALLS[name]])
+        n = len(sub.invars)
+        return _flow(sub, ins[len(ins) - n:], where)
+    if name == "scan":
+        p = eqn.params
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+        while True:  # fixpoint over the carry; kinds only grow, so this ends
+            outs = _flow(p["jaxpr"].jaxpr, [*consts, *carry, *xs], where)
+            new = [_merge(c, o) for c, o in zip(carry, outs[:nk])]
+            if new == carry:
+                return outs[:nk] + outs[nk:]
+            carry = new
+    if name == "cond":
+        index = _cut(ins[0], _ZERO, f"the branch index of cond at {where}")
+        branches = [_flow(b.jaxpr, ins[1:], where) for b in eqn.params["branches"]]
+        return [_merge(index, *outs) for outs in zip(*branches)]
+    merged = _merge(*ins)
+    if name == "stop_gradient":
+        return [_cut(merged, _STOP, at)]
+    outs = []
+    for var in eqn.outvars:
+        dtype = getattr(var.aval, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            detail = f"{name} (to {dtype}) at {where}" if name == "convert_element_type" else at
+            outs.append(_cut(merged, _ZERO, f"{detail}, whose output is {dtype}"))
+        elif name in ZERO_DERIVATIVE_PRIMITIVES:
+            outs.append(_cut(merged, _ZERO, at))
+        else:
+            outs.append(merged)
+    return outs
+
+
+@dataclasses.dataclass(frozen=True)
+class ReluSite:
+    """One ReLU in the program and its dead units for the given input.
+
+    Attributes:
+      where: the source line of the ReLU (``file.py:LINE (function)``).
+      units: number of units (the size of the last axis of its input).
+      dead: units whose pre-activation is <= 0 for every example of the batch.
+    """
+    where: str
+    units: int
+    dead: int
+
+    @property
+    def dead_fraction(self) -> float:
+        return self.dead / self.units if self.units else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafExplanation:
+    """One row of `explain_grads`.
+
+    Attributes:
+      path: the leaf's name by pytree path, e.g. ``params[0]['w']``.
+      shape, dtype: the leaf's.
+      status: one of `STATUSES`.
+      grad_norm: L2 norm of the leaf's gradient (0.0 for a leaf that is not differentiated).
+      detail: the reason in words: the primitive and source line that cut the path, or the
+        dead ReLU units, or "".
+    """
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    status: str
+    grad_norm: float
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GradExplanation:
+    """What `explain_grads` returns: one `LeafExplanation` per parameter leaf.
+
+    ``print(report)`` shows a table; ``report.to_dict()`` gives plain data; ``report[path]``
+    looks a row up by its path; ``report.status(path)`` gives its status.
+    """
+    rows: tuple[LeafExplanation, ...]
+    loss: float
+    relus: tuple[ReluSite, ...]
+
+    def __getitem__(self, path: str) -> LeafExplanation:
+        for row in self.rows:
+            if row.path == path:
+                return row
+        raise KeyError(f"no leaf {path!r}; leaves are {[r.path for r in self.rows]}")
+
+    def status(self, path: str) -> str:
+        return self[path].status
+
+    def to_dict(self) -> dict:
+        return {"loss": self.loss,
+                "leaves": [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.rows],
+                "relus": [dataclasses.asdict(s) | {"dead_fraction": s.dead_fraction}
+                          for s in self.relus]}
+
+    def __str__(self) -> str:
+        w = max([len("leaf")] + [len(r.path) for r in self.rows])
+        lines = [f"explain_grads: loss = {self.loss:.6g}",
+                 f"  {'leaf':<{w}}  {'shape':<12}{'status':<31}{'grad norm':>11}  detail"]
+        for r in self.rows:
+            lines.append(f"  {r.path:<{w}}  {str(list(r.shape)):<12}{r.status:<31}"
+                         f"{r.grad_norm:>11.3g}  {r.detail}")
+        for s in self.relus:
+            lines.append(f"  ReLU at {s.where or '?'}: {s.dead}/{s.units} units dead for this "
+                         f"batch ({100 * s.dead_fraction:.0f}%)")
+        return "\n".join(lines)
+
+
+def explain_grads(loss_fn: Callable, params: Any, *args: Any,
+                  has_aux: bool = False) -> GradExplanation:
+    """Explains, leaf by leaf, whether and why ``jax.grad(loss_fn)(params, *args)`` is zero.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args) -> scalar`` (or ``(scalar, aux)`` with `has_aux`), a
+        pure function; may use jit, vmap, scan, cond, custom_jvp/vjp inside.
+      params: the pytree differentiated (argument 0), of arrays of any shapes.
+      *args: the other arguments (a batch, labels...), not differentiated.
+      has_aux: whether `loss_fn` returns ``(loss, aux)``.
+    Returns:
+      A `GradExplanation`: one row per leaf of `params` in ``jax.tree.leaves`` order, with its
+      status (see the module docstring), gradient norm and the reason; plus every ReLU found
+      in the program with its dead units for this input.
+    Raises:
+      TypeError: if `loss_fn` is not callable.
+      ValueError: if the loss is not a real scalar.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"explain_grads needs a callable loss_fn, got {type(loss_fn).__name__}.")
+    names = arg_names(loss_fn, 1 + len(args))
+    paths = leaf_paths((params,), names[:1])
+    p_leaves, p_tree = jax.tree.flatten(params)
+    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
+    loss_shape = out_shape[0] if has_aux else out_shape
+    if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()
+            and jnp.issubdtype(loss_shape.dtype, jnp.floating)):
+        got = (f"shape {tuple(loss_shape.shape)} dtype {loss_shape.dtype}"
+               if hasattr(loss_shape, "shape") else type(loss_shape).__name__)
+        raise ValueError(f"explain_grads needs loss_fn to return a real scalar loss"
+                         f"{' as the first element of (loss, aux)' if has_aux else ''}; got "
+                         f"{got}. Reduce it (e.g. .mean()) or pass has_aux=True.")
+    floating = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in p_leaves]
+    n_all = len(closed.jaxpr.invars)
+    in_deps = [({i: _Path(_DIFF, "")} if i < len(p_leaves) and floating[i] else {})
+               for i in range(n_all)]
+    primal = _flow(closed.jaxpr, in_deps)[0]
+
+    diff_idx = [i for i, f in enumerate(floating) if f]
+
+    def of_floats(float_leaves):
+        leaves = list(p_leaves)
+        for i, x in zip(diff_idx, float_leaves):
+            leaves[i] = x
+        out = loss_fn(jax.tree.unflatten(p_tree, leaves), *args)
+        return out[0] if has_aux else out
+
+    float_leaves = [p_leaves[i] for i in diff_idx]
+    loss, linear = jax.linearize(of_floats, float_leaves)
+    lin = jax.make_jaxpr(linear)(float_leaves)
+    reach = _flow(lin.jaxpr, [{j: _Path(_DIFF, "")} for j in range(len(diff_idx))])[0]
+    grads = jax.grad(of_floats)(float_leaves)
+    relus = _relu_sites(closed, params, args)
+
+    rows = []
+    for i, (path, leaf) in enumerate(zip(paths, p_leaves)):
+        shape, dtype = tuple(jnp.shape(leaf)), str(jnp.result_type(leaf))
+        if not floating[i]:
+            rows.append(LeafExplanation(path, shape, dtype, "not_differentiable", 0.0,
+                                        f"{dtype} leaf: integer and boolean leaves have no gradient"))
+            continue
+        j = diff_idx.index(i)
+        g = np.asarray(grads[j])
+        norm = float(np.sqrt(np.sum(np.square(g.astype(np.float64)))))
+        if i not in primal:
+            status, detail = "unused", "the loss does not depend on this leaf (PyTorch: grad None)"
+        elif j in reach:
+            if np.any(g != 0):
+                status, detail = "connected", ""
+            else:
+                status, detail = "numerically_zero", _numeric_detail(relus)
+        elif primal[i].kind == _STOP:
+            status, detail = "blocked_by_stop_gradient", f"cut by {primal[i].where}"
+        elif primal[i].kind == _ZERO:
+            status, detail = "blocked_by_zero_derivative_op", f"cut by {primal[i].where}"
+        else:  # our analysis saw a differentiable path, JAX's rules gave a symbolic zero
+            status, detail = ("blocked_by_zero_derivative_op",
+                              "JAX's derivative rules give a symbolic zero on every path "
+                              "(a custom_jvp/custom_vjp rule or a primitive without a tangent)")
+        rows.append(LeafExplanation(path, shape, dtype, status, norm, detail))
+    return GradExplanation(tuple(rows), float(loss), tuple(relus))
+
+
+def _numeric_detail(relus: list[ReluSite]) -> str:
+    text = ("differentiable path exists, but the gradient is exactly zero for this input "
+            "(dead ReLU units, saturation, or a branch no example took)")
+    dead = [s for s in relus if s.dead]
+    if dead:
+        text += "; dead ReLU units: " + ", ".join(
+            f"{s.dead}/{s.units} at {s.where or '?'}" for s in dead)
+    return text
+
+
+# --- ReLU sites: evaluate the program once and look at every max(x, 0) -------------------
+
+def _relu_sites(closed, params, args) -> list[ReluSite]:
+    sites: list[ReluSite] = []
+    _record(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), sites, "")
+    return sites
+
+
+def _is_zero_literal(v) -> bool:
+    return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
+
+
+def _record(jaxpr, consts, args, sites, where):
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for var, val in zip(jaxpr.constvars, consts):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+        env[var] = val
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        here = source_line(eqn) or where
+        if name in _CALLS and _CALLS[name] in eqn.params:
+            sub, sub_consts = _closed(eqn.params[_CALLS[name]])
+            outs = _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], sites, here)
+        else:
+            if name == "max" and len(eqn.invars) == 2 and any(map(_is_zero_literal, eqn.invars)):
+                x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
+                if x.ndim:
+                    units = x.shape[-1]
+                    alive = np.any(x.reshape(-1, units) > 0, axis=0)
+                    sites.append(ReluSite(here, units, int(units - alive.sum())))
+            bind = eqn.primitive.get_bind_params(eqn.params)
+            subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
+            outs = eqn.primitive.bind(*subfuns, *ins, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, val in zip(eqn.outvars, outs):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+

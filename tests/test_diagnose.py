@@ -1,0 +1,170 @@
+"""Tests for funcgrad.diagnose.explain_grads: one status per leaf, each built by hand."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funcgrad as fg
+from funcgrad.diagnose import STATUSES, explain_grads
+
+X = jnp.arange(6.0).reshape(2, 3) / 6.0 - 0.2   # rows [-0.2, -0.033, 0.133], [0.3, 0.467, 0.633]
+
+
+def one_of_each(params, x):
+    # w1 feeds a live ReLU: connected. w_dead feeds a ReLU whose pre-activation x @ w - 100 < 0
+    # for every example: numerically zero. w_sg only through stop_gradient, w_round only
+    # through round, unused never read.
+    live = jax.nn.relu(x @ params["w1"] + 1.0)
+    dead = jax.nn.relu(x @ params["w_dead"] - 100.0)
+    return (jnp.sum(live) + jnp.sum(dead) + jnp.sum(jax.lax.stop_gradient(params["w_sg"]) * 2.0)
+            + jnp.sum(jnp.round(params["w_round"])))
+
+
+PARAMS = {"w1": jnp.ones((3, 4)), "w_dead": jnp.ones((3, 2)), "w_sg": jnp.ones(2),
+          "w_round": jnp.ones(2), "unused": jnp.ones(5)}
+
+
+def test_one_leaf_of_each_status():
+    report = explain_grads(one_of_each, PARAMS, X)
+    assert {r.path: r.status for r in report.rows} == {
+        "params['unused']": "unused",
+        "params['w1']": "connected",
+        "params['w_dead']": "numerically_zero",
+        "params['w_round']": "blocked_by_zero_derivative_op",
+        "params['w_sg']": "blocked_by_stop_gradient",
+    }
+    # Second method: jax.grad is exactly zero for every leaf but the connected one.
+    grads = jax.grad(one_of_each)(PARAMS, X)
+    for row, g in zip(report.rows, jax.tree.leaves(grads)):
+        assert (row.status == "connected") == bool(jnp.any(g != 0))
+        np.testing.assert_allclose(row.grad_norm, np.linalg.norm(np.ravel(g)), rtol=1e-6)
+    # Hand: every live unit has pre-activation x @ 1 + 1 > 0, so dloss/dw1[i, j] = sum_b x[b, i]
+    # = [0.1, 0.433, 0.767] per row, 4 columns: norm = 2 * sqrt(0.01 + 0.1878 + 0.5878).
+    np.testing.assert_allclose(report["params['w1']"].grad_norm,
+                               2 * np.sqrt(0.1 ** 2 + 0.4333333 ** 2 + 0.7666667 ** 2), rtol=1e-5)
+    assert "round at test_diagnose.py" in report["params['w_round']"].detail
+    assert "stop_gradient at test_diagnose.py" in report["params['w_sg']"].detail
+    assert "2/2 at test_diagnose.py" in report["params['w_dead']"].detail
+    text = str(report)
+    for status in ("connected", "unused", "numerically_zero", "blocked_by_stop_gradient",
+                   "blocked_by_zero_derivative_op"):
+        assert status in text
+    assert set(r["status"] for r in report.to_dict()["leaves"]) <= set(STATUSES)
+
+
+@pytest.mark.parametrize("op, name", [
+    (jnp.round, "round"), (jnp.floor, "floor"), (jnp.ceil, "ceil"), (jnp.sign, "sign"),
+    (lambda w: (w > 0.5).astype(jnp.float32), "gt"),
+    (lambda w: (w == 1.0).astype(jnp.float32), "eq"),
+    (lambda w: jnp.argmax(w).astype(jnp.float32), "argmax"),
+    (lambda w: jnp.argmin(w).astype(jnp.float32), "argmin"),
+    (lambda w: w.astype(jnp.int32).astype(jnp.float32), "convert_element_type (to int32)"),
+])
+def test_each_zero_derivative_family(op, name):
+    report = explain_grads(lambda p: jnp.sum(op(p["w"]) * 3.0), {"w": jnp.array([0.3, 1.7])})
+    row = report["p['w']"]
+    assert row.status == "blocked_by_zero_derivative_op"
+    assert f"cut by {name}" in row.detail and "test_diagnose.py" in row.detail
+
+
+def test_stop_gradient_inside_jit_and_inside_scan():
+    inner = jax.jit(lambda w: jax.lax.stop_gradient(w) * 2.0)
+
+    def in_jit(p):  # a reaches the loss only through the stop_gradient inside the jitted call
+        return jnp.sum(inner(p["a"])) + jnp.sum(p["b"] * p["b"])
+
+    r = explain_grads(in_jit, {"a": jnp.ones(2), "b": jnp.ones(2)})
+    assert r.status("p['a']") == "blocked_by_stop_gradient"
+    assert "stop_gradient at test_diagnose.py" in r["p['a']"].detail
+    assert r.status("p['b']") == "connected"
+
+    def in_scan(p):
+        def body(c, _):
+            return c + jax.lax.stop_gradient(p["a"]) + p["b"], None
+        return jnp.sum(jax.lax.scan(body, jnp.zeros(2), None, length=3)[0])
+
+    r = explain_grads(in_scan, {"a": jnp.ones(2), "b": jnp.ones(2)})
+    assert r.status("p['a']") == "blocked_by_stop_gradient"
+    assert r.status("p['b']") == "connected"
+    np.testing.assert_allclose(r["p['b']"].grad_norm, 3 * np.sqrt(2))  # 3 steps, 2 elements
+
+
+def test_multiplying_by_zero_is_numerically_zero_not_blocked():
+    # a * 0.0 is a differentiable path whose value happens to be zero.
+    r = explain_grads(lambda p: jnp.sum(p["a"] * 0.0), {"a": jnp.ones(2)})
+    assert r.status("p['a']") == "numerically_zero"
+
+
+def test_scan_carry_reaches_the_loss_only_after_a_fixpoint():
+    # The carry is (c1, c2) -> (c2 * w... ) : u enters c2 at step 1 and reaches the output c1 at
+    # step 2 only through the carry: the dependence needs two rounds of the fixpoint.
+    def loss(p):
+        def body(c, _):
+            c1, c2 = c
+            return (c1 + c2, p["u"] * 1.0), None
+        return jax.lax.scan(body, (0.0, 0.0), None, length=3)[0][0]
+
+    r = explain_grads(loss, {"u": jnp.float32(2.0)})
+    assert r.status("p['u']") == "connected"
+    # Hand: c1 after 3 steps = 0 + 0 + u + u... step1 c1=0,c2=u; step2 c1=u,c2=u; step3 c1=2u.
+    np.testing.assert_allclose(r["p['u']"].grad_norm, 2.0)
+
+
+def test_cond_branch_not_taken_and_where():
+    def loss(p, flag):
+        return jax.lax.cond(flag, lambda: jnp.sum(p["a"]), lambda: jnp.sum(p["b"]))
+
+    r = explain_grads(loss, {"a": jnp.ones(2), "b": jnp.ones(2)}, True)
+    assert r.status("p['a']") == "connected"
+    assert r.status("p['b']") == "numerically_zero"  # a branch this input did not take
+
+    r = explain_grads(lambda p, x: jnp.sum(jnp.where(x > 10.0, p["a"], 0.0)), {"a": jnp.ones(3)},
+                      jnp.arange(3.0))
+    assert r.status("p['a']") == "numerically_zero"  # no element took the p branch
+
+
+def test_custom_jvp_straight_through_counts_as_connected():
+    @jax.custom_jvp
+    def ste_round(x):
+        return jnp.round(x)
+    ste_round.defjvp(lambda primals, tangents: (ste_round(primals[0]), tangents[0]))
+
+    r = explain_grads(lambda p: jnp.sum(ste_round(p["a"])) + jnp.sum(jnp.round(p["b"])),
+                      {"a": jnp.array([0.3, 1.6]), "b": jnp.ones(2)})
+    assert r.status("p['a']") == "connected"  # judged by JAX's rules: the STE passes gradient
+    np.testing.assert_allclose(r["p['a']"].grad_norm, np.sqrt(2))
+    assert r.status("p['b']") == "blocked_by_zero_derivative_op"
+
+
+def test_dead_relu_fraction_on_the_mlp_by_hand(key):
+    # Bias of the hidden layer at -1000 for units 0..5 of 16: those units are dead for every
+    # example (|x @ w| is far below 1000 on standardised digits); 6/16 dead by construction.
+    params = fg.mlp_init(key, (64, 16, 10))
+    params[0]["b"] = params[0]["b"].at[:6].set(-1000.0)
+    data = fg.load_digits(seed=0)
+    x, y = data.x_train[:32], data.y_train[:32]
+    loss = lambda p, x, y: fg.softmax_cross_entropy(fg.mlp_apply(p, x), y)
+    r = explain_grads(loss, params, x, y)
+    assert [(s.units, s.dead) for s in r.relus] == [(16, 6)]
+    assert all(row.status == "connected" for row in r.rows)
+    # Kill all 16: every parameter upstream of and including layer 0 is numerically zero; the
+    # last layer's bias still gets dloss/db2 = mean(softmax - onehot) != 0.
+    params[0]["b"] = jnp.full((16,), -1000.0)
+    r = explain_grads(loss, params, x, y)
+    assert [(s.units, s.dead) for s in r.relus] == [(16, 16)]
+    assert {row.path: row.status for row in r.rows} == {
+        "p[0]['b']": "numerically_zero", "p[0]['w']": "numerically_zero",
+        "p[1]['b']": "connected", "p[1]['w']": "numerically_zero"}
+    assert "16/16 at" in r["p[0]['w']"].detail
+
+
+def test_integer_leaves_and_bad_losses():
+    r = explain_grads(lambda p: jnp.sum(p["w"]) * p["n"], {"w": jnp.ones(2), "n": jnp.array(3)})
+    assert r.status("p['n']") == "not_differentiable"
+    assert r.status("p['w']") == "connected"
+    with pytest.raises(ValueError, match=r"real scalar loss; got shape \(2,\) dtype float32"):
+        explain_grads(lambda p: p["w"] * 2.0, {"w": jnp.ones(2)})
+    with pytest.raises(TypeError, match="needs a callable loss_fn"):
+        explain_grads("loss", {"w": jnp.ones(2)})
+    r = explain_grads(lambda p: (jnp.sum(p["w"]), {"aux": 1}), {"w": jnp.ones(2)}, has_aux=True)
+    assert r.status("p['w']") == "connected"
