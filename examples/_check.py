@@ -7,19 +7,25 @@ class Check:
 
     def __init__(self, title: str, left: str = "funcgrad", right: str = "by hand"):
         self.failed = 0
-        print(f"{title}\n  {'':<36}{left:>14}{right:>14}")
+        print(f"{title}\n  {'':<36}{left:>14} {right:>14}")
 
     def row(self, name: str, value: float, reference: float, *, tol: float = 0.0) -> None:
         ok = abs(float(value) - float(reference)) <= tol
         self.failed += not ok
-        print(f"  {name:<36}{float(value):>14.6g}{float(reference):>14.6g}   "
+        print(f"  {name:<36}{float(value):>14.6g} {float(reference):>14.6g}   "
               f"{'ok' if ok else 'MISMATCH'}")
 
     def below(self, name: str, value: float, limit: float) -> None:
         """A row that passes when ``value <= limit`` (e.g. a max abs difference and its bound)."""
         ok = float(value) <= limit
         self.failed += not ok
-        print(f"  {name:<36}{float(value):>14.6g}{limit:>14.6g}   {'ok' if ok else 'MISMATCH'}")
+        print(f"  {name:<36}{float(value):>14.6g} {limit:>14.6g}   {'ok' if ok else 'MISMATCH'}")
+
+    def same(self, name: str, value: object, reference: object) -> None:
+        """A row that passes when ``value == reference`` (strings, statuses, counts)."""
+        ok = value == reference
+        self.failed += not ok
+        print(f"  {name:<36}{str(value):>14} {str(reference):>14}   {'ok' if ok else 'MISMATCH'}")
 
     def done(self) -> None:
         if self.failed:
