@@ -1,4 +1,4 @@
-"""Global norms of gradient pytrees, as the train step reports them.
+"""Global norms of gradient pytrees and clipping by global norm, as the train step uses them.
 
 The global norm of a pytree is the L2 norm of all its elements taken together,
 ``sqrt(sum over leaves of sum(leaf**2))`` — the quantity ``torch.nn.utils.clip_grad_norm_``
@@ -6,11 +6,12 @@ returns and ``optax.clip_by_global_norm`` compares against its maximum.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 PyTree = Any
 
@@ -58,3 +59,73 @@ def global_norm(tree: PyTree) -> jax.Array:
     for s in sums[1:]:
         total = total + s
     return jnp.sqrt(total)
+
+
+class ClipInfo(NamedTuple):
+    """What clipping did, for the step's metrics (optax's clipping keeps none of it).
+
+    Attributes:
+      grad_norm: shape (), the global norm before clipping (and before zeroing, so a
+        non-finite gradient shows as nan/inf here).
+      clip_coef: shape (), the factor the gradients were multiplied by:
+        ``min(1, max_norm / norm)`` of the norm actually clipped (1.0 when not clipped).
+      nonfinite_leaves: shape (), int32; how many leaves held a NaN or inf (and were zeroed
+        when ``zero_nonfinite=True``).
+    """
+    grad_norm: jax.Array
+    clip_coef: jax.Array
+    nonfinite_leaves: jax.Array
+
+
+def zero_nonfinite_leaves(tree: PyTree) -> tuple[PyTree, jax.Array]:
+    """Replaces every leaf that holds a NaN or inf by zeros; the others are kept as they are.
+
+    Args:
+      tree: a pytree of floating-point arrays (e.g. gradients).
+    Returns:
+      ``(tree, count)``: the same structure, shapes and dtypes; `count` (shape (), int32) is the
+      number of leaves that were zeroed.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    bad = [~jnp.all(jnp.isfinite(x)) for x in leaves]
+    kept = [jnp.where(b, jnp.zeros_like(x), x) for b, x in zip(bad, leaves)]
+    count = sum((b.astype(jnp.int32) for b in bad), jnp.zeros((), jnp.int32))
+    return jax.tree.unflatten(treedef, kept), count
+
+
+def clip_by_global_norm(grads: PyTree, max_norm: float, *, zero_nonfinite: bool = False,
+                        grad_norm: jax.Array | None = None) -> tuple[PyTree, ClipInfo]:
+    """Scales `grads` so that their global norm is at most `max_norm`, and says what it did.
+
+    The scaling is ``optax.clip_by_global_norm(max_norm)`` (article A §3.4, B §4.3): gradients
+    whose norm ``n`` exceeds `max_norm` are multiplied by ``max_norm / n``, which keeps their
+    direction; otherwise they are unchanged. Unlike optax alone it returns the pre-clip norm
+    and the coefficient, and can zero the leaves that hold a NaN or inf first — optax would
+    divide every leaf by a nan norm and turn the whole tree into NaN.
+
+    Args:
+      grads: a pytree of floating-point arrays.
+      max_norm: the largest global norm allowed, a finite number > 0 (units of the gradients).
+      zero_nonfinite: zero the leaves holding a NaN/inf before clipping (the train step's
+        ``nonfinite="zero"`` policy); the norm is then that of the remaining leaves.
+      grad_norm: the global norm of `grads` if already computed (saves a reduction).
+    Returns:
+      ``(clipped, info)``: the clipped pytree (same structure, shapes, dtypes) and a `ClipInfo`.
+    Raises:
+      ValueError: if `max_norm` is not a finite number > 0.
+    """
+    if not (isinstance(max_norm, (int, float, np.number)) and np.isfinite(max_norm)
+            and max_norm > 0):
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}.")
+    norm = global_norm(grads) if grad_norm is None else grad_norm
+    if zero_nonfinite:
+        grads, count = zero_nonfinite_leaves(grads)
+        clipped_norm = global_norm(grads)
+    else:
+        count = sum((~jnp.all(jnp.isfinite(x))).astype(jnp.int32) for x in jax.tree.leaves(grads))
+        count = jnp.asarray(count, jnp.int32)
+        clipped_norm = norm
+    clipper = optax.clip_by_global_norm(max_norm)
+    clipped, _ = clipper.update(grads, clipper.init(grads))
+    coef = jnp.where(clipped_norm < max_norm, 1.0, max_norm / clipped_norm)
+    return clipped, ClipInfo(norm, coef.astype(jnp.result_type(norm)), count)

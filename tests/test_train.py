@@ -178,3 +178,51 @@ def test_step_errors_are_clear():
     with pytest.raises(ValueError, match="epochs must be a positive int"):
         fg.fit(step, fg.init_train_state(params, optax.adam(1e-3)), np.zeros((2, 6)),
                np.zeros(2), epochs=0, batch_size=1)
+
+
+def sqrt_problem(params, batch):
+    # L = sum(w^2) + sum(sqrt(v)). At v = (0, 4): L is finite (0 + 2) but dL/dv = 1/(2 sqrt v)
+    # is inf at v[0] = 0. dL/dw = 2w.
+    del batch
+    return jnp.sum(params["w"] ** 2) + jnp.sum(jnp.sqrt(params["v"]))
+
+
+SQRT_PARAMS = {"w": jnp.array([1.0, -2.0]), "v": jnp.array([0.0, 4.0])}
+
+
+def test_nonfinite_skip_leaves_the_state_bit_identical():
+    tx = optax.adam(0.1)
+    state = fg.init_train_state(SQRT_PARAMS, tx)
+    new, metrics = fg.make_train_step(sqrt_problem, tx)(state, {})
+    assert int(metrics["skipped"]) == 1 and math.isinf(float(metrics["grad_norm"]))
+    for a, b in zip(jax.tree.leaves((new.params, new.opt_state)),
+                    jax.tree.leaves((state.params, state.opt_state))):
+        np.testing.assert_array_equal(a, b)   # params, Adam moments and Adam's count: untouched
+    assert int(new.step) == 1                 # the call is counted; the skip is in the metrics
+
+
+@pytest.mark.parametrize("clip_norm", [None, 100.0])
+def test_nonfinite_zero_applies_the_finite_leaves(clip_norm):
+    # The v leaf's gradient holds an inf: zeroed, so v stays. w's gradient 2w = (2, -4) is
+    # applied with SGD lr = 0.1: w' = w - 0.2 w = (0.8, -1.6). ||(2, -4)|| = 4.47 < 100: no clip.
+    tx = optax.sgd(0.1)
+    step = fg.make_train_step(sqrt_problem, tx, nonfinite="zero", clip_norm=clip_norm)
+    new, metrics = step(fg.init_train_state(SQRT_PARAMS, tx), {})
+    np.testing.assert_allclose(new.params["w"], [0.8, -1.6], rtol=1e-6)
+    np.testing.assert_array_equal(new.params["v"], SQRT_PARAMS["v"])
+    assert int(metrics["skipped"]) == 0 and int(metrics["nonfinite_leaves"]) == 1
+    assert int(new.step) == 1
+    if clip_norm is not None:
+        assert float(metrics["clip_coef"]) == 1.0
+
+
+def test_nonfinite_raise_makes_fit_raise():
+    tx = optax.sgd(0.1)
+    step = fg.make_train_step(lambda p, b: sqrt_problem(p, b) + 0.0 * jnp.sum(b["x"]), tx,
+                              nonfinite="raise")
+    x, y = np.ones((4, 2), np.float32), np.zeros(4, np.int32)
+    with pytest.raises(FloatingPointError, match="non-finite value at step 0"):
+        fg.fit(step, fg.init_train_state(SQRT_PARAMS, tx), x, y, epochs=1, batch_size=2,
+               progress=False)
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \('skip', 'zero', 'raise'\)"):
+        fg.make_train_step(sqrt_problem, tx, nonfinite="ignore")
