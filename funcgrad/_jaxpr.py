@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
@@ -66,3 +67,11 @@ def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, jex_core.Jaxpr, tuple]]:
                 yield name, v.jaxpr, tuple(v.consts)
             elif isinstance(v, jex_core.Jaxpr):
                 yield name, v, ()
+
+
+def is_float(dtype: Any) -> bool:
+    """Whether values of this dtype take a cotangent (float, bfloat16, float8, complex)."""
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:  # extended dtypes such as PRNG keys
+        return False
