@@ -27,7 +27,14 @@ from funcgrad.check_report import GradCheckReport as GradCheckReport
 from funcgrad.check_report import LeafCheck as LeafCheck
 from funcgrad.diagnose import GradExplanation as GradExplanation
 from funcgrad.diagnose import explain_grads as explain_grads
+from funcgrad.graph import Graph as Graph
+from funcgrad.graph import trace as trace
+from funcgrad.masks import freeze as freeze
+from funcgrad.masks import requires_grad as requires_grad
+from funcgrad.masks import trainable_mask as trainable_mask
+from funcgrad.masks import value_and_grad_trainable as value_and_grad_trainable
 from funcgrad.taps import intermediate_grads as intermediate_grads
+from funcgrad.vjp import backward as backward
 from funcgrad.taps import tap as tap
 
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ import optax
 
 from funcgrad.clipping import clip_by_global_norm, global_norm, zero_nonfinite_leaves
 from funcgrad.data import batches
+from funcgrad.masks import freeze, value_and_grad_trainable
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -109,12 +110,18 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
     return optax.adam(learning_rate)
 
 
-def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation) -> TrainState:
+def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
+                     trainable: PyTree | None = None) -> TrainState:
     """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
 
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
+    With `trainable` (a mask from `funcgrad.masks.trainable_mask`) the optimizer is wrapped in
+    ``funcgrad.masks.freeze(optimizer, trainable)``, as `make_train_step` does with the same
+    mask: frozen leaves keep no optimizer state.
     """
     optimizer = make_optimizer(optimizer)
+    if trainable is not None:
+        optimizer = freeze(optimizer, trainable)
     return TrainState(params=params, opt_state=optimizer.init(params),
                       step=jnp.zeros((), jnp.int32))
 
@@ -125,7 +132,7 @@ NONFINITE_POLICIES = ("skip", "zero", "raise")
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     clip_norm: float | None = None, nonfinite: str = "skip",
-                    jit: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    trainable: PyTree | None = None, jit: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
     The step computes ``loss, grads = value_and_grad(loss_fn)(state.params, batch)``, the global
@@ -151,6 +158,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         step must come from ``init_train_state(params, optimizer)``.
       clip_norm: if given (> 0), the maximum global norm of the gradients used for the update.
       nonfinite: "skip", "zero" or "raise" (see above).
+      trainable: a mask from `funcgrad.masks.trainable_mask` (PyTorch's ``requires_grad``).
+        Frozen leaves are not differentiated at all (their gradient is exactly 0 and adds 0 to
+        "grad_norm") and get exactly zero updates (the optimizer is wrapped in
+        ``freeze(optimizer, trainable)``); create the state with
+        ``init_train_state(params, optimizer, trainable=trainable)``.
       jit: if False the step is returned un-jitted (for debugging with prints).
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
@@ -169,10 +181,15 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
+    if trainable is not None:
+        optimizer = freeze(optimizer, trainable)
+        value_and_grad = value_and_grad_trainable(_scalar_loss(loss_fn), trainable)
+    else:
+        value_and_grad = jax.value_and_grad(_scalar_loss(loss_fn))
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         _check_state(state, optimizer)
-        loss, grads = jax.value_and_grad(_scalar_loss(loss_fn))(state.params, batch)
+        loss, grads = value_and_grad(state.params, batch)
         grad_norm = global_norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm}
         zero = nonfinite == "zero"
@@ -230,7 +247,8 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation) -> 
             "the optimizer state in the TrainState was not made by this optimizer for these "
             f"params (structure or leaf shapes differ).\n  expected: "
             f"{jax.tree.structure(expected)}\n  got: {jax.tree.structure(got)}\n"
-            "Create the state with init_train_state(params, optimizer) using the same optimizer.")
+            "Create the state with init_train_state(params, optimizer) using the same optimizer "
+            "(and the same trainable= mask, if the step has one).")
 
 
 @dataclasses.dataclass
