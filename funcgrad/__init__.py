@@ -36,5 +36,9 @@ from funcgrad.masks import value_and_grad_trainable as value_and_grad_trainable
 from funcgrad.taps import intermediate_grads as intermediate_grads
 from funcgrad.vjp import backward as backward
 from funcgrad.taps import tap as tap
+from funcgrad.anomaly import AnomalyReport as AnomalyReport
+from funcgrad.anomaly import find_nonfinite as find_nonfinite
+from funcgrad.custom import CustomVJP as CustomVJP
+from funcgrad.custom import custom_vjp as custom_vjp
 
 __version__ = "0.1.0"

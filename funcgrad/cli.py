@@ -72,6 +72,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="held-out fraction of the 1,797 digits (default: 0.2)")
     t.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--detect-anomaly", action="store_true",
+                   help="when a step's loss or gradient goes NaN/inf, name the primitive, the pass "
+                        "(forward/backward) and the source line that produced it (one host read "
+                        "per step)")
     return parser
 
 
@@ -124,7 +128,8 @@ def _train(args: argparse.Namespace) -> int:
           + (f", clip_norm={args.clip_norm:g}" if args.clip_norm else ""), flush=True)
     with warnings.catch_warnings():  # the report is printed once, below, not also as a warning
         warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
-        result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm),
+        result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm,
+                                     detect_anomaly=args.detect_anomaly),
                      init_train_state(params, tx), data.x_train, data.y_train, epochs=args.epochs,
                      batch_size=args.batch_size, seed=args.seed,
                      evaluate=lambda p: {"test_accuracy": test_accuracy(p)},
@@ -135,7 +140,7 @@ def _train(args: argparse.Namespace) -> int:
         json.dump(_strict_json({
             "config": {k: v for k, v in vars(args).items() if k != "command"},
             "sizes": list(sizes), **history.to_dict(),
-            "nonfinite": result.nonfinite._asdict() if result.nonfinite else None}), f, indent=1)
+            "nonfinite": result.nonfinite.to_dict() if result.nonfinite else None}), f, indent=1)
     plot_path = _plot(history, os.path.join(args.out, "training.png"))
     final = float(test_accuracy(result.state.params))  # the last finite state if stopped early
     print(f"final test accuracy {final:.4f}; wrote {metrics_path} and {plot_path} "

@@ -56,19 +56,29 @@ class NonFiniteReport(NamedTuple):
       batch: index of the batch within that epoch (0-based).
       loss: the loss of that step (a Python float; may be nan or inf).
       grad_norm: the pre-clip global gradient norm of that step (may be nan or inf).
+      anomaly: with a step made with ``detect_anomaly=True``, the `funcgrad.anomaly.
+        AnomalyReport` of that step's params and batch (primitive, pass and source line of
+        the first non-finite value); None otherwise.
     """
     step: int
     epoch: int
     batch: int
     loss: float
     grad_norm: float
+    anomaly: Any = None
 
     def __str__(self) -> str:
-        return (f"non-finite value at step {self.step} (epoch {self.epoch}, batch {self.batch}): "
+        text = (f"non-finite value at step {self.step} (epoch {self.epoch}, batch {self.batch}): "
                 f"loss={self.loss}, grad_norm={self.grad_norm}. Training stopped; the returned "
                 "state is the last one with finite loss and gradients (this step was not "
                 "applied). Try a lower learning rate, clip_norm, or check the inputs of that "
                 "batch.")
+        return text if self.anomaly is None else f"{text}\n{self.anomaly}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for metrics.json): the fields, with the anomaly report as a dict."""
+        return self._asdict() | {"anomaly": None if self.anomaly is None
+                                 else self.anomaly.to_dict()}
 
 
 def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate: float = 1e-3,
@@ -132,7 +142,8 @@ NONFINITE_POLICIES = ("skip", "zero", "raise")
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     clip_norm: float | None = None, nonfinite: str = "skip",
-                    trainable: PyTree | None = None, jit: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    trainable: PyTree | None = None, jit: bool = True,
+                    detect_anomaly: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
     The step computes ``loss, grads = value_and_grad(loss_fn)(state.params, batch)``, the global
@@ -164,6 +175,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         ``freeze(optimizer, trainable)``); create the state with
         ``init_train_state(params, optimizer, trainable=trainable)``.
       jit: if False the step is returned un-jitted (for debugging with prints).
+      detect_anomaly: PyTorch's ``detect_anomaly`` for this step. After a step whose loss or
+        gradient norm is NaN/inf, `funcgrad.anomaly.find_nonfinite` runs (eagerly) on that
+        step's params and batch and its `AnomalyReport` is added as ``metrics["anomaly"]``;
+        `fit` puts it in its `NonFiniteReport`. It costs one host read of the loss and norm per
+        step; with the default False the step is the plain jitted function and pays nothing.
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
       ``{"loss": (), "grad_norm": (), "skipped": () int32}``, plus ``"clip_coef": ()`` with
@@ -212,12 +228,36 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         return TrainState(params, opt_state, state.step + 1), metrics
 
     out = jax.jit(step) if jit else step
+    if detect_anomaly:
+        out = _detecting_anomalies(out, loss_fn, trainable)
     try:
         out.nonfinite = nonfinite
     except AttributeError:  # a jitted function may not take attributes in some jax versions
         out = functools.wraps(step)(lambda state, batch, _f=out: _f(state, batch))
         out.nonfinite = nonfinite
     return out
+
+
+def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None) -> Callable:
+    """`step`, then `find_nonfinite` on the same params and batch when its loss or norm is NaN/inf."""
+    from funcgrad.anomaly import find_nonfinite
+    from funcgrad.masks import _split
+
+    def checked(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        new_state, metrics = step(state, batch)
+        loss, norm = (float(v) for v in jax.device_get((metrics["loss"], metrics["grad_norm"])))
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            if trainable is None:
+                report = find_nonfinite(_scalar_loss(loss_fn), state.params, batch)
+            else:  # differentiate the trainable leaves only, as the step does
+                train, frozen, merge = _split(state.params, trainable, "detect_anomaly")
+                report = find_nonfinite(
+                    lambda params, frozen, batch: loss_fn(merge(params, frozen), batch),
+                    train, frozen, batch)
+            metrics = {**metrics, "anomaly": report}
+        return new_state, metrics
+
+    return functools.wraps(step)(checked)
 
 
 def _scalar_loss(loss_fn: LossFn) -> LossFn:
@@ -350,7 +390,8 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                 bad = (bool(skipped) if "skipped" in metrics
                        else not (math.isfinite(loss) and math.isfinite(grad_norm)))
                 if bad:
-                    report = NonFiniteReport(run_step, epoch, i, loss, grad_norm)
+                    report = NonFiniteReport(run_step, epoch, i, loss, grad_norm,
+                                             metrics.get("anomaly"))
                     if getattr(step, "nonfinite", None) == "raise":
                         raise FloatingPointError(str(report))
                     if not _all_finite(state.params):

@@ -1,5 +1,6 @@
 """The functional train step, clipping, the non-finite guard and `fit` on real data (concepts 10, 13)."""
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -250,3 +251,23 @@ def test_trainable_mask_in_the_step_freezes_exactly():
     # A state made without the mask is refused with a hint.
     with pytest.raises(ValueError, match="same trainable= mask"):
         step(fg.init_train_state(params, tx), batch)
+
+
+def test_detect_anomaly_names_the_line_and_costs_nothing_when_off():
+    def loss_fn(params, batch):
+        return jnp.mean(jnp.sqrt(batch["x"] @ params["w"]))    # sqrt of a negative: NaN
+    params = {"w": jnp.ones((2,))}
+    batch = {"x": jnp.array([[1.0, 1.0], [-3.0, 1.0]]), "y": jnp.zeros(2, jnp.int32)}
+    tx = optax.sgd(0.1)
+    plain = fg.make_train_step(loss_fn, tx)
+    assert isinstance(plain, type(jax.jit(lambda s, b: s)))   # off: the plain jitted step
+    step = fg.make_train_step(loss_fn, tx, detect_anomaly=True)
+    _, metrics = step(fg.init_train_state(params, tx), batch)
+    report = metrics["anomaly"]
+    assert (report.phase, report.primitive) == ("forward", "sqrt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result = fg.fit(step, fg.init_train_state(params, tx), batch["x"], batch["y"], epochs=1,
+                        batch_size=2, progress=False)
+    assert result.nonfinite.anomaly.primitive == "sqrt" and "sqrt" in str(result.nonfinite)
+    assert result.nonfinite.to_dict()["anomaly"]["phase"] == "forward"

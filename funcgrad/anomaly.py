@@ -1,0 +1,755 @@
+"""Anomaly location: the first primitive that made a function or its gradient NaN or inf.
+
+PyTorch's ``torch.autograd.detect_anomaly`` names the backward function that returned NaN and
+prints the traceback of the forward line that created it. JAX's tools stop short of that:
+``jax_debug_nans`` raises at the first NaN, but under ``jit(grad(f))`` it names only the
+primitive ("invalid value (nan) encountered in div") and not the line, sees no inf (that is
+``jax_debug_infs``), and also stops at a NaN that a ``jnp.where`` hides from the loss;
+``checkify.float_checks`` misses an inf made by overflow
+(``exp(1000.)``) and, for a hand-written softmax, blames the ``div`` that turned inf into NaN
+rather than the ``exp`` that overflowed. `find_nonfinite` answers the question those leave
+open: *which primitive, in which pass, on which line of my code, with which operands*.
+
+Approach (chosen over scanning ``make_jaxpr(jax.grad(f))``): an evaluator over the jaxpr of
+the function, run eagerly equation by equation, followed by a reverse pass over the same
+equations that we drive ourselves.
+  * Forward: every equation is bound on concrete values and its outputs checked; nested jaxprs
+    are entered (jit, remat, custom_jvp/custom_vjp bodies, cond's taken branch, while and scan
+    bodies iteration by iteration). Each non-finite value carries its *origin*: the first
+    equation on its path that produced a non-finite value from finite operands. The report
+    names the origin of the non-finite output, so a ``-inf`` that a ``jnp.where`` hides from
+    the output (an attention mask, ``where(x > 0, log(x), 0)``) is not blamed for the forward
+    pass; it is listed under ``masked``.
+  * Backward (``grad=True`` and a finite loss): the equations are walked in reverse with the
+    cotangent of the loss, 1. Each equation's cotangents come from ``jax.vjp`` of that one
+    equation (its own derivative rule, so custom_jvp/custom_vjp rules are honoured), cotangents
+    of ``scan`` are pulled back iteration by iteration, and only equations that depend on the
+    differentiated arguments take part, as in ``jax.grad``. Because every backward step belongs
+    to one forward equation, the report names *that* primitive (``log``, ``sqrt``), its source
+    line and its primal operands, which a scan of the grad jaxpr can only guess (the
+    transposed ``div`` of a ``log`` shares its line with every equation made from that line).
+    The gradient it computes is ``jax.grad``'s (the same rules; the tests compare the two). As
+    with ``jax.grad``, a ``while_loop`` that depends on the differentiated arguments cannot be
+    reversed (JAX's error is raised); ``fori_loop`` with static bounds is a scan and can.
+  * A function that computes a gradient itself (``jit(grad(f))`` checked with ``grad=False``)
+    is evaluated like any other; its transposed equations carry the name stack
+    ``transpose(jvp(...))`` and the forward line that created them, so the report still gives
+    the line and says "backward".
+Cost: the program runs op by op in Python, each value is checked on the host, and the reverse
+pass traces one small ``jax.vjp`` per equation (about a millisecond each): seconds for a small
+model, fine for a debugging tool and nothing for code that does not call it. Values are those
+of eager (op-by-op) execution, which can differ in the last bits from a fused ``jit`` program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+from funcgrad._jaxpr import arg_names, leaf_paths, source_line
+
+# Lines of this file are never "the user's line".
+source_info_util.register_exclusion(__file__)
+
+#: The safe form of ``jnp.where(x > 0, jnp.log(x), 0.0)``, shown in reports.
+DOUBLE_WHERE = """\
+    # forward finite, gradient NaN at x = 0: d/dx log(x) = 1/x is inf there, and the backward
+    # pass multiplies it by the zero cotangent of the branch jnp.where did not take: 0 * inf.
+    y = jnp.where(x > 0, jnp.log(x), 0.0)
+    # fixed: give the primitive a harmless argument where its value is not used.
+    safe_x = jnp.where(x > 0, x, 1.0)
+    y = jnp.where(x > 0, jnp.log(safe_x), 0.0)"""
+
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
+_CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+           "custom_vjp_call_jaxpr": "fun_jaxpr"}
+_INF_DERIVATIVE_AT_ZERO = {"sqrt", "rsqrt", "cbrt", "pow", "log", "log1p", "div", "integer_pow"}
+_MAX_MASKED = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueStats:
+    """Summary of one array: an operand, a cotangent or the non-finite value produced.
+
+    Attributes:
+      name: what the array is, e.g. "operand 0", "cotangent of output 0", "params['w']".
+      shape, dtype: the array's.
+      min, max: over its non-NaN elements (±inf included); nan when every element is NaN.
+      nonfinite: number of NaN or ±inf elements, of which `nan` are NaN; size: elements.
+    """
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    min: float
+    max: float
+    nonfinite: int
+    nan: int
+    size: int
+
+    def __str__(self) -> str:
+        bad = f" ({self.nan} NaN)" if self.nan else ""
+        return (f"{self.name:<24}{self.dtype}{list(self.shape)}  min {self.min:.4g}  "
+                f"max {self.max:.4g}  non-finite {self.nonfinite}/{self.size}{bad}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnomalyReport:
+    """What `find_nonfinite` found: the first non-finite value's origin, or that all is finite.
+
+    Attributes:
+      phase: None when everything is finite; "input" (an argument leaf is non-finite),
+        "forward" (the function's value) or "backward" (its gradient).
+      primitive: the primitive that produced the first non-finite value; in the backward pass,
+        the forward primitive whose derivative rule did (``log``, ``sqrt``), or the transposed
+        primitive itself for a gradient the function computes (``jit(grad(f))``).
+        None for "input".
+      where: ``file.py:LINE:COL (function)`` of the user's code, or the input leaf's path.
+      file, line: the full path and line number of `where` (None when unknown).
+      context: enclosing calls, outermost first, e.g. ``("scan at f.py:9:8 (f), iteration 3
+        (0-based) of 5",)``.
+      inputs: statistics of the primitive's operands (backward: and of the cotangents it
+        received).
+      output: statistics of the non-finite value it produced (backward: the cotangent of its
+        operand).
+      nonfinite: names of the non-finite outputs (forward) or gradient leaves (backward).
+      value: the loss (grad=True) or the scalar output, as a float; None otherwise.
+      checked: "forward" or "forward and backward".
+      hint: a likely cause and fix, in words and code.
+      masked: non-finite intermediates of the forward pass that did not reach the output.
+    """
+    phase: str | None
+    primitive: str | None = None
+    where: str = ""
+    file: str | None = None
+    line: int | None = None
+    context: tuple[str, ...] = ()
+    inputs: tuple[ValueStats, ...] = ()
+    output: ValueStats | None = None
+    nonfinite: tuple[str, ...] = ()
+    value: float | None = None
+    checked: str = "forward"
+    hint: str = ""
+    masked: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """True when every checked value (inputs, outputs, gradient) is finite."""
+        return self.phase is None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return d | {"ok": self.ok, "context": list(self.context), "nonfinite": list(self.nonfinite),
+                    "masked": list(self.masked),
+                    "inputs": [s | {"shape": list(s["shape"])} for s in d["inputs"]]}
+
+    def __str__(self) -> str:
+        value = "" if self.value is None else f", value {self.value:.6g}"
+        if self.ok:
+            lines = [f"find_nonfinite: all finite ({self.checked} checked{value})"]
+        elif self.phase == "input":
+            lines = [f"find_nonfinite: the input {self.where} is already non-finite",
+                     f"  {self.output}"]
+        else:
+            lines = [f"find_nonfinite: first non-finite value in the {self.phase} pass"
+                     f" ({self.checked} checked{value})",
+                     f"  primitive  {self.primitive}", f"  at         {self.where or '?'}"]
+            lines += [f"  inside     {c}" for c in self.context]
+            lines += [f"  {'operands' if i == 0 else '':<11}{s}" for i, s in enumerate(self.inputs)]
+            lines += [f"  {'produced':<11}{self.output}",
+                      f"  non-finite {', '.join(self.nonfinite)}"]
+        if self.masked:
+            lines.append("  masked     (non-finite in the forward pass, hidden from the output)")
+            lines += [f"             {m}" for m in self.masked]
+        if self.hint:
+            lines.append("  hint       " + self.hint.replace("\n", "\n             "))
+        return "\n".join(lines)
+
+    def raise_if_nonfinite(self) -> None:
+        """Raises ``FloatingPointError`` with this report's text unless it is ok."""
+        if not self.ok:
+            raise FloatingPointError(str(self))
+
+
+def find_nonfinite(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, grad: bool = True,
+                   has_aux: bool = False) -> AnomalyReport:
+    """Locates the first NaN or inf of ``fn(*args)`` and of its gradient: primitive, pass, line.
+
+    PyTorch's ``detect_anomaly`` as a function call: run it on the arguments of the step that
+    went non-finite (``funcgrad.fit`` returns the state from before that step and the batch's
+    index). See the module docstring for how it works and what it costs.
+
+    Args:
+      fn: a pure function; with `grad`, ``fn(*args) -> scalar loss`` (or ``(loss, aux)`` with
+        `has_aux`). It may use jit, vmap, scan, cond, while_loop, remat and custom_jvp/vjp.
+      *args: its arguments: pytrees of arrays (params, a batch...).
+      argnums: the argument(s) differentiated, as in ``jax.grad``; their leaves must be real
+        floating point.
+      grad: check the gradient too (the default); False checks only the forward pass, of any
+        function with any outputs.
+      has_aux: whether `fn` returns ``(loss, aux)`` (aux is checked, not differentiated).
+    Returns:
+      an `AnomalyReport`; ``report.ok`` is True when the arguments, every output and (with
+      `grad`) the gradient are finite. ``print(report)`` explains it.
+    Raises:
+      TypeError: if `fn` is not callable, an argument leaf is not an array or number, `argnums`
+        is not an int or ints, or a differentiated leaf is not real floating point (its path
+        is named).
+      ValueError: if `argnums` is out of range, or with `grad` the loss is not a real scalar.
+    Example:
+      >>> report = find_nonfinite(lambda x: jnp.where(x > 0, jnp.log(x), 0.0).sum(),
+      ...                         jnp.array([0.0, 1.0]))
+      >>> report.phase, report.primitive
+      ('backward', 'log')
+    """
+    return _locate(fn, args, argnums=argnums, grad=grad, has_aux=has_aux)[0]
+
+
+# --- the public boundary --------------------------------------------------------------------
+
+def _locate(fn, args, *, argnums, grad, has_aux):
+    """`find_nonfinite`'s work; also returns the flat outputs and gradient (for the tests)."""
+    if not callable(fn):
+        raise TypeError(f"find_nonfinite needs a callable fn, got {type(fn).__name__}.")
+    nums = _argnums(argnums, len(args), grad)
+    names = arg_names(fn, len(args))
+    paths = leaf_paths(tuple(args), names)
+    leaves = jax.tree.leaves(tuple(args))
+    owner = [path[0].idx for path, _ in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+            raise TypeError(f"find_nonfinite: the argument leaf {path} is a {type(leaf).__name__};"
+                            " arguments must be pytrees of arrays or numbers. Close over other "
+                            "values (functools.partial or a lambda).")
+    active = [grad and i in nums for i in owner]
+    for path, leaf, a in zip(paths, leaves, active):
+        if a and not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(f"find_nonfinite: the differentiated leaf {path} has dtype "
+                            f"{jnp.result_type(leaf)}; only real floating leaves have a gradient. "
+                            "Pass it in an argument that is not in argnums.")
+    for path, leaf in zip(paths, leaves):
+        if not _finite(leaf):
+            report = AnomalyReport("input", where=path, output=_stats(path, leaf),
+                                   nonfinite=(path,), checked="inputs",
+                                   hint="an argument is NaN or inf before fn runs: check the data "
+                                        "batch, or the update that produced these params.")
+            return report, None, None
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_paths = ["output" + jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    if grad:
+        _check_loss(out_shape, has_aux)
+    ev = _Evaluator()
+    outs, tape = ev.forward(closed.jaxpr, closed.consts,
+                            [_V(x, None, a) for x, a in zip(leaves, active)],
+                            _Frame(_Loc(), (), False), record=grad)
+    values = [v.x for v in outs]
+    scalar = len(values) >= 1 and np.ndim(values[0]) == 0 and _is_float(values[0])
+    value = float(values[0]) if scalar and (grad or len(values) == 1) else None
+    checked = "forward and backward" if grad else "forward"
+    for i, v in enumerate(outs):  # a non-finite constant returned as is
+        if v.org is None and not _finite(v.x):
+            outs[i] = v._replace(org=ev.new("forward", "constant", _Frame(_Loc(), (), False),
+                                            (), v.x, "output"))
+    bad = [(v.org, p) for v, p in zip(outs, out_paths) if v.org is not None]
+    if bad:
+        origin = _first(bad)
+        return (origin.report(tuple(p for _, p in bad), value, checked,
+                              ev.masked({o for o, _ in bad})), values, None)
+    masked = ev.masked(set())
+    if not grad:
+        return AnomalyReport(None, value=value, checked=checked, masked=masked), values, None
+    seed = _V(jnp.ones((), jnp.result_type(values[0])), None, True)
+    cts = ev.backward(closed.jaxpr, tape, [seed] + [None] * (len(outs) - 1))
+    grads = [None if not a else (c.x if c is not None else jnp.zeros_like(x))
+             for a, c, x in zip(active, cts, leaves)]
+    bad = [(c.org, f"grad of {p}") for c, p, a in zip(cts, paths, active)
+           if a and c is not None and c.org is not None]
+    if bad:
+        return _first(bad).report(tuple(p for _, p in bad), value, checked, masked), values, grads
+    return AnomalyReport(None, value=value, checked=checked, masked=masked), values, grads
+
+
+def _first(bad: list) -> _Origin:
+    return min((o for o, _ in bad), key=lambda o: o.seq)
+
+
+def _argnums(argnums, nargs: int, grad: bool) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, (int, np.integer)) else argnums
+    ints = isinstance(nums, (tuple, list)) and all(isinstance(n, (int, np.integer)) for n in nums)
+    if not ints:
+        raise TypeError(f"find_nonfinite: argnums must be an int or a sequence of ints, got "
+                        f"{argnums!r}.")
+    if grad and not nums:
+        raise ValueError("find_nonfinite: argnums is empty; name the argument(s) to "
+                         "differentiate, or pass grad=False to check only the forward pass.")
+    for n in nums:
+        if grad and not -nargs <= n < nargs:
+            raise ValueError(f"find_nonfinite: argnums={argnums!r} but fn gets {nargs} "
+                             f"argument(s); pass them after fn: find_nonfinite(fn, params, batch).")
+    return tuple(int(n) % nargs for n in nums) if grad else ()
+
+
+def _check_loss(out_shape, has_aux: bool) -> None:
+    loss = out_shape[0] if has_aux and isinstance(out_shape, (tuple, list)) else out_shape
+    if not (hasattr(loss, "shape") and loss.shape == ()
+            and jnp.issubdtype(loss.dtype, jnp.floating)):
+        got = (f"shape {tuple(loss.shape)} dtype {loss.dtype}" if hasattr(loss, "shape")
+               else type(loss).__name__)
+        raise ValueError(
+            f"find_nonfinite(grad=True) needs fn to return a real scalar loss"
+            f"{' as the first element of (loss, aux)' if has_aux else ''}; got {got}. Reduce "
+            "it (e.g. .mean()), pass has_aux=True, or grad=False to check the forward pass only.")
+
+
+# --- values, statistics, locations ---------------------------------------------------------
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _finite(x) -> bool:
+    try:
+        if not _is_float(x):
+            return True
+    except TypeError:  # PRNG keys and other extended dtypes
+        return True
+    return bool(np.all(np.isfinite(np.asarray(x))))
+
+
+def _stats(name: str, x) -> ValueStats:
+    a = np.asarray(x)
+    if np.iscomplexobj(a):
+        a = np.abs(a)
+    a = a.astype(np.float64) if a.dtype != bool else a.astype(np.int8)
+    nonfinite, nan = int(np.sum(~np.isfinite(a))), np.isnan(a)
+    real = a[~nan]
+    lo, hi = (float(real.min()), float(real.max())) if real.size else (float("nan"),) * 2
+    return ValueStats(name, tuple(np.shape(x)), str(jnp.result_type(x)), lo, hi, nonfinite,
+                      int(nan.sum()), int(a.size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loc:
+    where: str = ""
+    file: str | None = None
+    line: int | None = None
+
+
+_SUMMARY = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::\d+)? \(")
+
+
+def _loc(eqn, outer: _Loc) -> _Loc:
+    where = source_line(eqn)
+    if not where:
+        return outer
+    match = _SUMMARY.match(source_info_util.summarize(eqn.source_info))
+    return _Loc(where, match["file"], int(match["line"])) if match else _Loc(where)
+
+
+def _at(label: str, loc: _Loc) -> str:
+    return f"{label} at {loc.where}" if loc.where else label
+
+
+def _in_transpose(eqn) -> bool:
+    """Whether JAX made `eqn` by transposing (its name stack reads ``transpose(jvp(...))``)."""
+    stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
+    return any(type(e).__name__ == "Transform" and e.name == "transpose" for e in stack)
+
+
+def _closed(sub):
+    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
+
+
+def _bind(eqn, ins):
+    bind = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
+    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+# --- origins: where a non-finite value came from ----------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class _Origin:
+    """The equation that first produced a non-finite value from finite operands."""
+    seq: int                      # creation order: smaller is earlier
+    phase: str
+    primitive: str
+    loc: _Loc
+    context: tuple[str, ...]
+    operands: list                # (name, value) pairs
+    produced: Any
+    produced_name: str
+    forward_out: list = dataclasses.field(default_factory=list)  # backward: forward outputs
+    own_transpose: bool = False   # inside a derivative that fn computes itself
+    into: _Origin | None = None   # the origin this one merged into downstream
+
+    def reaches(self, reached: set) -> bool:
+        o = self
+        while o is not None and o not in reached:
+            o = o.into
+        return o is not None
+
+    def report(self, nonfinite, value, checked, masked) -> AnomalyReport:
+        inputs = tuple(_stats(n, v) for n, v in self.operands)
+        produced = _stats(self.produced_name, self.produced)
+        return AnomalyReport(self.phase, self.primitive, self.loc.where, self.loc.file,
+                             self.loc.line, self.context, inputs, produced, tuple(nonfinite),
+                             value, checked, _hint(self, inputs, produced), masked)
+
+
+def _earliest(*origins):
+    """The first-created of `origins` (None if all are None). The others are marked as merged
+    into it, so that they do not count as masked when it reaches the output."""
+    present = [o for o in origins if o is not None]
+    if not present:
+        return None
+    first = min(present, key=lambda o: o.seq)
+    for o in present:
+        if o is not first:
+            o.into = first
+    return first
+
+
+class _V(NamedTuple):
+    """A value during evaluation."""
+    x: Any                  # the array
+    org: _Origin | None     # where it became non-finite (None while it is finite)
+    act: bool               # depends on a differentiated argument
+
+
+class _Frame(NamedTuple):
+    """Where the evaluator is: the user's line, the enclosing calls, and whether it is inside a
+    derivative that fn computes itself."""
+    loc: _Loc
+    context: tuple[str, ...]
+    own_transpose: bool
+
+    def enter(self, text: str) -> _Frame:
+        return self._replace(context=self.context + (text,))
+
+
+@dataclasses.dataclass
+class _Step:
+    """An evaluated equation that depends on a differentiated argument, for the reverse pass."""
+    kind: str               # "prim" (pulled back by its own rule), "call", "cond" or "scan"
+    eqn: Any
+    ins: list[_V]
+    outs: list
+    frame: _Frame
+    sub: Any = None         # call/cond: (jaxpr, tape); scan: (body, [(iteration, tape)])
+
+
+def _label(eqn) -> str:
+    """``jit 'norm'``, ``custom_vjp_call 'my_fn'``: the primitive and the function's name."""
+    name = eqn.primitive.name
+    fn = eqn.params.get("name")
+    for key in ("call_jaxpr", "fun_jaxpr"):
+        if fn is None and key in eqn.params:
+            info = getattr(_closed(eqn.params[key])[0], "debug_info", None)
+            fn = getattr(info, "func_name", None)
+    return f"{name} {fn!r}" if fn else name
+
+
+class _Evaluator:
+    """Evaluates jaxprs equation by equation, tracking origins; then pulls cotangents back."""
+
+    def __init__(self):
+        self._seq = itertools.count()
+        self.forward_origins: list[_Origin] = []
+
+    def new(self, phase, primitive, frame, operands, produced, produced_name, **kw) -> _Origin:
+        origin = _Origin(next(self._seq), phase, primitive, frame.loc, frame.context,
+                         list(operands), produced, produced_name, **kw)
+        if phase != "backward" or origin.own_transpose:
+            self.forward_origins.append(origin)
+        return origin
+
+    def masked(self, reached: set) -> tuple[str, ...]:
+        """Forward origins whose values never reached the output, one line per site."""
+        sites: dict[tuple[str, str], list[_Origin]] = {}
+        for o in self.forward_origins:
+            if not o.reaches(reached):
+                sites.setdefault((o.primitive, o.loc.where), []).append(o)
+        text = []
+        for (primitive, where), group in sites.items():
+            s = _stats("", group[0].produced)
+            text.append(f"{primitive} at {where or '?'}: {s.nonfinite}/{s.size} non-finite "
+                        f"(min {s.min:.4g}, max {s.max:.4g})"
+                        + (f", and at {len(group) - 1} later time(s)" if len(group) > 1 else ""))
+        return tuple(text[:_MAX_MASKED]) + ((f"... and {len(text) - _MAX_MASKED} more",)
+                                            if len(text) > _MAX_MASKED else ())
+
+    # forward ---------------------------------------------------------------------------------
+
+    def forward(self, jaxpr, consts, args: list[_V], frame: _Frame, record: bool):
+        """Evaluates `jaxpr`; returns its outputs as `_V`s and the tape for `backward`."""
+        env = {v: _V(c, None, False) for v, c in zip(jaxpr.constvars, consts)}
+        env.update(zip(jaxpr.invars, args))
+
+        def read(v):
+            return _V(v.val, None, False) if isinstance(v, jex_core.Literal) else env[v]
+
+        tape = []
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            here = frame._replace(loc=_loc(eqn, frame.loc),
+                                  own_transpose=frame.own_transpose or _in_transpose(eqn))
+            outs, step = self._eqn(eqn, ins, here, record)
+            env.update(zip(eqn.outvars, outs))
+            if record and any(v.act for v in ins):
+                tape.append(step)
+        return [read(v) for v in jaxpr.outvars], tape
+
+    def _eqn(self, eqn, ins, frame, record):
+        name, p = eqn.primitive.name, eqn.params
+        step = _Step("prim", eqn, ins, [], frame)
+        if name in _CALLS and _CALLS[name] in p:
+            sub, consts = _closed(p[_CALLS[name]])
+            outs, tape = self.forward(sub, consts, ins[len(ins) - len(sub.invars):],
+                                      frame.enter(_at(_label(eqn), frame.loc)), record)
+            step.kind, step.sub = "call", (sub, tape)
+        elif name == "cond":
+            index = int(np.clip(int(ins[0].x), 0, len(p["branches"]) - 1))
+            sub, consts = _closed(p["branches"][index])
+            outs, tape = self.forward(sub, consts, ins[1:],
+                                      frame.enter(_at(f"cond branch {index}", frame.loc)), record)
+            step.kind, step.sub = "cond", (sub, tape)
+        elif name == "scan" and p["length"] > 0:
+            outs, step.sub = self._scan(eqn, ins, frame, record)
+            step.kind = "scan"
+        else:
+            values = _bind(eqn, [v.x for v in ins])
+            if name == "while":
+                orgs = [v.org for v in self._while(eqn, ins, frame)]
+            elif name in _CUSTOM and _CUSTOM[name] in p:  # look inside; differentiate as a whole
+                sub, consts = _closed(p[_CUSTOM[name]])
+                inner, _ = self.forward(sub, consts, ins[len(ins) - len(sub.invars):],
+                                        frame.enter(_at(_label(eqn), frame.loc)), False)
+                orgs = [v.org for v in inner]
+            else:
+                orgs = self._origins(eqn, ins, values, frame)
+            active = any(v.act for v in ins) and name != "stop_gradient"
+            outs = [_V(x, o, active and _is_float(x)) for x, o in zip(values, orgs)]
+        step.outs = [v.x for v in outs]
+        return outs, step
+
+    def _origins(self, eqn, ins, values, frame):
+        bad = [not _finite(x) for x in values]
+        if not any(bad):
+            return [None] * len(values)
+        first = bad.index(True)
+        origin = _earliest(*(v.org for v in ins)) or self.new(
+            "backward" if frame.own_transpose else "forward", eqn.primitive.name, frame,
+            [(_operand_name(var, i), v.x) for i, (var, v) in enumerate(zip(eqn.invars, ins))],
+            values[first], f"output {first}", own_transpose=frame.own_transpose)
+        return [origin if b else None for b in bad]
+
+    def _scan(self, eqn, ins, frame, record):
+        p = eqn.params
+        body, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+        consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+        ys, iterations = {}, []
+        for t in (reversed(range(length)) if p["reverse"] else range(length)):
+            xs_t = [_V(v.x[t], v.org if not _finite(v.x[t]) else None, v.act) for v in xs]
+            outs, tape = self.forward(
+                body.jaxpr, body.consts, [*consts, *carry, *xs_t],
+                frame.enter(_at("scan", frame.loc) + f", iteration {t} (0-based) of {length}"),
+                record)
+            carry, ys[t] = outs[:nk], outs[nk:]
+            iterations.append((t, tape))
+        stacked = [_V(jnp.stack([ys[t][j].x for t in range(length)]),
+                      _earliest(*(ys[t][j].org for t in range(length))),
+                      any(ys[t][j].act for t in range(length)))
+                   for j in range(len(ys[0]))]
+        return [*carry, *stacked], (body, iterations)
+
+    def _while(self, eqn, ins, frame):
+        """Runs a while_loop's condition and body in Python, for the origins of its outputs."""
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        carry = ins[cn + bn:]
+        for it in itertools.count():
+            here = frame.enter(_at("while_loop", frame.loc) + f", iteration {it} (0-based)")
+            (pred,), _ = self.forward(p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
+                                      [*ins[:cn], *carry], here, False)
+            if not bool(pred.x):
+                return carry
+            carry, _ = self.forward(p["body_jaxpr"].jaxpr, p["body_jaxpr"].consts,
+                                    [*ins[cn:cn + bn], *carry], here, False)
+
+    # backward --------------------------------------------------------------------------------
+
+    def backward(self, jaxpr, tape, out_cts: list[_V | None]) -> list[_V | None]:
+        """Pulls the cotangents of `jaxpr`'s outputs back through its `tape`; returns those of
+        its inputs, None where nothing arrived (a symbolic zero)."""
+        ct: dict[Any, _V] = {}
+
+        def add(var, c: _V | None, frame: _Frame | None):
+            if c is None or isinstance(var, jex_core.Literal):
+                return
+            if var not in ct:
+                ct[var] = c
+                return
+            before = ct[var]
+            total = _V(before.x + c.x, _earliest(before.org, c.org), True)
+            if total.org is None and not _finite(total.x):  # finite + finite overflowed
+                total = total._replace(org=self.new(
+                    "backward", "add_any", frame, [("cotangent", before.x), ("cotangent", c.x)],
+                    total.x, "their sum"))
+            ct[var] = total
+
+        for var, c in zip(jaxpr.outvars, out_cts):
+            add(var, c, None)
+        for step in reversed(tape):
+            cts = [ct.get(v) for v in step.eqn.outvars]
+            if all(c is None for c in cts):
+                continue  # a symbolic zero: jax.grad skips this equation too
+            for var, c in zip(step.eqn.invars, getattr(self, "_back_" + step.kind)(step, cts)):
+                add(var, c, step.frame)
+        return [ct.get(v) for v in jaxpr.invars]
+
+    def _back_prim(self, step, cts):
+        eqn, n = step.eqn, len(step.eqn.invars)
+        idx = [i for i, v in enumerate(step.ins) if v.act]
+        floats = [j for j, x in enumerate(step.outs) if _is_float(x)]
+        if not idx or not floats:
+            return [None] * n
+
+        def one_equation(*xs):
+            values = [v.x for v in step.ins]
+            for i, x in zip(idx, xs):
+                values[i] = x
+            outs = _bind(eqn, values)
+            return [outs[j] for j in floats]
+
+        _, pullback = jax.vjp(one_equation, *[step.ins[i].x for i in idx])
+        got = pullback([(cts[j].x if cts[j] is not None else jnp.zeros_like(step.outs[j]))
+                        .astype(jnp.result_type(step.outs[j])) for j in floats])
+        incoming = _earliest(*(c.org for c in cts if c is not None))
+        result, origin = [None] * n, None
+        for i, g in zip(idx, got):
+            if not _finite(g):
+                origin = origin or incoming or self._backward_origin(step, cts, floats, g, i)
+            result[i] = _V(g, origin if not _finite(g) else None, True)
+        return result
+
+    def _backward_origin(self, step, cts, floats, produced, i):
+        eqn = step.eqn
+        operands = [(_operand_name(var, k), v.x) for k, (var, v) in enumerate(zip(eqn.invars,
+                                                                                  step.ins))]
+        operands += [(f"cotangent of output {j}", cts[j].x) for j in floats if cts[j] is not None]
+        name = _label(eqn) if eqn.primitive.name in _CUSTOM else eqn.primitive.name
+        return self.new("backward", name, step.frame, operands, produced,
+                        f"cotangent of operand {i}", forward_out=[step.outs[j] for j in floats])
+
+    def _back_call(self, step, cts):
+        sub, tape = step.sub
+        got = self.backward(sub, tape, cts)
+        return [None] * (len(step.eqn.invars) - len(got)) + got
+
+    _back_cond = _back_call
+
+    def _back_scan(self, step, cts):
+        p = step.eqn.params
+        nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+        body, iterations = step.sub
+        carry, ys = cts[:nk], cts[nk:]
+        consts, xs = [None] * nc, {}
+        for t, tape in reversed(iterations):
+            ys_t = [None if c is None else _V(c.x[t], c.org if not _finite(c.x[t]) else None, True)
+                    for c in ys]
+            got = self.backward(body.jaxpr, tape, [*carry, *ys_t])
+            consts = [_sum(a, b) for a, b in zip(consts, got[:nc])]
+            carry, xs[t] = got[nc:nc + nk], got[nc + nk:]
+        stacked = []
+        for j, x in enumerate(step.ins[nc + nk:]):
+            parts = [xs[t][j] for t in range(length)]
+            if all(c is None for c in parts):
+                stacked.append(None)
+                continue
+            zero = jnp.zeros_like(x.x[0])
+            stacked.append(_V(jnp.stack([zero if c is None else c.x for c in parts]),
+                              _earliest(*(c.org for c in parts if c is not None)), True))
+        return [*consts, *carry, *stacked]
+
+
+def _sum(a: _V | None, b: _V | None) -> _V | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return _V(a.x + b.x, _earliest(a.org, b.org), True)
+
+
+def _operand_name(var, i: int) -> str:
+    return f"operand {i} (literal)" if isinstance(var, jex_core.Literal) else f"operand {i}"
+
+
+# --- hints ------------------------------------------------------------------------------------
+
+_FORWARD_HINTS = {
+    "exp": "exp overflows {dtype} above {exp_limit:.1f} (the largest operand here is {max:.4g}). "
+           "Subtract the maximum first, as jax.nn.softmax, jax.nn.log_softmax and "
+           "jax.nn.logsumexp do.",
+    "log": "log of 0 is -inf and of a negative number NaN (the smallest operand here is "
+           "{min:.4g}). For jnp.log(softmax(z)) use jax.nn.log_softmax(z); otherwise clip the "
+           "argument: jnp.log(jnp.maximum(x, eps)).",
+    "div": "a denominator is 0, or the division is 0/0 or inf/inf. Add a small eps to the "
+           "denominator, or guard it with the double where:\n" + DOUBLE_WHERE,
+    "sqrt": "sqrt of a negative number is NaN (the smallest operand here is {min:.4g}). Clip "
+            "the argument: jnp.sqrt(jnp.maximum(x, 0.0)).",
+}
+_FORWARD_HINTS |= {"exp2": _FORWARD_HINTS["exp"], "expm1": _FORWARD_HINTS["exp"],
+                   "log1p": _FORWARD_HINTS["log"], "rem": _FORWARD_HINTS["div"],
+                   "rsqrt": _FORWARD_HINTS["sqrt"]}
+
+
+def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats) -> str:
+    name = origin.primitive.split(" ")[0]
+    if origin.own_transpose:
+        return (f"{name} belongs to a derivative that fn computes itself (name stack "
+                "'transpose(jvp(...))'); the line is that of the forward operation it "
+                "differentiates. Run find_nonfinite on the loss itself, without jax.grad "
+                "(grad=True differentiates it), to name the forward primitive and its operands.")
+    if name == "constant":
+        return "fn returns a non-finite constant."
+    if origin.phase == "forward":
+        if any(s.nonfinite for s in inputs):
+            return (f"an operand of {name} is a non-finite constant (a literal inf or NaN, e.g. "
+                    "-jnp.inf used as a mask), and it reached the output.")
+        if name in _FORWARD_HINTS:
+            return _FORWARD_HINTS[name].format(
+                dtype=produced.dtype, exp_limit=float(np.log(float(jnp.finfo(produced.dtype).max))),
+                min=inputs[0].min, max=inputs[0].max)
+        big = float(jnp.finfo(produced.dtype).max)
+        low = (" In a 16-bit dtype, compute this part in float32 or scale the loss "
+               "(funcgrad.precision)." if big < 1e10 else "")
+        return (f"{name} left the range of {produced.dtype} (largest finite {big:.4g}) with "
+                "finite operands. Values this large usually mean a diverging run: lower the "
+                "learning rate, clip the gradients (clip_norm) or normalise the inputs." + low)
+    if any(not _finite(x) for x in origin.forward_out):
+        first = ("for jnp.log(softmax(z)), use jax.nn.log_softmax(z). Otherwise, "
+                 if name in ("log", "log1p") else "")
+        return (f"in the forward pass {name} gave non-finite values that did not reach the "
+                "loss (jnp.where, indexing or max/min left them out); its derivative is infinite "
+                "there, and the backward pass multiplies it by the zero cotangent of those "
+                f"elements: 0 * inf = NaN. Fix: {first}use the double where:\n" + DOUBLE_WHERE)
+    if any("'norm'" in c for c in origin.context):
+        return ("jnp.linalg.norm of a zero vector: its gradient x / ||x|| is 0/0 (sqrt's "
+                "derivative is inf at 0). Use optax.safe_norm(x, 0.0), or "
+                "jnp.sqrt(jnp.sum(x**2) + eps).")
+    if name in _INF_DERIVATIVE_AT_ZERO:
+        return (f"the derivative of {name} is infinite at these operands (sqrt'(x) = "
+                "1/(2 sqrt(x)) and log'(x) = 1/x are inf at 0). Keep the argument away from 0 "
+                "(jnp.sqrt(x + eps)), or use the double where so that no derivative is taken "
+                "there:\n" + DOUBLE_WHERE)
+    return (f"the derivative rule of {name} is not finite at these operands, although the "
+            "cotangent it received is finite.")

@@ -1,0 +1,352 @@
+"""Tests for funcgrad.anomaly.find_nonfinite: each case located to its primitive, pass and line.
+
+Expected lines are found by the marker comment at the end of the line (``# <- name``) in this
+file, so the tests survive edits above them; the primitive and the pass come from the maths
+in each case's comment.
+"""
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import checkify
+
+import funcgrad as fg
+from funcgrad.anomaly import AnomalyReport, ValueStats, _locate, find_nonfinite
+
+SOURCE = pathlib.Path(__file__).read_text().splitlines()
+
+
+def line_of(marker: str) -> int:
+    """The 1-based line of this file that ends with ``# <- marker``."""
+    hits = [i + 1 for i, text in enumerate(SOURCE) if text.rstrip().endswith(f"# <- {marker}")]
+    assert len(hits) == 1, f"marker {marker!r} found {len(hits)} times"
+    return hits[0]
+
+
+def assert_located(report: AnomalyReport, phase: str, primitive: str, marker: str) -> None:
+    assert not report.ok, str(report)
+    assert (report.phase, report.primitive, report.line) == (phase, primitive, line_of(marker)), \
+        str(report)
+    assert report.file == __file__
+    assert report.where.startswith(f"test_anomaly.py:{line_of(marker)}:")
+
+
+# --- the cases of the issue, one function each ------------------------------------------------
+
+def where_log(x):
+    # Forward: log(0) = -inf, but jnp.where picks 0 there, so the loss is finite (0 + log 1 = 0).
+    # Backward: where sends cotangent 0 to log's output at x = 0; log's rule gives 0 / x = 0/0.
+    return jnp.sum(jnp.where(x > 0, jnp.log(x), 0.0))  # <- where_log
+
+
+def sqrt_at_zero(x):
+    # d/dx sqrt(x) = 1 / (2 sqrt(x)) = 1/0 = inf at x = 0; the value sqrt(0) = 0 is finite.
+    return jnp.sqrt(x)  # <- sqrt
+
+
+def norm_of_zero(v):
+    # norm = sqrt(sum(v*v)); the gradient v / norm = 0/0. The first non-finite value of the
+    # backward pass is sqrt's cotangent 1 / (2 sqrt(0)) = inf, inside jnp.linalg.norm.
+    return jnp.linalg.norm(v)  # <- norm
+
+
+def softmax_by_hand(z):
+    e = jnp.exp(z)  # <- exp
+    return e / jnp.sum(e)
+
+
+def first_probability(z):
+    # exp(1000) = inf in float32 (largest finite exp input: ln(3.4e38) = 88.7); then inf/inf = NaN
+    # in the division. The first primitive to go non-finite is exp.
+    return softmax_by_hand(z)[0]
+
+
+def ratio(x, y):
+    return x / y  # <- div
+
+
+def scan_forward(c0):
+    # c = 2.5 - (t + 1): 1.5, 0.5, -0.5, ... so sqrt(c) is NaN first at iteration 2.
+    def body(c, _):
+        c = c - 1.0
+        return c, jnp.sqrt(c)  # <- scan_sqrt
+    return jnp.sum(lax.scan(body, c0, None, length=4)[1])
+
+
+def scan_backward(c0):
+    # c = 2 - (t + 1): 1, 0, so sqrt is finite, and its derivative is inf at iteration 1.
+    def body(c, _):
+        c = c - 1.0
+        return c, jnp.sqrt(c)  # <- scan_sqrt_grad
+    return jnp.sum(lax.scan(body, c0, None, length=2)[1])
+
+
+@jax.jit
+def jitted_log(x):
+    return jnp.log(x)  # <- jit_log
+
+
+def through_jit(x):
+    # log(-1) = NaN inside a jitted helper.
+    return jnp.sum(jitted_log(x) * 2.0)
+
+
+CASES = [
+    # (function, argument, pass, primitive, marker)
+    (where_log, jnp.array([0.0, 1.0]), "backward", "log", "where_log"),
+    (sqrt_at_zero, jnp.float32(0.0), "backward", "sqrt", "sqrt"),
+    (norm_of_zero, jnp.zeros(3), "backward", "sqrt", "norm"),
+    (first_probability, jnp.array([1000.0, 0.0]), "forward", "exp", "exp"),
+    (lambda x: ratio(x, jnp.float32(0.0)), jnp.float32(1.0), "forward", "div", "div"),
+    (scan_forward, jnp.float32(2.5), "forward", "sqrt", "scan_sqrt"),
+    (scan_backward, jnp.float32(2.0), "backward", "sqrt", "scan_sqrt_grad"),
+    (through_jit, jnp.array([1.0, -1.0]), "forward", "log", "jit_log"),
+    (jax.jit(where_log), jnp.array([0.0, 1.0]), "backward", "log", "where_log"),
+]
+IDS = ["where_log", "sqrt_at_0", "norm_of_zero", "softmax_exp_overflow", "div_by_zero",
+       "scan_forward", "scan_backward", "inside_jit", "jit_of_loss"]
+
+
+@pytest.mark.parametrize("fn, x, phase, primitive, marker", CASES, ids=IDS)
+def test_each_case_is_located_to_primitive_pass_and_line(fn, x, phase, primitive, marker):
+    assert_located(find_nonfinite(fn, x), phase, primitive, marker)
+
+
+def test_where_log_report_suggests_the_double_where():
+    report = find_nonfinite(where_log, jnp.array([0.0, 1.0]))
+    assert report.value == 0.0                        # the forward pass is finite
+    assert report.nonfinite == ("grad of x",)
+    # Operands of log: x = [0, 1]; cotangent [0, 1] from where. Produced: [0/0, 1/1] = [NaN, 1].
+    x_stats, ct_stats = report.inputs
+    assert (x_stats.min, x_stats.max, x_stats.nonfinite) == (0.0, 1.0, 0)
+    assert (ct_stats.min, ct_stats.max, ct_stats.nonfinite) == (0.0, 1.0, 0)
+    assert (report.output.nonfinite, report.output.nan, report.output.size) == (1, 1, 2)
+    assert "double where" in report.hint and "jnp.where(x > 0, x, 1.0)" in report.hint
+    assert len(report.masked) == 1 and report.masked[0].startswith("log at test_anomaly.py")
+    # The forward pass alone is fine, and says so (with the masked -inf noted).
+    forward = find_nonfinite(where_log, jnp.array([0.0, 1.0]), grad=False)
+    assert forward.ok and forward.masked == report.masked
+
+
+def test_the_double_where_fixes_it():
+    def safe(x):
+        safe_x = jnp.where(x > 0, x, 1.0)
+        return jnp.sum(jnp.where(x > 0, jnp.log(safe_x), 0.0))
+    report = find_nonfinite(safe, jnp.array([0.0, 1.0]))
+    assert report.ok and report.masked == () and "all finite" in str(report)
+
+
+def test_sqrt_and_norm_report_inf_cotangent_and_hints():
+    report = find_nonfinite(sqrt_at_zero, jnp.float32(0.0))
+    # Cotangent 1 into sqrt at x = 0: 1 / (2 * 0) = +inf, one element.
+    assert (report.output.max, report.output.nonfinite, report.output.nan) == (np.inf, 1, 0)
+    norm = find_nonfinite(norm_of_zero, jnp.zeros(3))
+    assert any("'norm'" in c for c in norm.context)
+    assert "safe_norm" in norm.hint
+
+
+def test_exp_overflow_reports_operand_statistics():
+    report = find_nonfinite(first_probability, jnp.array([1000.0, 0.0]))
+    (z,) = report.inputs
+    assert (z.min, z.max, z.nonfinite, z.size) == (0.0, 1000.0, 0, 2)
+    # exp([1000, 0]) = [inf, 1]: one non-finite element, and no NaN yet (that comes at div).
+    assert (report.output.max, report.output.nonfinite, report.output.nan) == (np.inf, 1, 0)
+    assert "88.7" in report.hint and "log_softmax" in report.hint
+
+
+def test_scan_reports_the_iteration():
+    assert any("iteration 2 (0-based) of 4" in c
+               for c in find_nonfinite(scan_forward, jnp.float32(2.5)).context)
+    assert any("iteration 1 (0-based) of 2" in c
+               for c in find_nonfinite(scan_backward, jnp.float32(2.0)).context)
+
+
+def test_jit_context_is_named():
+    report = find_nonfinite(through_jit, jnp.array([1.0, -1.0]))
+    assert report.context[0].startswith("jit 'jitted_log' at test_anomaly.py")
+    (x,) = report.inputs
+    assert (x.min, x.max) == (-1.0, 1.0)
+
+
+# --- where JAX's own tools stop ---------------------------------------------------------------
+
+def test_jit_of_grad_located_where_debug_nans_names_only_the_primitive():
+    x = jnp.array([0.0, 1.0])
+    with jax.debug_nans(True):
+        with pytest.raises(FloatingPointError) as info:
+            jax.jit(jax.grad(where_log))(x)
+    # jax_debug_nans (this JAX) names the transposed primitive but not the line.
+    assert "div" in str(info.value) and f":{line_of('where_log')}" not in str(info.value)
+    # The gradient function itself, checked as a plain function: log's transpose is a div on
+    # the line of the log, in the backward pass (name stack transpose(jvp(...))).
+    report = find_nonfinite(jax.jit(jax.grad(where_log)), x, grad=False)
+    assert_located(report, "backward", "div", "where_log")
+    assert "jax.grad" in report.hint
+    # And the loss itself under jit, differentiated by find_nonfinite: log, backward, same line.
+    assert_located(find_nonfinite(jax.jit(where_log), x), "backward", "log", "where_log")
+
+
+def test_exp_overflow_located_where_checkify_float_checks_see_nothing():
+    def total(z):
+        return jnp.sum(jnp.exp(z))  # <- checkify_exp
+    z = jnp.array([1000.0, 0.0])
+    err, out = checkify.checkify(jax.jit(total), errors=checkify.float_checks)(z)
+    assert err.get() is None and out == np.inf      # inf from overflow: no check fires
+    assert_located(find_nonfinite(total, z), "forward", "exp", "checkify_exp")
+
+
+# --- fine functions, nested programs, gradients -------------------------------------------------
+
+def mlp_loss(params, batch):
+    return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    data = fg.load_digits(seed=0)
+    params = fg.mlp_init(jax.random.key(0), (64, 16, 10))
+    return params, {"x": jnp.asarray(data.x_train[:8]), "y": jnp.asarray(data.y_train[:8])}
+
+
+def test_fine_function_is_reported_ok_with_its_loss(mlp):
+    params, batch = mlp
+    report, _, grads = _locate(mlp_loss, (params, batch), argnums=0, grad=True, has_aux=False)
+    assert report.ok and report.phase is None and report.checked == "forward and backward"
+    assert "all finite" in str(report)
+    # Second method: jax.grad. Same rules in the same order; 1e-6 allows float32 reassociation
+    # between op-by-op and jitted execution.
+    loss, ref = jax.value_and_grad(mlp_loss)(params, batch)
+    np.testing.assert_allclose(report.value, float(loss), rtol=1e-6)
+    for g, r in zip(grads, jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+@jax.custom_vjp
+def scaled(a):
+    return a * 2.0
+
+
+scaled.defvjp(lambda a: (a * 2.0, a), lambda a, ct: (ct * 3.0 * a,))
+
+
+def many_constructs(x):
+    c, ys = lax.scan(lambda c, xi: (c * jnp.sin(xi) + xi, c ** 2), 0.5, x)
+    w = lax.fori_loop(0, 3, lambda i, v: v * 0.9 + jnp.cos(v), x)
+    k = lax.cond(x[0] > 0, jnp.sin, lambda v: v ** 3, x)
+    r = jax.checkpoint(lambda v: jnp.tanh(v) * v)(x)
+    back = lax.scan(lambda c, xi: (c * xi, c), 1.0, x, reverse=True)[1]
+    return (c + ys.sum() + w.sum() + k.sum() + r.sum() + scaled(x).sum() + back.sum()
+            + jax.nn.relu(x).sum() + jax.nn.softmax(x)[0] + jax.vmap(jnp.exp)(x).sum())
+
+
+def test_gradient_equals_jax_grad_through_nested_programs():
+    # scan (both directions), fori_loop (a scan), cond, remat, custom_vjp (our rule: 3 * a, not
+    # the body's 2), custom_jvp (relu, softmax) and vmap, in float64 so that the two methods
+    # agree to rounding (1e-12).
+    with jax.enable_x64(True):
+        x = jnp.linspace(-1.0, 2.0, 6, dtype=jnp.float64)
+        report, _, (g,) = _locate(many_constructs, (x,), argnums=0, grad=True, has_aux=False)
+        assert report.ok
+        np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(many_constructs)(x)),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_nan_in_custom_vjp_rule_is_blamed_on_the_rule():
+    @jax.custom_vjp
+    def clip_grad(a):
+        return a
+
+    clip_grad.defvjp(lambda a: (a, a), lambda a, ct: (ct / a,))   # 1/0 at a = 0
+
+    def loss(x):
+        return jnp.sum(clip_grad(x))  # <- custom_vjp
+    report = find_nonfinite(loss, jnp.array([0.0, 1.0]))
+    assert_located(report, "backward", "custom_vjp_call 'clip_grad'", "custom_vjp")
+
+
+def test_nan_in_while_loop_and_cond_branch_forward():
+    def loop(x):
+        def body(c):
+            i, v = c
+            return i + 1, jnp.log(v - 1.0)  # <- while_log
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+    # v: 10 -> log 9 = 2.2 -> log 1.2 = 0.18 -> log(-0.82) = NaN at iteration 2.
+    report = find_nonfinite(loop, jnp.float32(10.0), grad=False)
+    assert_located(report, "forward", "log", "while_log")
+    assert any("iteration 2 (0-based)" in c for c in report.context)
+
+    def branch(x):
+        return lax.cond(x > 0, lambda v: v / 0.0, lambda v: v, x)  # <- cond_div
+    assert_located(find_nonfinite(branch, jnp.float32(1.0), grad=False), "forward", "div",
+                   "cond_div")
+
+
+def test_grad_false_checks_any_outputs_and_names_them():
+    def two(x):
+        return {"fine": x + 1.0, "bad": jnp.log(x)}  # <- two_outputs
+    report = find_nonfinite(two, jnp.array([1.0, -1.0]), grad=False)
+    assert_located(report, "forward", "log", "two_outputs")
+    assert report.nonfinite == ("output['bad']",) and report.checked == "forward"
+
+
+def test_masked_minus_inf_is_fine_and_noted():
+    # A -inf attention mask: softmax gives exactly 0 there, the loss and gradient are finite.
+    def attention(logits):
+        masked = jnp.where(jnp.arange(3) < 2, logits, -jnp.inf)
+        return jax.nn.softmax(masked)[0]
+    report = find_nonfinite(attention, jnp.array([0.5, 1.0, 2.0]))
+    assert report.ok and len(report.masked) == 1
+
+
+def test_has_aux_and_argnums():
+    def loss(w, b):
+        return jnp.sum(jnp.sqrt(w) * b), {"w": w}  # <- aux
+    w, b = jnp.array([0.0, 4.0]), jnp.array([1.0, 1.0])
+    report = find_nonfinite(loss, w, b, has_aux=True)
+    assert_located(report, "backward", "sqrt", "aux")
+    assert report.nonfinite == ("grad of w",)
+    # Differentiating b only: d/db = sqrt(w) = [0, 2], finite.
+    assert find_nonfinite(loss, w, b, argnums=1, has_aux=True).ok
+
+
+def test_nonfinite_input_is_reported_by_path(mlp):
+    params, batch = mlp
+    bad = [dict(layer) for layer in params]
+    bad[1]["b"] = bad[1]["b"].at[3].set(jnp.nan)
+    report = find_nonfinite(mlp_loss, bad, batch)
+    assert (report.phase, report.where, report.nonfinite) == ("input", "params[1]['b']",
+                                                               ("params[1]['b']",))
+    assert (report.output.nonfinite, report.output.nan, report.output.size) == (1, 1, 10)
+    x = batch["x"].at[0, 0].set(jnp.inf)
+    assert find_nonfinite(mlp_loss, params, {**batch, "x": x}).where == "batch['x']"
+
+
+def test_report_plain_data_and_text():
+    report = find_nonfinite(where_log, jnp.array([0.0, 1.0]))
+    d = report.to_dict()
+    assert d["ok"] is False and d["phase"] == "backward" and d["primitive"] == "log"
+    assert d["line"] == line_of("where_log") and d["inputs"][0]["shape"] == [2]
+    text = str(report)
+    assert "backward pass" in text and "primitive  log" in text and "double where" in text
+    assert isinstance(report.inputs[0], ValueStats)
+
+
+def test_bad_input_gets_a_clear_error():
+    x = jnp.ones(3)
+    with pytest.raises(TypeError, match="callable"):
+        find_nonfinite("not a function", x)
+    with pytest.raises(ValueError, match="argnums=2"):
+        find_nonfinite(lambda a: jnp.sum(a), x, argnums=2)
+    with pytest.raises(TypeError, match="argnums must be an int"):
+        find_nonfinite(lambda a: jnp.sum(a), x, argnums="0")
+    with pytest.raises(ValueError, match="real scalar loss"):
+        find_nonfinite(lambda a: a * 2.0, x)
+    with pytest.raises(TypeError, match=r"params\['step'\] has dtype int32"):
+        find_nonfinite(lambda params: jnp.sum(params["w"]), {"w": x, "step": jnp.int32(3)})
+    with pytest.raises(TypeError, match=r"leaf args\[1\] is a str"):
+        find_nonfinite(lambda a, *rest: jnp.sum(a), x, "text")
+    # grad=False: any outputs, no argnums check.
+    assert find_nonfinite(lambda a: a * 2.0, x, grad=False).ok
