@@ -21,6 +21,12 @@ from funcgrad.train import fit as fit
 from funcgrad.train import init_train_state as init_train_state
 from funcgrad.train import make_optimizer as make_optimizer
 from funcgrad.train import make_train_step as make_train_step
+from funcgrad.precision import LossScale as LossScale
+from funcgrad.precision import LossScaleState as LossScaleState
+from funcgrad.precision import all_finite as all_finite
+from funcgrad.precision import cast_floating as cast_floating
+from funcgrad.precision import dynamic_loss_scale as dynamic_loss_scale
+from funcgrad.precision import scaled_value_and_grad as scaled_value_and_grad
 from funcgrad.check import audit as audit
 from funcgrad.check import check_grads as check_grads
 from funcgrad.check_report import GradCheckReport as GradCheckReport

@@ -68,6 +68,12 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=_seed, default=0, help="seed of the init, split and batch order (default: 0)")
     t.add_argument("--clip-norm", type=_positive(float), default=None,
                    help="clip gradients to this global norm (default: no clipping)")
+    t.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="compute dtype of the forward and backward pass; params, gradients and "
+                        "updates stay float32 (default: float32)")
+    t.add_argument("--loss-scale", choices=["none", "dynamic"], default="none",
+                   help="dynamic loss scaling (funcgrad.dynamic_loss_scale defaults); skipped "
+                        "steps are counted per epoch (default: none)")
     t.add_argument("--test-size", type=_fraction, default=0.2,
                    help="held-out fraction of the 1,797 digits (default: 0.2)")
     t.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
@@ -102,9 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import jax
+    import jax.numpy as jnp
 
     from funcgrad.data import load_digits
     from funcgrad.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
+    from funcgrad.precision import dynamic_loss_scale
     from funcgrad.train import fit, init_train_state, make_optimizer, make_train_step
 
     start = time.perf_counter()
@@ -114,9 +122,16 @@ def _train(args: argparse.Namespace) -> int:
     params = mlp_init(jax.random.key(args.seed), sizes, activation=args.activation)
     tx = make_optimizer(args.optimizer, args.lr, momentum=args.momentum)
 
+    compute_dtype = None if args.dtype == "float32" else jnp.dtype(args.dtype)
+    loss_scale = dynamic_loss_scale() if args.loss_scale == "dynamic" else None
+    if args.dtype == "float16" and loss_scale is None:
+        print("funcgrad: note: float16 without --loss-scale dynamic: small gradients may "
+              "underflow to zero", file=sys.stderr)
+
     def loss_fn(params, batch):
-        return softmax_cross_entropy(mlp_apply(params, batch["x"], activation=args.activation),
-                                     batch["y"])
+        logits = mlp_apply(params, batch["x"], activation=args.activation)
+        # The loss in float32 whatever the compute dtype, as PyTorch's autocast does.
+        return softmax_cross_entropy(logits.astype(jnp.float32), batch["y"])
 
     @jax.jit
     def test_accuracy(params):
@@ -125,12 +140,16 @@ def _train(args: argparse.Namespace) -> int:
     print(f"funcgrad train: MLP {' -> '.join(map(str, sizes))} ({args.activation}), "
           f"{args.optimizer} lr={args.lr:g}, {len(data.x_train)} train / {len(data.x_test)} test "
           f"digits, {args.epochs} epochs of batch {args.batch_size}"
-          + (f", clip_norm={args.clip_norm:g}" if args.clip_norm else ""), flush=True)
+          + (f", clip_norm={args.clip_norm:g}" if args.clip_norm else "")
+          + (f", compute {args.dtype}" if compute_dtype is not None else "")
+          + (", dynamic loss scale" if loss_scale is not None else ""), flush=True)
     with warnings.catch_warnings():  # the report is printed once, below, not also as a warning
         warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
         result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm,
+                                     compute_dtype=compute_dtype, loss_scale=loss_scale,
                                      detect_anomaly=args.detect_anomaly),
-                     init_train_state(params, tx), data.x_train, data.y_train, epochs=args.epochs,
+                     init_train_state(params, tx, loss_scale=loss_scale), data.x_train,
+                     data.y_train, epochs=args.epochs,
                      batch_size=args.batch_size, seed=args.seed,
                      evaluate=lambda p: {"test_accuracy": test_accuracy(p)},
                      progress=not args.no_progress, log=print)
@@ -143,6 +162,9 @@ def _train(args: argparse.Namespace) -> int:
             "nonfinite": result.nonfinite.to_dict() if result.nonfinite else None}), f, indent=1)
     plot_path = _plot(history, os.path.join(args.out, "training.png"))
     final = float(test_accuracy(result.state.params))  # the last finite state if stopped early
+    if loss_scale is not None:
+        print(f"loss scale {float(result.state.loss_scale.scale):g}, "
+              f"{len(history.skipped_steps)} steps skipped")
     print(f"final test accuracy {final:.4f}; wrote {metrics_path} and {plot_path} "
           f"({time.perf_counter() - start:.1f} s)")
     if result.nonfinite is not None:

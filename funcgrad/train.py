@@ -20,6 +20,7 @@ import optax
 from funcgrad.clipping import clip_by_global_norm, global_norm, zero_nonfinite_leaves
 from funcgrad.data import batches
 from funcgrad.masks import freeze, value_and_grad_trainable
+from funcgrad.precision import LossScale, LossScaleState, scaled_value_and_grad
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -41,10 +42,13 @@ class TrainState(NamedTuple):
       opt_state: the optax optimizer state for `params`.
       step: shape (), int32; number of step calls so far, skipped steps included (a skipped
         step leaves params and optimizer state, hence e.g. Adam's own count, unchanged).
+      loss_scale: the `funcgrad.precision.LossScaleState` of a step that scales the loss
+        (``init_train_state(..., loss_scale=...)``), else None.
     """
     params: PyTree
     opt_state: optax.OptState
     step: jax.Array
+    loss_scale: LossScaleState | None = None
 
 
 class NonFiniteReport(NamedTuple):
@@ -121,19 +125,22 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
 
 
 def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
-                     trainable: PyTree | None = None) -> TrainState:
+                     trainable: PyTree | None = None,
+                     loss_scale: LossScale | None = None) -> TrainState:
     """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
 
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
     With `trainable` (a mask from `funcgrad.masks.trainable_mask`) the optimizer is wrapped in
     ``funcgrad.masks.freeze(optimizer, trainable)``, as `make_train_step` does with the same
-    mask: frozen leaves keep no optimizer state.
+    mask: frozen leaves keep no optimizer state. `loss_scale` (e.g.
+    ``funcgrad.dynamic_loss_scale()``) adds its initial state; give `make_train_step` the same.
     """
     optimizer = make_optimizer(optimizer)
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
     return TrainState(params=params, opt_state=optimizer.init(params),
-                      step=jnp.zeros((), jnp.int32))
+                      step=jnp.zeros((), jnp.int32),
+                      loss_scale=None if loss_scale is None else loss_scale.init())
 
 
 #: What a train step does when the loss or the global gradient norm is NaN or inf.
@@ -142,7 +149,8 @@ NONFINITE_POLICIES = ("skip", "zero", "raise")
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     clip_norm: float | None = None, nonfinite: str = "skip",
-                    trainable: PyTree | None = None, jit: bool = True,
+                    trainable: PyTree | None = None, compute_dtype: Any = None,
+                    loss_scale: LossScale | None = None, jit: bool = True,
                     detect_anomaly: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
@@ -174,6 +182,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         "grad_norm") and get exactly zero updates (the optimizer is wrapped in
         ``freeze(optimizer, trainable)``); create the state with
         ``init_train_state(params, optimizer, trainable=trainable)``.
+      compute_dtype: if given (jnp.float16, jnp.bfloat16), the forward and backward pass run in
+        it over the float32 params (`funcgrad.precision.scaled_value_and_grad`); gradients,
+        norm, clipping and update stay float32.
+      loss_scale: if given (``funcgrad.dynamic_loss_scale()``), the loss is multiplied by
+        ``state.loss_scale.scale`` and the gradients divided by it in float32 *before* the norm
+        and the clipping; a non-finite step is skipped as above and backs the scale off
+        (metrics gain "loss_scale", the scale used, and "skipped_total"). Needs
+        ``nonfinite="skip"`` or ``"raise"`` and ``init_train_state(..., loss_scale=loss_scale)``.
       jit: if False the step is returned un-jitted (for debugging with prints).
       detect_anomaly: PyTorch's ``detect_anomaly`` for this step. After a step whose loss or
         gradient norm is NaN/inf, `funcgrad.anomaly.find_nonfinite` runs (eagerly) on that
@@ -197,15 +213,30 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
+    if loss_scale is not None and nonfinite == "zero":
+        raise ValueError("loss_scale needs nonfinite='skip' (or 'raise'): a step whose scaled "
+                         "gradients overflowed must be skipped whole, not applied with its "
+                         "non-finite leaves zeroed.")
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
-        value_and_grad = value_and_grad_trainable(_scalar_loss(loss_fn), trainable)
+        differentiate = functools.partial(value_and_grad_trainable, mask=trainable)
     else:
-        value_and_grad = jax.value_and_grad(_scalar_loss(loss_fn))
+        differentiate = jax.value_and_grad
+    if compute_dtype is None and loss_scale is None:
+        value_and_grad = differentiate(_scalar_loss(loss_fn))
+    else:  # gradients come back in float32 and unscaled: the norm and clipping see true values
+        value_and_grad = scaled_value_and_grad(
+            _scalar_loss(loss_fn), value_and_grad=differentiate,
+            compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        _check_state(state, optimizer)
-        loss, grads = value_and_grad(state.params, batch)
+        _check_state(state, optimizer, loss_scale)
+        if compute_dtype is None and loss_scale is None:
+            loss, grads = value_and_grad(state.params, batch)
+        else:
+            scale = (jnp.ones((), jnp.float32) if loss_scale is None
+                     else state.loss_scale.scale)
+            loss, grads = value_and_grad(state.params, batch, scale)
         grad_norm = global_norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm}
         zero = nonfinite == "zero"
@@ -225,7 +256,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         metrics["skipped"] = (~ok).astype(jnp.int32)
         # The counter advances unconditionally: making it depend on `ok` measured ~1.5x the
         # step time on CPU (a scalar output waiting on the whole step); skips are in metrics.
-        return TrainState(params, opt_state, state.step + 1), metrics
+        if loss_scale is None:
+            return TrainState(params, opt_state, state.step + 1, state.loss_scale), metrics
+        scale_state = loss_scale.update(state.loss_scale, ok)
+        metrics.update(loss_scale=state.loss_scale.scale, skipped_total=scale_state.skipped_total)
+        return TrainState(params, opt_state, state.step + 1, scale_state), metrics
 
     out = jax.jit(step) if jit else step
     if detect_anomaly:
@@ -275,10 +310,15 @@ def _scalar_loss(loss_fn: LossFn) -> LossFn:
     return wrapped
 
 
-def _check_state(state: TrainState, optimizer: optax.GradientTransformation) -> None:
+def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
+                 loss_scale: LossScale | None = None) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"the step takes a TrainState (from init_train_state), got "
                         f"{type(state).__name__}.")
+    if loss_scale is not None and state.loss_scale is None:
+        raise ValueError("this step scales the loss but the TrainState has no loss-scale state. "
+                         "Create it with init_train_state(params, optimizer, "
+                         "loss_scale=loss_scale), the loss_scale given to make_train_step.")
     shapes = lambda tree: jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), tree)
     expected = jax.eval_shape(optimizer.init, state.params)
     got = state.opt_state
@@ -298,16 +338,20 @@ class History:
     Attributes:
       epochs: list of dicts ``{"epoch", "steps", "loss", "grad_norm", **evaluate(params)}``;
         "loss" and "grad_norm" are means over the epoch's applied steps.
-      step_loss, step_grad_norm: per-step values (Python floats), in step order.
+      step_loss, step_grad_norm: per-step values (Python floats) of the applied steps.
+      skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale
+        skipped; each epoch's row then also has "skipped" and "loss_scale".
     """
     epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
     step_loss: list[float] = dataclasses.field(default_factory=list)
     step_grad_norm: list[float] = dataclasses.field(default_factory=list)
+    skipped_steps: list[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"epochs": self.epochs,
                 "steps": {"step": list(range(len(self.step_loss))), "loss": self.step_loss,
-                          "grad_norm": self.step_grad_norm}}
+                          "grad_norm": self.step_grad_norm},
+                "skipped_steps": self.skipped_steps}
 
 
 class FitResult(NamedTuple):
@@ -380,13 +424,24 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     run_step = 0
     try:
         for epoch in range(epochs):
-            first = len(history.step_loss)
+            first, first_skip = len(history.step_loss), len(history.skipped_steps)
             for i, batch in enumerate(batches(x, y, batch_size=batch_size, seed=seed,
                                               epoch=epoch)):
                 new_state, metrics = step(state, batch)
-                loss, grad_norm, skipped = jax.device_get(
-                    (metrics["loss"], metrics["grad_norm"], metrics.get("skipped", 0)))
+                scaled = getattr(new_state, "loss_scale", None) is not None
+                loss, grad_norm, skipped, used, backed_off = jax.device_get(
+                    (metrics["loss"], metrics["grad_norm"], metrics.get("skipped", 0),
+                     metrics.get("loss_scale", 0.0), new_state.loss_scale.scale if scaled else 0.0))
                 loss, grad_norm = float(loss), float(grad_norm)
+                if skipped and scaled and math.isfinite(loss) and backed_off < used:
+                    # A loss-scale overflow: params and optimizer state kept, scale lowered;
+                    # routine, counted. (A skip that cannot lower the scale, at its floor, or a
+                    # non-finite loss, which the scale does not touch, is an anomaly below.)
+                    state = new_state
+                    history.skipped_steps.append(run_step)
+                    run_step += 1
+                    bar.update(1)
+                    continue
                 bad = (bool(skipped) if "skipped" in metrics
                        else not (math.isfinite(loss) and math.isfinite(grad_norm)))
                 if bad:
@@ -406,9 +461,14 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                 run_step += 1
                 bar.update(1)
                 bar.set_postfix(epoch=epoch, loss=f"{history.step_loss[-1]:.4f}", refresh=False)
+            applied = len(history.step_loss) > first
             row = {"epoch": epoch, "steps": run_step,
-                   "loss": float(np.mean(history.step_loss[first:])),
-                   "grad_norm": float(np.mean(history.step_grad_norm[first:]))}
+                   "loss": float(np.mean(history.step_loss[first:])) if applied else math.nan,
+                   "grad_norm": (float(np.mean(history.step_grad_norm[first:])) if applied
+                                 else math.nan)}
+            if getattr(state, "loss_scale", None) is not None:
+                row["skipped"] = len(history.skipped_steps) - first_skip
+                row["loss_scale"] = float(state.loss_scale.scale)
             if evaluate is not None:
                 scores = evaluate(state.params)
                 if not isinstance(scores, Mapping):
@@ -435,7 +495,8 @@ def _all_finite(params) -> bool:
 
 def format_epoch(row: Mapping[str, float]) -> str:
     """One line for an epoch's row of the history: ``epoch   3  loss 0.1234  grad_norm ...``."""
-    extra = "  ".join(f"{k} {v:.4f}" for k, v in row.items()
-                      if k not in ("epoch", "steps", "loss", "grad_norm"))
+    extra = "  ".join(f"{k} {v}" if isinstance(v, (int, np.integer)) else
+                      f"{k} {v:.6g}" if k == "loss_scale" else f"{k} {v:.4f}"
+                      for k, v in row.items() if k not in ("epoch", "steps", "loss", "grad_norm"))
     return (f"epoch {int(row['epoch']) + 1:3d}  loss {row['loss']:.4f}  "
             f"grad_norm {row['grad_norm']:.4f}  {extra}").rstrip()

@@ -1,5 +1,6 @@
 """The main job: `funcgrad train` writes its history and plot; bad flags get one-line errors."""
 import json
+import math
 import subprocess
 import sys
 
@@ -33,6 +34,21 @@ def test_nonfinite_run_exits_1_with_report(tmp_path, capsys):
     assert json.loads((tmp_path / "metrics.json").read_text())["nonfinite"]["step"] >= 1
 
 
+def test_float16_with_dynamic_loss_scale(tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(["train", "--dtype", "float16", "--loss-scale", "dynamic", "--epochs", "1",
+                   "--batch-size", "64", "--out", str(out), "--no-progress"])
+    assert status == 0
+    assert "compute float16, dynamic loss scale" in capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    row = metrics["epochs"][-1]
+    # The scale starts at 2**15 and only halves (a skip) or doubles (after 2000 finite steps,
+    # more than the 23 steps here): it stays a power of two no larger than 2**15.
+    assert row["loss_scale"] <= 2 ** 15 and math.log2(row["loss_scale"]) == int(math.log2(row["loss_scale"]))
+    assert row["skipped"] == len(metrics["skipped_steps"])
+    assert row["steps"] == 23 and 0.5 < row["test_accuracy"] <= 1.0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "--lr", "-1"], "argument --lr: expected a positive float, got '-1'"),
     (["train", "--epochs", "two"], "argument --epochs: expected a positive int, got 'two'"),
@@ -44,9 +60,10 @@ def test_nonfinite_run_exits_1_with_report(tmp_path, capsys):
     (["train", "--seed", "-1"], "argument --seed: expected an int in [0, 2**32)"),
     (["train", "--lr", "inf"], "argument --lr: expected a positive float, got 'inf'"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     ([], "the following arguments are required: command"),
 ], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
-        "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag",
+        "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype",
         "no_command"])
 def test_bad_flags_give_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "funcgrad", *argv], capture_output=True,
