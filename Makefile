@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/taps.py
+	$(BIN)/python benchmarks/accumulate.py
 	$(BIN)/python benchmarks/gradcheck.py
 
 clean:

@@ -42,6 +42,11 @@ from funcgrad.masks import value_and_grad_trainable as value_and_grad_trainable
 from funcgrad.taps import intermediate_grads as intermediate_grads
 from funcgrad.vjp import backward as backward
 from funcgrad.taps import tap as tap
+from funcgrad.accumulate import AccumulatedGrads as AccumulatedGrads
+from funcgrad.accumulate import accumulate_grads as accumulate_grads
+from funcgrad.accumulate import group_microbatches as group_microbatches
+from funcgrad.accumulate import make_accumulating_step as make_accumulating_step
+from funcgrad.accumulate import stack_microbatches as stack_microbatches
 from funcgrad.anomaly import AnomalyReport as AnomalyReport
 from funcgrad.anomaly import find_nonfinite as find_nonfinite
 from funcgrad.custom import CustomVJP as CustomVJP

@@ -74,6 +74,10 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--loss-scale", choices=["none", "dynamic"], default="none",
                    help="dynamic loss scaling (funcgrad.dynamic_loss_scale defaults); skipped "
                         "steps are counted per epoch (default: none)")
+    t.add_argument("--accumulate", type=_positive(int), default=1, metavar="K",
+                   help="micro-batches of --batch-size per optimizer update (gradient "
+                        "accumulation, exact mean over the examples; an epoch's last, partial "
+                        "group is applied too) (default: 1)")
     t.add_argument("--test-size", type=_fraction, default=0.2,
                    help="held-out fraction of the 1,797 digits (default: 0.2)")
     t.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
@@ -109,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
+    import optax
 
     from funcgrad.data import load_digits
     from funcgrad.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
@@ -124,13 +129,20 @@ def _train(args: argparse.Namespace) -> int:
 
     compute_dtype = None if args.dtype == "float32" else jnp.dtype(args.dtype)
     loss_scale = dynamic_loss_scale() if args.loss_scale == "dynamic" else None
+    accumulate = args.accumulate if args.accumulate > 1 else None
+    if accumulate and (compute_dtype is not None or loss_scale is not None or args.detect_anomaly):
+        raise ValueError("--accumulate does not combine with --dtype, --loss-scale or "
+                         "--detect-anomaly in this release; use one or the other.")
     if args.dtype == "float16" and loss_scale is None:
         print("funcgrad: note: float16 without --loss-scale dynamic: small gradients may "
               "underflow to zero", file=sys.stderr)
 
+
     def loss_fn(params, batch):
         logits = mlp_apply(params, batch["x"], activation=args.activation)
         # The loss in float32 whatever the compute dtype, as PyTorch's autocast does.
+        if accumulate:  # one loss per example: the step takes the exact mean over each group
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
         return softmax_cross_entropy(logits.astype(jnp.float32), batch["y"])
 
     @jax.jit
@@ -142,12 +154,14 @@ def _train(args: argparse.Namespace) -> int:
           f"digits, {args.epochs} epochs of batch {args.batch_size}"
           + (f", clip_norm={args.clip_norm:g}" if args.clip_norm else "")
           + (f", compute {args.dtype}" if compute_dtype is not None else "")
-          + (", dynamic loss scale" if loss_scale is not None else ""), flush=True)
+          + (", dynamic loss scale" if loss_scale is not None else "")
+          + (f", {accumulate} micro-batches per update (effective batch "
+             f"{accumulate * args.batch_size})" if accumulate else ""), flush=True)
     with warnings.catch_warnings():  # the report is printed once, below, not also as a warning
         warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
         result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm,
                                      compute_dtype=compute_dtype, loss_scale=loss_scale,
-                                     detect_anomaly=args.detect_anomaly),
+                                     accumulate=accumulate, detect_anomaly=args.detect_anomaly),
                      init_train_state(params, tx, loss_scale=loss_scale), data.x_train,
                      data.y_train, epochs=args.epochs,
                      batch_size=args.batch_size, seed=args.seed,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from funcgrad.accumulate import group_microbatches, make_accumulating_step
 from funcgrad.clipping import clip_by_global_norm, global_norm, zero_nonfinite_leaves
 from funcgrad.data import batches
 from funcgrad.masks import freeze, value_and_grad_trainable
@@ -150,8 +151,8 @@ NONFINITE_POLICIES = ("skip", "zero", "raise")
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     clip_norm: float | None = None, nonfinite: str = "skip",
                     trainable: PyTree | None = None, compute_dtype: Any = None,
-                    loss_scale: LossScale | None = None, jit: bool = True,
-                    detect_anomaly: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    loss_scale: LossScale | None = None, accumulate: int | None = None,
+                    tail: str = "apply", jit: bool = True, detect_anomaly: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
     The step computes ``loss, grads = value_and_grad(loss_fn)(state.params, batch)``, the global
@@ -190,6 +191,18 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         and the clipping; a non-finite step is skipped as above and backs the scale off
         (metrics gain "loss_scale", the scale used, and "skipped_total"). Needs
         ``nonfinite="skip"`` or ``"raise"`` and ``init_train_state(..., loss_scale=loss_scale)``.
+      accumulate: K, to accumulate gradients over micro-batches (`funcgrad.accumulate`): the
+        step becomes ``step(state, microbatches, mask=None)`` with `microbatches` a pytree
+        whose leaves have shape ``(M, m, ...)`` (M micro-batches of m examples, padded; `mask`
+        bool ``(M, m)`` marks the real ones; `funcgrad.accumulate.group_microbatches` builds
+        both), and `loss_fn` must return one loss per example, shape ``(m,)``. Each group of
+        K micro-batches gives one update with the exact mean gradient over its examples (the
+        norm, clipping, guard and optimizer run once per update, inside one ``lax.scan``);
+        the metrics gain a leading axis of length U (updates in the call) plus
+        ``"examples": (U,)`` and ``"dropped_examples": ()``.
+      tail: with `accumulate`, what a final group of fewer than K micro-batches does:
+        "apply" (one more update over its examples, the default) or "drop" (counted in
+        "dropped_examples").
       jit: if False the step is returned un-jitted (for debugging with prints).
       detect_anomaly: PyTorch's ``detect_anomaly`` for this step. After a step whose loss or
         gradient norm is NaN/inf, `funcgrad.anomaly.find_nonfinite` runs (eagerly) on that
@@ -201,7 +214,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       ``{"loss": (), "grad_norm": (), "skipped": () int32}``, plus ``"clip_coef": ()`` with
       `clip_norm` and ``"nonfinite_leaves": () int32`` with ``nonfinite="zero"``. "grad_norm"
       is the pre-clip global norm in the gradients' units; "skipped" is 1 when the update was
-      not applied. The step has an attribute ``nonfinite`` holding the policy.
+      not applied. The step has attributes ``nonfinite`` (the policy) and ``accumulate``.
     Raises:
       ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy; at the
         first call, if the loss is not a scalar or the optimizer state does not match
@@ -229,14 +242,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             _scalar_loss(loss_fn), value_and_grad=differentiate,
             compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
 
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        _check_state(state, optimizer, loss_scale)
-        if compute_dtype is None and loss_scale is None:
-            loss, grads = value_and_grad(state.params, batch)
-        else:
-            scale = (jnp.ones((), jnp.float32) if loss_scale is None
-                     else state.loss_scale.scale)
-            loss, grads = value_and_grad(state.params, batch, scale)
+    def apply_update(state: TrainState, loss: jax.Array, grads: PyTree):
+        """Norm, clipping, the non-finite guard and the optimizer update: once per update."""
         grad_norm = global_norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm}
         zero = nonfinite == "zero"
@@ -262,14 +269,32 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         metrics.update(loss_scale=state.loss_scale.scale, skipped_total=scale_state.skipped_total)
         return TrainState(params, opt_state, state.step + 1, scale_state), metrics
 
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        _check_state(state, optimizer, loss_scale)
+        if compute_dtype is None and loss_scale is None:
+            loss, grads = value_and_grad(state.params, batch)
+        else:
+            scale = (jnp.ones((), jnp.float32) if loss_scale is None
+                     else state.loss_scale.scale)
+            loss, grads = value_and_grad(state.params, batch, scale)
+        return apply_update(state, loss, grads)
+
+    if accumulate is not None:
+        if compute_dtype is not None or loss_scale is not None or detect_anomaly:
+            raise ValueError("accumulate= does not combine with compute_dtype=, loss_scale= or "
+                             "detect_anomaly= in this release; use one or the other.")
+        accumulating = make_accumulating_step(loss_fn, apply_update, accumulate=accumulate,
+                                              tail=tail, value_and_grad=differentiate, jit=False)
+
+        def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
+            _check_state(state, optimizer, loss_scale)
+            return accumulating(state, microbatches, mask)
+
     out = jax.jit(step) if jit else step
     if detect_anomaly:
         out = _detecting_anomalies(out, loss_fn, trainable)
-    try:
-        out.nonfinite = nonfinite
-    except AttributeError:  # a jitted function may not take attributes in some jax versions
-        out = functools.wraps(step)(lambda state, batch, _f=out: _f(state, batch))
-        out.nonfinite = nonfinite
+    out.nonfinite = nonfinite
+    out.accumulate = accumulate
     return out
 
 
@@ -341,17 +366,19 @@ class History:
       step_loss, step_grad_norm: per-step values (Python floats) of the applied steps.
       skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale
         skipped; each epoch's row then also has "skipped" and "loss_scale".
+      dropped_examples: examples left out by an accumulating step's ``tail="drop"`` policy.
     """
     epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
     step_loss: list[float] = dataclasses.field(default_factory=list)
     step_grad_norm: list[float] = dataclasses.field(default_factory=list)
     skipped_steps: list[int] = dataclasses.field(default_factory=list)
+    dropped_examples: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"epochs": self.epochs,
                 "steps": {"step": list(range(len(self.step_loss))), "loss": self.step_loss,
                           "grad_norm": self.step_grad_norm},
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps, "dropped_examples": self.dropped_examples}
 
 
 class FitResult(NamedTuple):
@@ -374,7 +401,9 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
 
     Each epoch visits the examples in a seeded order (`funcgrad.data.batches` with
     ``(seed, epoch)``), calls ``step(state, {"x": ..., "y": ...})`` and records the loss and
-    the global gradient norm. After the epoch, ``evaluate(state.params)`` (if given) adds its
+    the global gradient norm. A step made with ``accumulate=K`` gets each K consecutive batches
+    of `batch_size` as one call (`funcgrad.accumulate.group_microbatches`; the epoch's last,
+    shorter group too, handled by the step's `tail` policy). After the epoch, ``evaluate(state.params)`` (if given) adds its
     numbers (e.g. test accuracy) to the epoch's row, and `log` gets a one-line summary.
 
     Guard: if a step was skipped (its ``metrics["skipped"]``; for a step without that metric,
@@ -410,7 +439,8 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"fit: batch_size must be a positive int, got {batch_size!r}.")
     history = History()
-    steps_per_epoch = math.ceil(len(x) / batch_size)
+    accumulate = getattr(step, "accumulate", None) or 1
+    steps_per_epoch = math.ceil(math.ceil(len(x) / batch_size) / accumulate)
     bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step", leave=False)
     if len(x) == 0:
         raise ValueError("fit: x is empty; there is nothing to train on.")
@@ -425,9 +455,19 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     try:
         for epoch in range(epochs):
             first, first_skip = len(history.step_loss), len(history.skipped_steps)
-            for i, batch in enumerate(batches(x, y, batch_size=batch_size, seed=seed,
-                                              epoch=epoch)):
-                new_state, metrics = step(state, batch)
+            micro = batches(x, y, batch_size=batch_size, seed=seed, epoch=epoch)
+            calls = (((b,) for b in micro) if accumulate == 1
+                     else group_microbatches(micro, accumulate, size=batch_size))
+            for i, call in enumerate(calls):
+                new_state, metrics = step(state, *call)
+                if accumulate > 1:  # one group per call: metrics of 1 update, or 0 if dropped
+                    history.dropped_examples += int(metrics.pop("dropped_examples"))
+                    metrics.pop("examples")
+                    if metrics["loss"].shape[0] == 0:
+                        state = new_state
+                        bar.update(1)
+                        continue
+                    metrics = {k: v[0] for k, v in metrics.items()}
                 scaled = getattr(new_state, "loss_scale", None) is not None
                 loss, grad_norm, skipped, used, backed_off = jax.device_get(
                     (metrics["loss"], metrics["grad_norm"], metrics.get("skipped", 0),

@@ -49,6 +49,17 @@ def test_float16_with_dynamic_loss_scale(tmp_path, capsys):
     assert row["steps"] == 23 and 0.5 < row["test_accuracy"] <= 1.0
 
 
+def test_accumulate_flag(tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(["train", "--accumulate", "4", "--epochs", "1", "--out", str(out),
+                   "--no-progress"])
+    assert status == 0
+    assert "4 micro-batches per update (effective batch 128)" in capsys.readouterr().out
+    # ceil(1437 / 32) = 45 micro-batches: 11 groups of 4 and a tail of 1, applied: 12 updates.
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["steps"]["loss"]) == 12 and metrics["dropped_examples"] == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "--lr", "-1"], "argument --lr: expected a positive float, got '-1'"),
     (["train", "--epochs", "two"], "argument --epochs: expected a positive int, got 'two'"),
@@ -61,9 +72,10 @@ def test_float16_with_dynamic_loss_scale(tmp_path, capsys):
     (["train", "--lr", "inf"], "argument --lr: expected a positive float, got 'inf'"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["train", "--accumulate", "0"], "argument --accumulate: expected a positive int, got '0'"),
     ([], "the following arguments are required: command"),
 ], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
-        "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype",
+        "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype", "accumulate",
         "no_command"])
 def test_bad_flags_give_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "funcgrad", *argv], capture_output=True,

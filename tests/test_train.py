@@ -271,3 +271,26 @@ def test_detect_anomaly_names_the_line_and_costs_nothing_when_off():
                         batch_size=2, progress=False)
     assert result.nonfinite.anomaly.primitive == "sqrt" and "sqrt" in str(result.nonfinite)
     assert result.nonfinite.to_dict()["anomaly"]["phase"] == "forward"
+
+
+@pytest.mark.parametrize("tail, updates, dropped", [
+    # 1437 digits in micro-batches of 32: ceil(1437 / 32) = 45 per epoch, the last holding
+    # 1437 - 44 * 32 = 29. Groups of 4: 11 full groups and a tail of 1 micro-batch.
+    # "apply": 12 updates per epoch, 24 in 2; "drop": 11 per epoch, 29 examples dropped each.
+    ("apply", 24, 0),
+    ("drop", 22, 58),
+])
+def test_fit_with_accumulation_counts_updates_and_the_tail(tail, updates, dropped):
+    data = fg.load_digits(seed=0)
+    params = fg.mlp_init(jax.random.key(0), (64, 16, 10))
+
+    def per_example(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(fg.mlp_apply(p, b["x"]), b["y"])
+
+    tx = optax.adam(1e-3)
+    step = fg.make_train_step(per_example, tx, accumulate=4, tail=tail)
+    result = fg.fit(step, fg.init_train_state(params, tx), data.x_train, data.y_train, epochs=2,
+                    batch_size=32, progress=False)
+    assert len(result.history.step_loss) == updates and int(result.state.step) == updates
+    assert result.history.dropped_examples == dropped
+    assert result.state.opt_state[0].count == updates       # Adam ran once per update

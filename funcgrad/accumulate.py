@@ -1,0 +1,362 @@
+"""Gradient accumulation: the mean gradient over many micro-batches, one `lax.scan` per update.
+
+Concept 12 (article A §3.3). PyTorch accumulates by calling ``(loss / accum_steps).backward()``
+on every micro-batch and ``optimizer.step()`` every ``accum_steps`` calls; that weights every
+micro-batch equally, so a smaller last micro-batch counts too much, and a final group of fewer
+than ``accum_steps`` micro-batches is silently left in ``.grad``. Here the gradient is
+
+    g = (1/N) * sum over micro-batches j of sum over examples i in j of grad loss_i(params)
+      = sum_j (n_j / N) * mean gradient of micro-batch j,
+
+N = sum_j n_j: each micro-batch weighted by its example count; this is the gradient of the mean
+loss over all N examples (the full-batch gradient), up to float rounding. ``lax.scan`` needs
+equal shapes, so micro-batches are padded to one size with a boolean mask of real rows, and
+the loss function returns **per-example** losses:
+
+    def loss_fn(params, batch):                       # batch: one micro-batch, (m, ...)
+        logits = mlp_apply(params, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])  # (m,)
+
+* `accumulate_grads` returns the mean loss, the mean gradient and the example count over a
+  stack of micro-batches ``(num_micro_batches, m, ...)`` in one scan: its compiled temporary
+  memory is that of one micro-batch, whatever their number.
+* ``funcgrad.make_train_step(loss_fn, optimizer, accumulate=K)`` applies one optimizer update
+  per K micro-batches, all inside one jitted call; the inner optimizer runs once per applied
+  update. It is `make_accumulating_step` around the train step's own update (norm, clipping,
+  non-finite guard, masks), and `funcgrad.fit` feeds it groups of K batches. When the number
+  of micro-batches is not a multiple of `accumulate`, the final partial group follows an
+  explicit `tail` policy, "apply" (one update with the mean gradient over its examples) or
+  "drop" (no update; the metrics count the dropped examples). ``optax.MultiSteps``, by
+  contrast, runs the inner update on every mini-step (and discards it on all but every k-th)
+  and keeps an incomplete final window in its state until more mini-steps come (both shown in
+  ``tests/test_accumulate.py`` and ``examples/12_accumulation.py``).
+* `stack_microbatches` and `group_microbatches` pad and stack host (NumPy) micro-batches, e.g.
+  those of `funcgrad.data.batches`, into that layout.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+PyTree = Any
+PerExampleLossFn = Callable[[PyTree, PyTree], jax.Array]
+ApplyUpdate = Callable[[Any, jax.Array, PyTree], tuple[Any, dict[str, jax.Array]]]
+
+#: Policies for a final group of fewer than `accumulate` micro-batches.
+TAIL_POLICIES: dict[str, str] = {
+    "apply": "one update with the mean gradient over the examples the partial group holds",
+    "drop": "no update; metrics['dropped_examples'] counts the examples left out",
+}
+
+_PER_EXAMPLE_HELP = """\
+Accumulation sums per-example losses over micro-batches and divides by the total example count,
+so loss_fn must return one loss per example of the micro-batch, not their mean.
+  failing:  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  fixed:    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])"""
+
+
+class AccumulatedGrads(NamedTuple):
+    """The mean loss and mean gradient over every real example of a stack of micro-batches.
+
+    Attributes:
+      loss: shape (), the mean per-example loss over the real examples (at least float32).
+      grads: same structure, shapes and dtypes as `params`: the gradient of that mean loss.
+      count: shape (), int32; the number of real (unmasked) examples N.
+    """
+    loss: jax.Array
+    grads: PyTree
+    count: jax.Array
+
+
+def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree, microbatches: PyTree, *,
+                     mask: jax.typing.ArrayLike | None = None,
+                     value_and_grad: Callable = jax.value_and_grad) -> AccumulatedGrads:
+    """Returns the mean loss and its gradient over a stack of micro-batches, in one `lax.scan`.
+
+    The scan carries the running sums ``sum_i loss_i``, ``sum_i grad loss_i`` and the count;
+    after the last micro-batch both sums are divided by the count N (formula in the module
+    docstring, which equals the full-batch gradient of the mean loss up to float rounding).
+    Sums are kept in at least float32 (bfloat16/float16 gradients are accumulated in float32),
+    and the mean is cast back to each leaf's dtype. Memory: the scan keeps one micro-batch's
+    activations and one accumulator the size of `params`, so the compiled temporary memory does
+    not grow with the number of micro-batches. Traceable: call it inside ``jax.jit``.
+
+    Args:
+      loss_fn: ``loss_fn(params, microbatch) -> losses`` of shape ``(m,)``, one per example
+        (not their mean); `microbatch` is `microbatches` without its leading axis.
+      params: the pytree to differentiate with respect to (floating leaves).
+      microbatches: pytree whose leaves all have shape ``(num_micro_batches, m, ...)``.
+      mask: bool ``(num_micro_batches, m)``, True for a real example and False for padding
+        (see `stack_microbatches`); None means every row is real. Padded rows are computed and
+        then excluded with ``jnp.where``, so they must give finite losses (copies of real rows,
+        as `stack_microbatches` makes them, do).
+      value_and_grad: the differentiation transform, ``jax.value_and_grad`` or one with its
+        signature, e.g. ``lambda f: funcgrad.masks.value_and_grad_trainable(f, mask)``.
+    Returns:
+      an `AccumulatedGrads`. When the mask selects no example, N = 0 and the loss and every
+      gradient element are NaN (the mean over no examples is undefined).
+    Raises:
+      ValueError: if the leaves of `microbatches` disagree on their two leading axes, the mask
+        has another shape, or `loss_fn` does not return shape ``(m,)``.
+      TypeError: if the mask is not boolean.
+    """
+    num, size = _leading_axes(microbatches)
+    mask = _checked_mask(mask, num, size)
+    return _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
+                       value_and_grad=value_and_grad)
+
+
+def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
+                value_and_grad=jax.value_and_grad) -> AccumulatedGrads:
+    """`accumulate_grads` over micro-batches ``start .. start + length - 1`` (start may be traced).
+
+    Micro-batches are read by index (``dynamic_index_in_dim``) rather than sliced out first,
+    so no copy of the group is made: temporary memory is one micro-batch, whatever `length`.
+    """
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)),
+                       microbatches)
+    out = jax.eval_shape(loss_fn, params, one)
+    size = jax.tree.leaves(one)[0].shape[0]
+    if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != (size,):
+        got = (f"shape {out.shape}" if isinstance(out, jax.ShapeDtypeStruct)
+               else f"a {type(out).__name__}")
+        raise ValueError(f"accumulate: loss_fn returned {got}, expected shape ({size},): one "
+                         f"loss per example of the micro-batch.\n{_PER_EXAMPLE_HELP}")
+
+    def summed_loss(p, microbatch, real):
+        losses = loss_fn(p, microbatch)
+        if real is None:
+            return jnp.sum(losses)
+        return jnp.sum(jnp.where(real, losses, jnp.zeros_like(losses)))
+
+    acc_dtype = lambda dtype: jnp.promote_types(dtype, jnp.float32)
+    zeros = (jnp.zeros((), acc_dtype(out.dtype)),
+             jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), acc_dtype(jnp.result_type(p))),
+                          params),
+             jnp.zeros((), jnp.int32))
+
+    def body(carry, _):
+        index, loss_sum, grad_sum, count = carry
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False)
+        microbatch = jax.tree.map(take, microbatches)
+        real = None if mask is None else take(mask)
+        loss, grads = value_and_grad(summed_loss)(params, microbatch, real)
+        grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
+        n = size if real is None else jnp.sum(real, dtype=jnp.int32)
+        return (index + 1, loss_sum + loss.astype(loss_sum.dtype), grad_sum, count + n), None
+
+    # The index is carried, not scanned over: an xs of arange(length) would be a buffer of
+    # `length` int32s, and temporary memory would grow (4 bytes) with each micro-batch.
+    start = jnp.asarray(start, jnp.int32)
+    (_, loss_sum, grad_sum, count), _ = jax.lax.scan(body, (start, *zeros), None, length=length)
+    mean = lambda s, like: (s / count.astype(s.dtype)).astype(jnp.result_type(like))
+    return AccumulatedGrads(loss_sum / count.astype(loss_sum.dtype),
+                            jax.tree.map(mean, grad_sum, params), count)
+
+
+def make_accumulating_step(
+        loss_fn: PerExampleLossFn, apply_update: ApplyUpdate, *, accumulate: int,
+        tail: str = "apply", value_and_grad: Callable = jax.value_and_grad,
+        jit: bool = True) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
+    """Returns ``step(state, microbatches, mask=None) -> (state, metrics)``: one update per group.
+
+    The micro-batches (leading axis, M of them) are taken in order in groups of `accumulate`
+    (K). For each group the step computes the mean loss and gradient over the group's real
+    examples (as `accumulate_grads`) and hands them to ``apply_update(state, loss, grads)``
+    once: whatever optimizer, clipping or guard runs there runs once per update, never per
+    micro-batch. The groups run in an outer ``lax.scan`` and each group's micro-batches in an
+    inner one, so one call does all ``M // K`` updates and its compiled temporary memory does
+    not grow with M or K (beyond the metrics, a few bytes per update). If M is not a multiple
+    of K, the last ``M % K`` micro-batches form a partial group handled by `tail`
+    (`TAIL_POLICIES`):
+
+    * "apply" (default): one more update with the mean gradient over the partial group's
+      examples, so every example is used exactly once;
+    * "drop": no update from them; ``metrics["dropped_examples"]`` counts their real examples.
+
+    M and K are static (shapes), so the policy costs nothing at run time. Calling the step once
+    per group of K micro-batches (and once with the last, shorter group) is the usual loop;
+    `group_microbatches` builds those groups.
+
+    Args:
+      loss_fn: ``loss_fn(params, microbatch) -> losses`` of shape ``(m,)``, one per example.
+      apply_update: ``apply_update(state, loss, grads) -> (state, metrics)``, traceable;
+        ``state.params`` are the params differentiated, `loss` has shape () and `grads` the
+        structure of the params; `metrics` is a dict of arrays (usually shape ()).
+      accumulate: K, micro-batches per update, a positive int.
+      tail: "apply" or "drop", the policy for a final group of fewer than K micro-batches.
+      value_and_grad: the differentiation transform, ``jax.value_and_grad`` or one with its
+        signature, e.g. ``lambda f: funcgrad.masks.value_and_grad_trainable(f, mask)``.
+      jit: if False the step is returned un-jitted (for debugging with prints).
+    Returns:
+      ``step(state, microbatches, mask=None)`` with `microbatches` and `mask` as in
+      `accumulate_grads`. It returns the state after U updates (U = ``M // K``, plus 1 for a
+      partial group under "apply") and the metrics of `apply_update` stacked along a new
+      leading axis of length U, plus ``"examples": (U,) int32`` (examples averaged by each
+      update) and ``"dropped_examples": () int32``. A group without real examples gives a NaN
+      loss and gradient (see `accumulate_grads`).
+    Raises:
+      ValueError: if `accumulate` is not a positive int or `tail` not a policy; at the first
+        call, for the shape errors of `accumulate_grads`.
+    """
+    k = _positive_int(accumulate, "accumulate")
+    if tail not in TAIL_POLICIES:
+        raise ValueError(f"tail must be one of {list(TAIL_POLICIES)} (what to do with a final "
+                         f"group of fewer than accumulate={k} micro-batches), got {tail!r}.")
+
+    def step(state, microbatches: PyTree, mask: jax.typing.ArrayLike | None = None):
+        num, size = _leading_axes(microbatches)
+        mask = _checked_mask(mask, num, size)
+        groups, rest = divmod(num, k)
+
+        def update(state, start, length):
+            acc = _accumulate(loss_fn, state.params, microbatches, mask, start=start,
+                              length=length, value_and_grad=value_and_grad)
+            state, metrics = apply_update(state, acc.loss, acc.grads)
+            return state, {**metrics, "examples": acc.count}
+
+        rows = []
+        if groups:
+            def group(carry, _):  # the group's first micro-batch is carried (see _accumulate)
+                state, start = carry
+                state, row = update(state, start, k)
+                return (state, start + k), row
+            (state, _), row = jax.lax.scan(group, (state, jnp.zeros((), jnp.int32)), None,
+                                           length=groups)
+            rows.append(row)
+        dropped = jnp.zeros((), jnp.int32)
+        if rest and tail == "apply":
+            state, row = update(state, groups * k, rest)
+            rows.append(jax.tree.map(lambda v: v[None], row))
+        elif rest:
+            dropped = (jnp.asarray(rest * size, jnp.int32) if mask is None
+                       else jnp.sum(mask[groups * k:], dtype=jnp.int32))
+        if rows:
+            metrics = jax.tree.map(lambda *v: jnp.concatenate(v), *rows)
+        else:  # fewer than K micro-batches, dropped: no update, empty metrics of the right kind
+            shapes = jax.eval_shape(lambda s: update(s, 0, rest)[1], state)
+            metrics = jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), shapes)
+        return state, {**metrics, "dropped_examples": dropped}
+
+    return jax.jit(step) if jit else step
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int (micro-batches per update), got "
+                         f"{value!r}.")
+    return int(value)
+
+
+def _leading_axes(microbatches: PyTree) -> tuple[int, int]:
+    leaves = jax.tree_util.tree_flatten_with_path(microbatches)[0]
+    if not leaves:
+        raise ValueError("accumulate: microbatches has no arrays; pass a pytree whose leaves "
+                         "have shape (num_micro_batches, micro_batch_size, ...).")
+    shapes = [(jax.tree_util.keystr(path), jnp.shape(leaf)) for path, leaf in leaves]
+    path0, shape0 = shapes[0]
+    for path, shape in shapes:
+        if len(shape) < 2 or shape[:2] != shape0[:2] or shape[0] == 0:
+            raise ValueError(
+                f"accumulate: every leaf of microbatches needs shape (num_micro_batches, "
+                f"micro_batch_size, ...) with the same two leading sizes and at least one "
+                f"micro-batch; microbatches{path} has shape {shape} but microbatches{path0} has "
+                f"{shape0}. Stack micro-batches with stack_microbatches(...).")
+    return shape0[0], shape0[1]
+
+
+def _checked_mask(mask, num: int, size: int) -> jax.Array | None:
+    if mask is None:  # every row is real; not materialised (it would be temporary memory)
+        return None
+    if jnp.result_type(mask) != jnp.bool_:
+        raise TypeError(f"accumulate: mask must be boolean (True for a real example), got "
+                        f"dtype {jnp.result_type(mask)}. Use mask.astype(bool).")
+    if jnp.shape(mask) != (num, size):
+        raise ValueError(f"accumulate: mask has shape {jnp.shape(mask)} but the micro-batches "
+                         f"need ({num}, {size}) = (num_micro_batches, micro_batch_size).")
+    return jnp.asarray(mask)
+
+
+def stack_microbatches(microbatches: Sequence[PyTree], *,
+                       size: int | None = None) -> tuple[PyTree, np.ndarray]:
+    """Pads micro-batches of possibly unequal sizes to one size and stacks them, with a mask.
+
+    Runs on the host, in NumPy. A micro-batch with n < `size` rows is padded with copies of its
+    last row (so the padded losses are finite whenever the real ones are), and the mask marks
+    its first n rows as real.
+
+    Args:
+      microbatches: a non-empty sequence of pytrees with one structure (e.g. dicts
+        ``{"x": (n_j, ...), "y": (n_j,)}``); within a micro-batch every leaf has the same
+        leading length n_j >= 1. JAX arrays are copied to the host.
+      size: the padded size m; default the largest n_j.
+    Returns:
+      ``(stacked, mask)``: `stacked` has the structure of a micro-batch with leaves of shape
+      ``(len(microbatches), m, ...)``; `mask` is bool ``(len(microbatches), m)``.
+    Raises:
+      ValueError: if there are no micro-batches, one is empty, its leaves disagree on their
+        leading length, it has more than `size` rows, or the structures differ.
+    """
+    if not microbatches:
+        raise ValueError("stack_microbatches: got no micro-batches; pass at least one.")
+    treedef = jax.tree.structure(microbatches[0])
+    counts = []
+    for j, mb in enumerate(microbatches):
+        if jax.tree.structure(mb) != treedef:
+            raise ValueError(f"stack_microbatches: micro-batch {j} has structure "
+                             f"{jax.tree.structure(mb)}, but micro-batch 0 has {treedef}.")
+        lengths = {len(np.asarray(leaf)) for leaf in jax.tree.leaves(mb)}
+        if len(lengths) != 1 or 0 in lengths:
+            raise ValueError(f"stack_microbatches: the leaves of micro-batch {j} have leading "
+                             f"lengths {sorted(lengths)}; they must be one length >= 1.")
+        counts.append(lengths.pop())
+    size = max(counts) if size is None else size
+    if max(counts) > size:
+        raise ValueError(f"stack_microbatches: micro-batch {counts.index(max(counts))} has "
+                         f"{max(counts)} rows, more than size={size}. Pass a larger size.")
+
+    pad = lambda a: np.concatenate([a, np.repeat(a[-1:], size - len(a), axis=0)])
+    stacked = jax.tree.map(lambda *leaves: np.stack([pad(np.asarray(a)) for a in leaves]),
+                           *microbatches)
+    mask = np.arange(size)[None, :] < np.asarray(counts)[:, None]
+    return stacked, mask
+
+
+def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
+                       size: int | None = None) -> Iterator[tuple[PyTree, np.ndarray]]:
+    """Yields ``stack_microbatches`` of each `accumulate` consecutive micro-batches.
+
+    The last group holds the remaining 1 .. accumulate - 1 micro-batches when their number is
+    not a multiple of `accumulate`; it is yielded, never dropped here, so that the step's
+    `tail` policy decides. All groups pad to one size, so a jitted step compiles at most twice
+    (full groups, and the shorter last one).
+
+    Args:
+      microbatches: an iterable of micro-batches, e.g. ``funcgrad.data.batches(x, y,
+        batch_size=m, ...)``, whose last one may be smaller.
+      accumulate: micro-batches per group, a positive int.
+      size: the padded micro-batch size; default the size of the first micro-batch.
+    Yields:
+      ``(stacked, mask)`` as `stack_microbatches` returns them, leading axis `accumulate`
+      (fewer for the last group).
+    Raises:
+      ValueError: if `accumulate` is not a positive int, or as `stack_microbatches`.
+    """
+    k = _positive_int(accumulate, "group_microbatches: accumulate")  # checked at the call
+
+    def groups(size):
+        group: list[PyTree] = []
+        for mb in microbatches:
+            size = len(np.asarray(jax.tree.leaves(mb)[0])) if size is None else size
+            group.append(mb)
+            if len(group) == k:
+                yield stack_microbatches(group, size=size)
+                group = []
+        if group:
+            yield stack_microbatches(group, size=size)
+    return groups(size)
