@@ -75,3 +75,37 @@ def is_float(dtype: Any) -> bool:
         return bool(jnp.issubdtype(dtype, jnp.inexact))
     except TypeError:  # extended dtypes such as PRNG keys
         return False
+
+
+def closed_parts(sub: Any) -> tuple[jex_core.Jaxpr, tuple]:
+    """``(jaxpr, consts)`` of a ClosedJaxpr, or of an open Jaxpr with no consts."""
+    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
+
+
+def bind(eqn: Any, ins: list) -> list:
+    """Applies `eqn`'s primitive to the values `ins` as JAX would; always a list of outputs."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)  # higher-order ones need subfuns
+    subfuns, params = bind_params if isinstance(bind_params, tuple) else ([], bind_params)
+    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def interpret(jaxpr: jex_core.Jaxpr, consts: Any, args: Any,
+              rule: Callable[[Any, list], list | None]) -> list:
+    """Evaluates `jaxpr` equation by equation on `args` (values or tracers).
+
+    ``rule(eqn, ins)`` may return the equation's outputs (to replace, record or recurse);
+    when it returns None the primitive is applied as is (`bind`). Returns the outputs, a list.
+    """
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = rule(eqn, ins)
+        env.update(zip(eqn.outvars, bind(eqn, ins) if outs is None else outs))
+    return [read(v) for v in jaxpr.outvars]

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from funcgrad._jaxpr import closed_parts, interpret
+
 
 class Spec(NamedTuple):
     """Everything static about the objective; hashable, so compiled checks are cached per spec."""
@@ -129,28 +131,11 @@ def _without_stop_gradient(f):
 
 
 def _eval(jaxpr, consts, *args):
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-    for var, val in zip(jaxpr.constvars, consts):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args):
-        env[var] = val
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
+    def rule(eqn, ins):
         name = eqn.primitive.name
         if name == "stop_gradient":
-            outs = ins
-        elif name in _CALL_PRIMITIVES and _CALL_PRIMITIVES[name] in eqn.params:
-            sub = eqn.params[_CALL_PRIMITIVES[name]]
-            outs = _eval(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), *ins)
-        else:
-            bind = eqn.primitive.get_bind_params(eqn.params)  # higher-order ones need subfuns
-            subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
-            outs = eqn.primitive.bind(*subfuns, *ins, **params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for var, val in zip(eqn.outvars, outs):
-            env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+            return ins
+        if name in _CALL_PRIMITIVES and _CALL_PRIMITIVES[name] in eqn.params:
+            return _eval(*closed_parts(eqn.params[_CALL_PRIMITIVES[name]]), *ins)
+        return None
+    return interpret(jaxpr, consts, args, rule)

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from funcgrad._jaxpr import arg_names, leaf_paths, source_line
+from funcgrad._jaxpr import arg_names, interpret, leaf_paths, source_line
+from funcgrad._jaxpr import closed_parts as _closed
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
             "numerically_zero", "not_differentiable")
@@ -77,10 +78,6 @@ def _merge(*deps: dict[int, _Path]) -> dict[int, _Path]:
 
 def _cut(deps: dict[int, _Path], kind: int, where: str) -> dict[int, _Path]:
     return {leaf: (p if p.kind <= kind else _Path(kind, where)) for leaf, p in deps.items()}
-
-
-def _closed(sub):
-    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
 
 
 def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "") -> list[dict[int, _Path]]:
@@ -319,35 +316,17 @@ def _is_zero_literal(v) -> bool:
 
 
 def _record(jaxpr, consts, args, sites, where):
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-    for var, val in zip(jaxpr.constvars, consts):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args):
-        env[var] = val
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
+    def rule(eqn, ins):
         name = eqn.primitive.name
         here = source_line(eqn) or where
         if name in _CALLS and _CALLS[name] in eqn.params:
             sub, sub_consts = _closed(eqn.params[_CALLS[name]])
-            outs = _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], sites, here)
-        else:
-            if name == "max" and len(eqn.invars) == 2 and any(map(_is_zero_literal, eqn.invars)):
-                x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
-                if x.ndim:
-                    units = x.shape[-1]
-                    alive = np.any(x.reshape(-1, units) > 0, axis=0)
-                    sites.append(ReluSite(here, units, int(units - alive.sum())))
-            bind = eqn.primitive.get_bind_params(eqn.params)
-            subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
-            outs = eqn.primitive.bind(*subfuns, *ins, **params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for var, val in zip(eqn.outvars, outs):
-            env[var] = val
-    return [read(v) for v in jaxpr.outvars]
-
-
+            return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], sites, here)
+        if name == "max" and len(eqn.invars) == 2 and any(map(_is_zero_literal, eqn.invars)):
+            x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
+            if x.ndim:
+                units = x.shape[-1]
+                alive = np.any(x.reshape(-1, units) > 0, axis=0)
+                sites.append(ReluSite(here, units, int(units - alive.sum())))
+        return None
+    return interpret(jaxpr, consts, args, rule)

@@ -36,7 +36,8 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 
-from funcgrad._jaxpr import source_line
+from funcgrad._jaxpr import closed_parts as _closed
+from funcgrad._jaxpr import interpret, source_line
 
 tap_p = jex_core.Primitive("tap")
 tap_p.def_impl(lambda x, *, name: x)
@@ -83,10 +84,6 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
 _REMAT = {"checkpoint", "remat", "remat2"}
 _OPAQUE = {"custom_jvp_call": "a custom_jvp function", "custom_vjp_call": "a custom_vjp function",
            "custom_vjp_call_jaxpr": "a custom_vjp function", "while": "a while_loop"}
-
-
-def _closed(sub):
-    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
 
 
 def _has_tap(jaxpr) -> bool:
@@ -138,47 +135,25 @@ def _subs(eqn):
 
 def _eval(jaxpr, consts, args, perts: dict[str, jax.Array]):
     """Evaluates `jaxpr`, replacing each tap site by ``x + perts[name]``."""
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-    for var, val in zip(jaxpr.constvars, consts):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args):
-        env[var] = val
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
+    def rule(eqn, ins):
         name = eqn.primitive.name
         if eqn.primitive is tap_p:
-            x = ins[0]
-            outs = [x + perts[eqn.params["name"]].astype(x.dtype)]
-        elif not any(_has_tap(_closed(s)[0]) for s in _subs(eqn)):
-            outs = _bind(eqn, ins)
-        elif name in _INLINE and _INLINE[name] in eqn.params:
-            sub, sub_consts = _closed(eqn.params[_INLINE[name]])
-            outs = _eval(sub, sub_consts, ins, perts)
-        elif name in _REMAT:  # keep the rematerialisation around the interpreted body
+            return [ins[0] + perts[eqn.params["name"]].astype(ins[0].dtype)]
+        if not any(_has_tap(_closed(s)[0]) for s in _subs(eqn)):
+            return None
+        if name in _INLINE and _INLINE[name] in eqn.params:
+            return _eval(*_closed(eqn.params[_INLINE[name]]), ins, perts)
+        if name in _REMAT:  # keep the rematerialisation around the interpreted body
             sub, sub_consts = _closed(eqn.params["jaxpr"])
-            outs = jax.checkpoint(lambda *a: _eval(sub, sub_consts, a, perts),
+            return jax.checkpoint(lambda *a: _eval(sub, sub_consts, a, perts),
                                   prevent_cse=eqn.params.get("prevent_cse", True),
                                   policy=eqn.params.get("policy"))(*ins)
-        elif name == "scan":
-            outs = _eval_scan(eqn, ins, perts)
-        elif name == "cond":
-            outs = _eval_cond(eqn, ins, perts)
-        else:  # _find_sites has already rejected the rest
-            raise AssertionError(f"unexpected tap inside {name}")
-        for var, val in zip(eqn.outvars, outs):
-            env[var] = val
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(eqn, ins):
-    bind = eqn.primitive.get_bind_params(eqn.params)  # higher-order primitives need subfuns
-    subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
-    outs = eqn.primitive.bind(*subfuns, *ins, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+        if name == "scan":
+            return _eval_scan(eqn, ins, perts)
+        if name == "cond":
+            return _eval_cond(eqn, ins, perts)
+        raise AssertionError(f"unexpected tap inside {name}")  # _find_sites rejected the rest
+    return interpret(jaxpr, consts, args, rule)
 
 
 def _eval_scan(eqn, ins, perts):
