@@ -50,6 +50,13 @@ from funcgrad.accumulate import stack_microbatches as stack_microbatches
 from funcgrad.anomaly import AnomalyReport as AnomalyReport
 from funcgrad.anomaly import find_nonfinite as find_nonfinite
 from funcgrad.custom import CustomVJP as CustomVJP
+from funcgrad.monitor import Alert as Alert
+from funcgrad.monitor import GradMonitor as GradMonitor
+from funcgrad.monitor import MonitorMetrics as MonitorMetrics
+from funcgrad.monitor import MonitorState as MonitorState
+from funcgrad.monitor import grad_monitor as grad_monitor
+from funcgrad.monitor import monitor_alerts as monitor_alerts
+from funcgrad.monitor import with_dead_relu as with_dead_relu
 from funcgrad.custom import custom_vjp as custom_vjp
 
 __version__ = "0.1.0"

@@ -82,6 +82,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="held-out fraction of the 1,797 digits (default: 0.2)")
     t.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-monitor", action="store_true",
+                   help="no gradient monitor (by default each step also computes per-layer "
+                        "gradient norms, dead-ReLU fractions and explosion/vanishing alerts, "
+                        "printed as they happen and drawn in training.png)")
     t.add_argument("--detect-anomaly", action="store_true",
                    help="when a step's loss or gradient goes NaN/inf, name the primitive, the pass "
                         "(forward/backward) and the source line that produced it (one host read "
@@ -116,6 +120,7 @@ def _train(args: argparse.Namespace) -> int:
     import optax
 
     from funcgrad.data import load_digits
+    from funcgrad.monitor import grad_monitor
     from funcgrad.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
     from funcgrad.precision import dynamic_loss_scale
     from funcgrad.train import fit, init_train_state, make_optimizer, make_train_step
@@ -130,6 +135,7 @@ def _train(args: argparse.Namespace) -> int:
     compute_dtype = None if args.dtype == "float32" else jnp.dtype(args.dtype)
     loss_scale = dynamic_loss_scale() if args.loss_scale == "dynamic" else None
     accumulate = args.accumulate if args.accumulate > 1 else None
+    monitor = None if args.no_monitor else grad_monitor()
     if accumulate and (compute_dtype is not None or loss_scale is not None or args.detect_anomaly):
         raise ValueError("--accumulate does not combine with --dtype, --loss-scale or "
                          "--detect-anomaly in this release; use one or the other.")
@@ -161,8 +167,10 @@ def _train(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
         result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm,
                                      compute_dtype=compute_dtype, loss_scale=loss_scale,
-                                     accumulate=accumulate, detect_anomaly=args.detect_anomaly),
-                     init_train_state(params, tx, loss_scale=loss_scale), data.x_train,
+                                     accumulate=accumulate, detect_anomaly=args.detect_anomaly,
+                                     monitor=monitor),
+                     init_train_state(params, tx, loss_scale=loss_scale, monitor=monitor),
+                     data.x_train,
                      data.y_train, epochs=args.epochs,
                      batch_size=args.batch_size, seed=args.seed,
                      evaluate=lambda p: {"test_accuracy": test_accuracy(p)},
@@ -179,6 +187,8 @@ def _train(args: argparse.Namespace) -> int:
     if loss_scale is not None:
         print(f"loss scale {float(result.state.loss_scale.scale):g}, "
               f"{len(history.skipped_steps)} steps skipped")
+    if monitor is not None:
+        print(f"gradient monitor: {len(history.alerts)} alert(s)")
     print(f"final test accuracy {final:.4f}; wrote {metrics_path} and {plot_path} "
           f"({time.perf_counter() - start:.1f} s)")
     if result.nonfinite is not None:
@@ -205,18 +215,36 @@ def _plot(history, path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError("the training plot needs matplotlib: pip install 'funcgrad[examples]'") from e
-    fig, (ax_loss, ax_norm) = plt.subplots(2, 1, sharex=True, figsize=(7, 5.5))
+    import numpy as np
+
+    layers = bool(getattr(history, "layer_names", ()))
+    fig, axes = plt.subplots(3 if layers else 2, 1, sharex=True,
+                             figsize=(7, 8 if layers else 5.5))
+    ax_loss, ax_norm = axes[0], axes[1]
     steps = range(len(history.step_loss))
     ax_loss.plot(steps, history.step_loss, lw=0.8)
     ax_loss.set_ylabel("loss (nats)")
     ax_loss.set_yscale("log")
     ax_norm.plot(steps, history.step_grad_norm, lw=0.8, color="tab:orange")
     ax_norm.set_ylabel("global grad norm (pre-clip)")
-    ax_norm.set_xlabel("step")
     ax_norm.set_yscale("log")
-    for ax in (ax_loss, ax_norm):
+    if layers:  # one curve per layer; zeros (a dead layer) are left out of the log scale
+        norms = np.asarray(history.step_layer_norm, float).reshape(len(steps), -1)
+        ax_layers = axes[2]
+        for j, name in enumerate(history.layer_names):
+            ax_layers.plot(steps, np.where(norms[:, j] > 0, norms[:, j], np.nan), lw=0.8,
+                           label=name)
+        ax_layers.set_ylabel("layer grad norm")
+        ax_layers.set_yscale("log")
+        ax_layers.legend(fontsize=7, ncol=min(4, len(history.layer_names)), loc="best")
+        for alert in history.alerts:  # where the monitor raised an alert
+            for ax in axes:
+                ax.axvline(alert.step, color="tab:red", lw=0.6, alpha=0.4)
+    axes[-1].set_xlabel("step")
+    for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle("funcgrad train: loss and global gradient norm per step")
+    fig.suptitle("funcgrad train: loss and gradient norms per step"
+                 + (" (red: monitor alerts)" if layers and history.alerts else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -21,6 +21,7 @@ from funcgrad.accumulate import group_microbatches, make_accumulating_step
 from funcgrad.clipping import clip_by_global_norm, global_norm, zero_nonfinite_leaves
 from funcgrad.data import batches
 from funcgrad.masks import freeze, value_and_grad_trainable
+from funcgrad.monitor import GradMonitor, MonitorState, monitor_alerts, with_dead_relu
 from funcgrad.precision import LossScale, LossScaleState, scaled_value_and_grad
 
 PyTree = Any
@@ -45,11 +46,15 @@ class TrainState(NamedTuple):
         step leaves params and optimizer state, hence e.g. Adam's own count, unchanged).
       loss_scale: the `funcgrad.precision.LossScaleState` of a step that scales the loss
         (``init_train_state(..., loss_scale=...)``), else None.
+      monitor: the `funcgrad.monitor.MonitorState` (gradient-norm baseline, vanishing
+        streaks) of a step made with ``monitor=`` (``init_train_state(..., monitor=...)``),
+        else None.
     """
     params: PyTree
     opt_state: optax.OptState
     step: jax.Array
     loss_scale: LossScaleState | None = None
+    monitor: MonitorState | None = None
 
 
 class NonFiniteReport(NamedTuple):
@@ -126,8 +131,8 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
 
 
 def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
-                     trainable: PyTree | None = None,
-                     loss_scale: LossScale | None = None) -> TrainState:
+                     trainable: PyTree | None = None, loss_scale: LossScale | None = None,
+                     monitor: GradMonitor | None = None) -> TrainState:
     """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
 
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
@@ -135,13 +140,17 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     ``funcgrad.masks.freeze(optimizer, trainable)``, as `make_train_step` does with the same
     mask: frozen leaves keep no optimizer state. `loss_scale` (e.g.
     ``funcgrad.dynamic_loss_scale()``) adds its initial state; give `make_train_step` the same.
+    `monitor` (``funcgrad.grad_monitor()``) adds the monitor's state (layers whose leaves are
+    all frozen by `trainable` are not checked for vanishing); give `make_train_step` the same.
     """
     optimizer = make_optimizer(optimizer)
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
     return TrainState(params=params, opt_state=optimizer.init(params),
                       step=jnp.zeros((), jnp.int32),
-                      loss_scale=None if loss_scale is None else loss_scale.init())
+                      loss_scale=None if loss_scale is None else loss_scale.init(),
+                      monitor=None if monitor is None else monitor.init(params,
+                                                                        trainable=trainable))
 
 
 #: What a train step does when the loss or the global gradient norm is NaN or inf.
@@ -152,7 +161,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     clip_norm: float | None = None, nonfinite: str = "skip",
                     trainable: PyTree | None = None, compute_dtype: Any = None,
                     loss_scale: LossScale | None = None, accumulate: int | None = None,
-                    tail: str = "apply", jit: bool = True, detect_anomaly: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    tail: str = "apply", jit: bool = True, detect_anomaly: bool = False,
+                    monitor: GradMonitor | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
     The step computes ``loss, grads = value_and_grad(loss_fn)(state.params, batch)``, the global
@@ -209,6 +219,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         step's params and batch and its `AnomalyReport` is added as ``metrics["anomaly"]``;
         `fit` puts it in its `NonFiniteReport`. It costs one host read of the loss and norm per
         step; with the default False the step is the plain jitted function and pays nothing.
+      monitor: a `funcgrad.monitor.GradMonitor` (``funcgrad.grad_monitor()``): every update
+        also computes per-leaf norm, mean and std, per-layer norms, the dead-ReLU fraction of
+        each ReLU in `loss_fn` (found in its jaxpr, no model change; on the float32 path
+        without `accumulate`), a baseline and the explosion / nonfinite / vanishing flags,
+        all inside the jitted step, as ``metrics["monitor"]`` (a `MonitorMetrics`; `fit`
+        prints its alerts). "grad_norm" then comes from the monitor's fused sums (the same
+        global norm). Costs <= 10% of a small CPU step (``benchmarks/monitor.py``). Create
+        the state with ``init_train_state(..., monitor=monitor)``.
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
       ``{"loss": (), "grad_norm": (), "skipped": () int32}``, plus ``"clip_coef": ()`` with
@@ -235,17 +253,28 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         differentiate = functools.partial(value_and_grad_trainable, mask=trainable)
     else:
         differentiate = jax.value_and_grad
+    # Dead ReLUs come from interpreting loss_fn's jaxpr; the mixed-precision and accumulating
+    # paths differentiate their own wrappers of loss_fn, so there the monitor has norms only.
+    dead_relu = (monitor is not None and monitor.dead_relu and compute_dtype is None
+                 and loss_scale is None and accumulate is None)
     if compute_dtype is None and loss_scale is None:
-        value_and_grad = differentiate(_scalar_loss(loss_fn))
+        value_and_grad = (differentiate(with_dead_relu(_scalar_loss(loss_fn)), has_aux=True)
+                          if dead_relu else differentiate(_scalar_loss(loss_fn)))
     else:  # gradients come back in float32 and unscaled: the norm and clipping see true values
         value_and_grad = scaled_value_and_grad(
             _scalar_loss(loss_fn), value_and_grad=differentiate,
             compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
 
-    def apply_update(state: TrainState, loss: jax.Array, grads: PyTree):
+    def apply_update(state: TrainState, loss: jax.Array, grads: PyTree, dead=None):
         """Norm, clipping, the non-finite guard and the optimizer update: once per update."""
-        grad_norm = global_norm(grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm}
+        if monitor is None:
+            grad_norm, monitor_state = global_norm(grads), state.monitor
+            metrics = {"loss": loss, "grad_norm": grad_norm}
+        else:  # the monitor's fused sums include the global norm: no second reduction
+            monitor_state, report = monitor.update(state.monitor, grads, loss=loss,
+                                                   dead_relu=dead)
+            grad_norm = report.grad_norm
+            metrics = {"loss": loss, "grad_norm": grad_norm, "monitor": report}
         zero = nonfinite == "zero"
         if clip_norm is not None:
             grads, info = clip_by_global_norm(grads, clip_norm, zero_nonfinite=zero,
@@ -264,20 +293,24 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         # The counter advances unconditionally: making it depend on `ok` measured ~1.5x the
         # step time on CPU (a scalar output waiting on the whole step); skips are in metrics.
         if loss_scale is None:
-            return TrainState(params, opt_state, state.step + 1, state.loss_scale), metrics
+            return (TrainState(params, opt_state, state.step + 1, state.loss_scale, monitor_state),
+                    metrics)
         scale_state = loss_scale.update(state.loss_scale, ok)
         metrics.update(loss_scale=state.loss_scale.scale, skipped_total=scale_state.skipped_total)
-        return TrainState(params, opt_state, state.step + 1, scale_state), metrics
+        return TrainState(params, opt_state, state.step + 1, scale_state, monitor_state), metrics
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        _check_state(state, optimizer, loss_scale)
+        _check_state(state, optimizer, loss_scale, monitor)
+        dead = None
         if compute_dtype is None and loss_scale is None:
             loss, grads = value_and_grad(state.params, batch)
+            if dead_relu:
+                loss, dead = loss
         else:
             scale = (jnp.ones((), jnp.float32) if loss_scale is None
                      else state.loss_scale.scale)
             loss, grads = value_and_grad(state.params, batch, scale)
-        return apply_update(state, loss, grads)
+        return apply_update(state, loss, grads, dead)
 
     if accumulate is not None:
         if compute_dtype is not None or loss_scale is not None or detect_anomaly:
@@ -287,7 +320,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                                               tail=tail, value_and_grad=differentiate, jit=False)
 
         def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
-            _check_state(state, optimizer, loss_scale)
+            _check_state(state, optimizer, loss_scale, monitor)
             return accumulating(state, microbatches, mask)
 
     out = jax.jit(step) if jit else step
@@ -336,7 +369,7 @@ def _scalar_loss(loss_fn: LossFn) -> LossFn:
 
 
 def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
-                 loss_scale: LossScale | None = None) -> None:
+                 loss_scale: LossScale | None = None, monitor: GradMonitor | None = None) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"the step takes a TrainState (from init_train_state), got "
                         f"{type(state).__name__}.")
@@ -344,6 +377,10 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
         raise ValueError("this step scales the loss but the TrainState has no loss-scale state. "
                          "Create it with init_train_state(params, optimizer, "
                          "loss_scale=loss_scale), the loss_scale given to make_train_step.")
+    if monitor is not None and state.monitor is None:
+        raise ValueError("this step has a gradient monitor but the TrainState has no monitor "
+                         "state. Create it with init_train_state(params, optimizer, "
+                         "monitor=monitor), the monitor given to make_train_step.")
     shapes = lambda tree: jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), tree)
     expected = jax.eval_shape(optimizer.init, state.params)
     got = state.opt_state
@@ -367,18 +404,28 @@ class History:
       skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale
         skipped; each epoch's row then also has "skipped" and "loss_scale".
       dropped_examples: examples left out by an accumulating step's ``tail="drop"`` policy.
+      layer_names, step_layer_norm: with a monitored step (``make_train_step(monitor=)``),
+        the layers (``params[0]``, ...) and, per applied step, each layer's gradient norm.
+      alerts: the monitor's `funcgrad.monitor.Alert`s, in step order.
     """
     epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
     step_loss: list[float] = dataclasses.field(default_factory=list)
     step_grad_norm: list[float] = dataclasses.field(default_factory=list)
     skipped_steps: list[int] = dataclasses.field(default_factory=list)
     dropped_examples: int = 0
+    layer_names: tuple[str, ...] = ()
+    step_layer_norm: list[list[float]] = dataclasses.field(default_factory=list)
+    alerts: list = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"epochs": self.epochs,
-                "steps": {"step": list(range(len(self.step_loss))), "loss": self.step_loss,
-                          "grad_norm": self.step_grad_norm},
-                "skipped_steps": self.skipped_steps, "dropped_examples": self.dropped_examples}
+        steps = {"step": list(range(len(self.step_loss))), "loss": self.step_loss,
+                 "grad_norm": self.step_grad_norm}
+        if self.layer_names:
+            steps["layer_norm"] = {name: [row[j] for row in self.step_layer_norm]
+                                   for j, name in enumerate(self.layer_names)}
+        return {"epochs": self.epochs, "steps": steps,
+                "skipped_steps": self.skipped_steps, "dropped_examples": self.dropped_examples,
+                "alerts": [dataclasses.asdict(a) | {"text": str(a)} for a in self.alerts]}
 
 
 class FitResult(NamedTuple):
@@ -392,6 +439,10 @@ class FitResult(NamedTuple):
     state: TrainState
     history: History
     nonfinite: NonFiniteReport | None
+
+
+#: How many monitor alerts `fit` passes to its `log`; all are kept in `History.alerts`.
+MAX_LOGGED_ALERTS = 20
 
 
 def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epochs: int,
@@ -424,7 +475,9 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
       seed: seed of the batch order.
       evaluate: ``evaluate(params) -> {name: float}``, called once per epoch.
       progress: show a tqdm progress bar on stderr.
-      log: called with each epoch's summary line (e.g. `print`); None for silence.
+      log: called with each epoch's summary line (e.g. `print`), and with each alert of a
+        monitored step (``make_train_step(monitor=)``; the first `MAX_LOGGED_ALERTS`, all are
+        kept in the history); None for silence.
     Returns:
       a `FitResult`.
     Raises:
@@ -452,6 +505,7 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
 
     verified = state  # last state whose params were checked finite (at each epoch's end)
     run_step = 0
+    previous_report = None  # the last step's MonitorMetrics: dead-ReLU alerts on crossings
     try:
         for epoch in range(epochs):
             first, first_skip = len(history.step_loss), len(history.skipped_steps)
@@ -467,11 +521,12 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                         state = new_state
                         bar.update(1)
                         continue
-                    metrics = {k: v[0] for k, v in metrics.items()}
+                    metrics = {k: jax.tree.map(lambda v: v[0], v) for k, v in metrics.items()}
                 scaled = getattr(new_state, "loss_scale", None) is not None
-                loss, grad_norm, skipped, used, backed_off = jax.device_get(
+                loss, grad_norm, skipped, used, backed_off, monitored = jax.device_get(
                     (metrics["loss"], metrics["grad_norm"], metrics.get("skipped", 0),
-                     metrics.get("loss_scale", 0.0), new_state.loss_scale.scale if scaled else 0.0))
+                     metrics.get("loss_scale", 0.0), new_state.loss_scale.scale if scaled else 0.0,
+                     metrics.get("monitor")))
                 loss, grad_norm = float(loss), float(grad_norm)
                 if skipped and scaled and math.isfinite(loss) and backed_off < used:
                     # A loss-scale overflow: params and optimizer state kept, scale lowered;
@@ -482,6 +537,15 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                     run_step += 1
                     bar.update(1)
                     continue
+                if monitored is not None:  # after routine loss-scale skips: no alert for those
+                    for alert in monitor_alerts(monitored, previous=previous_report):
+                        history.alerts.append(alert)
+                        if len(history.alerts) <= MAX_LOGGED_ALERTS:
+                            say(f"monitor: {alert}")
+                        elif len(history.alerts) == MAX_LOGGED_ALERTS + 1:
+                            say(f"monitor: more than {MAX_LOGGED_ALERTS} alerts; the rest are "
+                                "in the history, not printed")
+                    previous_report = monitored
                 bad = (bool(skipped) if "skipped" in metrics
                        else not (math.isfinite(loss) and math.isfinite(grad_norm)))
                 if bad:
@@ -498,6 +562,9 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                 state = new_state
                 history.step_loss.append(loss)
                 history.step_grad_norm.append(grad_norm)
+                if monitored is not None:
+                    history.layer_names = monitored.layer_names
+                    history.step_layer_norm.append(np.asarray(monitored.layer_norm).tolist())
                 run_step += 1
                 bar.update(1)
                 bar.set_postfix(epoch=epoch, loss=f"{history.step_loss[-1]:.4f}", refresh=False)

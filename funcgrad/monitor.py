@@ -1,0 +1,568 @@
+"""A gradient monitor: per-step gradient statistics and alerts, computed inside the jitted step.
+
+Every step, `GradMonitor.update` turns the gradients into one `MonitorMetrics`: the global norm,
+the L2 norm, mean and standard deviation of every leaf, the norm of every layer (the leaves that
+share a parent container, e.g. ``params[0]``) and, with `with_dead_relu`, the share of each
+ReLU's units that are dead for the whole batch. It also raises three flags (article A §4.2,
+B §4.3; concept 16 of CONCEPTS.md):
+
+  ``explosion``  the global norm exceeds ``explode_factor`` times the baseline, the mean global
+                 norm of the first ``warmup`` finite steps (never before that baseline is ready);
+  ``nonfinite``  the global norm or the loss is NaN or inf (at any step);
+  ``vanishing``  a layer's norm has stayed below ``vanish_floor`` for ``vanish_steps``
+                 consecutive steps (raised once per streak, on the step it reaches that length).
+
+All of it is ``jnp`` code: no host round-trip inside ``jit``, so it compiles into the step
+(``benchmarks/monitor.py`` measures what it adds). The baseline and the vanishing streaks
+persist in a `MonitorState` the caller carries, e.g. in the train state. On the host,
+`monitor_alerts` turns one step's metrics into `Alert` objects whose ``str`` is a readable
+line; the names (leaf paths, layers, ReLU sites) travel as static pytree metadata of
+`MonitorMetrics`, so they survive ``jit`` without a side channel.
+
+Dead ReLUs without touching the model: `with_dead_relu` traces the function to a jaxpr and
+evaluates it equation by equation at trace time, binding the same primitives; at every
+``max(x, 0)`` (``jax.nn.relu`` or ``jnp.maximum(x, 0)``, also inside ``jit``, ``custom_jvp``
+and ``checkpoint``) it also returns, as a ``jnp`` value, which units (last axis) have a
+pre-activation ``x <= 0`` for every example. Sites are named by order and source line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from funcgrad._jaxpr import source_line
+
+PyTree = Any
+
+#: Alert kinds, in the order `monitor_alerts` reports them within a step.
+ALERT_KINDS = ("nonfinite", "explosion", "vanishing", "dead_relu")
+
+
+# --- dead ReLU units, by interpreting the program ----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DeadReLU:
+    """The dead units of every ReLU in a program, for one batch.
+
+    Attributes:
+      dead: one bool array of shape (units,) per site: True where the unit's pre-activation
+        (the ReLU's input; units are its last axis) is <= 0 for every example of the batch.
+      names: static; one name per site in program order, ``"relu 0 at nn.py:96:16 (mlp_apply)"``.
+    """
+    dead: tuple[jax.Array, ...] = ()
+    names: tuple[str, ...] = ()
+
+    @property
+    def fraction(self) -> jax.Array:
+        """Shape (sites,), float32, dimensionless in [0, 1]: dead units over all units."""
+        return jnp.asarray([jnp.mean(d, dtype=jnp.float32) for d in self.dead], jnp.float32)
+
+
+jax.tree_util.register_dataclass(DeadReLU, data_fields=["dead"], meta_fields=["names"])
+
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+           "core_call": "call_jaxpr"}
+# Bound unchanged (their derivative rules or remat policy must survive); ReLUs inside are
+# recorded by a second, gradient-free evaluation of the body, which XLA merges with the first.
+_OPAQUE = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+           "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}
+
+
+def _closed(sub):
+    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
+
+
+def _is_zero(v) -> bool:
+    return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
+
+
+def _is_relu(eqn) -> bool:
+    return (eqn.primitive.name == "max" and len(eqn.invars) == 2
+            and any(map(_is_zero, eqn.invars)) and not all(map(_is_zero, eqn.invars)))
+
+
+def _has_relu(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        key = _INLINE.get(name) or _OPAQUE.get(name)
+        if _is_relu(eqn) or (key in eqn.params and _has_relu(_closed(eqn.params[key])[0])):
+            return True
+    return False
+
+
+def _bind(eqn, ins):
+    bind = eqn.primitive.get_bind_params(eqn.params)  # higher-order primitives need subfuns
+    subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
+    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _dead_units(x: jax.Array) -> jax.Array:
+    return ~jnp.any(jax.lax.stop_gradient(x) > 0, axis=tuple(range(x.ndim - 1)))
+
+
+def _eval(jaxpr, consts, args, sites: list, where: str):
+    """Evaluates `jaxpr`; appends ``(name, dead units)`` to `sites` at every ``max(x, 0)``."""
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        here = source_line(eqn) or where
+        key = _INLINE.get(name) or _OPAQUE.get(name)
+        sub = _closed(eqn.params[key]) if key in eqn.params else None
+        if sub is not None and name in _INLINE and _has_relu(sub[0]):
+            outs = _eval(*sub, ins[len(ins) - len(sub[0].invars):], sites, here)
+        else:
+            if _is_relu(eqn):
+                x = ins[1] if _is_zero(eqn.invars[0]) else ins[0]
+                if jnp.ndim(x):
+                    sites.append((f"relu {len(sites)} at {here or '?'}", _dead_units(x)))
+            elif sub is not None and _has_relu(sub[0]):
+                inner = [jax.lax.stop_gradient(a) for a in ins[len(ins) - len(sub[0].invars):]]
+                _eval(*sub, inner, sites, here)
+            outs = _bind(eqn, ins)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def with_dead_relu(fn: Callable) -> Callable[..., tuple[Any, DeadReLU]]:
+    """Transforms `fn` to also return the dead units of every ReLU it applies.
+
+    ``loss, dead = with_dead_relu(loss_fn)(params, batch)`` computes the same loss (the same
+    primitives, bound in the same order; custom derivative rules such as ``jax.nn.relu``'s are
+    kept) plus a `DeadReLU`, so ``jax.value_and_grad(with_dead_relu(loss_fn), has_aux=True)``
+    gives gradients and dead units in one compiled pass. A unit is dead for the batch when
+    its pre-activation is <= 0 for every example (relu'(z) = 0 there in JAX, so it passes no
+    gradient); "units" are the last axis, "examples" all the others.
+
+    ReLUs are found as ``max(x, 0)`` with a literal zero, at top level and inside ``jit``,
+    ``custom_jvp`` / ``custom_vjp`` functions and ``checkpoint``; ReLUs inside ``scan``,
+    ``cond`` or ``while_loop`` bodies are not reported.
+
+    Args:
+      fn: a pure function of arrays and pytrees of arrays.
+    Returns:
+      a function of the same arguments returning ``(fn(*args), DeadReLU)``; jit-able.
+    Raises:
+      TypeError: if `fn` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"with_dead_relu needs a callable, got {type(fn).__name__}.")
+
+    def transformed(*args):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        sites: list[tuple[str, jax.Array]] = []
+        outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), sites, "")
+        out = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        return out, DeadReLU(tuple(d for _, d in sites), tuple(n for n, _ in sites))
+
+    return transformed
+
+
+# --- per-step statistics, baseline and flags ---------------------------------------------
+
+class MonitorState(NamedTuple):
+    """What the monitor keeps between steps (a pytree: it jits, vmaps and checkpoints).
+
+    Packed in two arrays (each array in the step's state is one more buffer and one more
+    kernel per step); the properties read it by name.
+
+    Attributes:
+      counts: shape (2 + layers,), int32: ``step`` (steps seen so far, the index of the next
+        step), ``baseline_steps`` (finite global norms in the baseline, at most ``warmup``),
+        then ``below_floor``: per layer, the consecutive steps up to the last one that its norm
+        was below the floor, or -1 for a layer that is not watched (all its leaves frozen).
+      baseline_total: shape (), float32; the sum of those finite global norms.
+    """
+    counts: jax.Array
+    baseline_total: jax.Array
+
+    step = property(lambda self: self.counts[..., 0])
+    baseline_steps = property(lambda self: self.counts[..., 1])
+    below_floor = property(lambda self: self.counts[..., 2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorLayout:
+    """The static half of `MonitorMetrics`: names and the monitor's settings (hashable).
+
+    Attributes:
+      leaf_names: ``params[0]['w']``, ...; layer_names: ``params[0]``, ...; relu_names:
+        ``relu 0 at nn.py:96:16 (mlp_apply)``, ...; then the `GradMonitor` settings.
+    """
+    leaf_names: tuple[str, ...]
+    layer_names: tuple[str, ...]
+    relu_names: tuple[str, ...]
+    warmup: int
+    explode_factor: float
+    vanish_floor: float
+    vanish_steps: int
+    dead_threshold: float
+
+
+class MonitorMetrics:
+    """One step's gradient statistics and flags, packed in two arrays, read by name.
+
+    ``m.grad_norm``, ``m.leaf_norm``, ``m.explosion``, ... are properties that slice the two
+    arrays, on device or on host (after ``jax.device_get(m)``). Packing makes the step return
+    two buffers instead of thirteen and lets XLA write them in two fused kernels. A plain class
+    with ``__slots__`` rather than a frozen dataclass: rebuilding one after each jitted call
+    measured ~3 microseconds cheaper on CPU, ~2% of a small train step.
+
+    Attributes:
+      values: shape ``(3 + 3*leaves + layers + sites,)``, float (float32, or float64 for
+        float64 gradients): grad_norm, loss, baseline, leaf_norm, leaf_mean, leaf_std,
+        layer_norm, dead_fraction, in that order.
+      flags: shape ``(3 + 2*layers,)``, int32: step, explosion, nonfinite, vanishing,
+        below_floor.
+      layout: static; a `MonitorLayout` (names and settings), so that `monitor_alerts` needs
+        nothing else. ``m.leaf_names`` etc. read it through.
+    Properties (norms in the gradients' units; metrics stacked by ``lax.scan`` or ``vmap``
+    keep their leading axes, the shapes below are per step):
+      step: (), the index of the step (0-based). loss: () (nan when none was given).
+      grad_norm: () global L2 norm. baseline: () mean global norm of the first ``warmup``
+      finite steps, nan until then. leaf_norm, leaf_mean, leaf_std: (leaves,) L2 norm, mean
+      and population standard deviation (ddof=0) of each leaf, in ``jax.tree.leaves`` order.
+      layer_norm: (layers,). dead_fraction: (sites,), dimensionless (`with_dead_relu`).
+      explosion, nonfinite: () bool; vanishing: (layers,) bool, True on the step a layer's
+      streak reaches ``vanish_steps``; below_floor: (layers,) int, each layer's streak (-1:
+      not watched).
+    """
+    __slots__ = ("values", "flags", "layout")
+
+    def __init__(self, values: jax.Array, flags: jax.Array, layout: MonitorLayout):
+        self.values, self.flags, self.layout = values, flags, layout
+
+    def __getattr__(self, name: str):  # leaf_names, warmup, ... from the layout
+        if name in MonitorLayout.__dataclass_fields__:
+            return getattr(self.layout, name)
+        raise AttributeError(f"MonitorMetrics has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return (f"MonitorMetrics(values={self.values!r}, flags={self.flags!r}, "
+                f"layout={self.layout!r})")
+
+    def _values(self, block: int, size: int | None):
+        start = 3 + block * len(self.layout.leaf_names)
+        return self.values[..., start:] if size is None else self.values[..., start:start + size]
+
+    grad_norm = property(lambda self: self.values[..., 0])
+    loss = property(lambda self: self.values[..., 1])
+    baseline = property(lambda self: self.values[..., 2])
+    leaf_norm = property(lambda self: self._values(0, len(self.layout.leaf_names)))
+    leaf_mean = property(lambda self: self._values(1, len(self.layout.leaf_names)))
+    leaf_std = property(lambda self: self._values(2, len(self.layout.leaf_names)))
+    layer_norm = property(lambda self: self._values(3, len(self.layout.layer_names)))
+    dead_fraction = property(
+        lambda self: self._values(3, None)[..., len(self.layout.layer_names):])
+    step = property(lambda self: self.flags[..., 0])
+    explosion = property(lambda self: self.flags[..., 1] != 0)
+    nonfinite = property(lambda self: self.flags[..., 2] != 0)
+    vanishing = property(lambda self: self.flags[..., 3:3 + len(self.layout.layer_names)] != 0)
+    below_floor = property(lambda self: self.flags[..., 3 + len(self.layout.layer_names):])
+
+    def to_dict(self) -> dict[str, Any]:
+        """One step's numbers as plain Python numbers keyed by name (for JSON)."""
+        m = jax.device_get(self)
+        named = lambda names, values: dict(zip(names, np.asarray(values).tolist()))
+        return {"step": int(m.step), "loss": float(m.loss), "grad_norm": float(m.grad_norm),
+                "baseline": float(m.baseline),
+                "leaf_norm": named(m.leaf_names, m.leaf_norm),
+                "leaf_mean": named(m.leaf_names, m.leaf_mean),
+                "leaf_std": named(m.leaf_names, m.leaf_std),
+                "layer_norm": named(m.layer_names, m.layer_norm),
+                "dead_fraction": named(m.relu_names, m.dead_fraction)}
+
+
+jax.tree_util.register_pytree_with_keys(
+    MonitorMetrics,
+    lambda m: (((jax.tree_util.GetAttrKey("values"), m.values),
+                (jax.tree_util.GetAttrKey("flags"), m.flags)), m.layout),
+    lambda layout, children: MonitorMetrics(*children, layout),
+    flatten_func=lambda m: ((m.values, m.flags), m.layout))
+
+
+def _layers(params: PyTree) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+    """Leaf names, layer names and each leaf's layer index; a layer is a leaf's parent."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    leaf_names, layer_names, layer_of = [], [], []
+    for path, _ in flat:
+        leaf_names.append("params" + jax.tree_util.keystr(path))
+        layer = "params" + jax.tree_util.keystr(path[:-1])
+        if layer not in layer_names:
+            layer_names.append(layer)
+        layer_of.append(layer_names.index(layer))
+    return tuple(leaf_names), tuple(layer_names), tuple(layer_of)
+
+
+#: Elements per row of the padded matrix that `_sums` reduces in one pass.
+_CHUNK = 512
+#: Largest (sums x rows) 0/1 matrix `_sums` adds rows with; beyond it, one reduction per vector.
+_FUSED_LIMIT = 2**20
+
+
+def _sums(flat: Sequence[jax.Array], groups: np.ndarray) -> jax.Array:
+    """``[sum, sum of squares]`` of each group of the 1-D arrays `flat`: shape (groups, 2).
+
+    ``groups[i, k] = 1`` puts ``flat[i]`` into group k. A few kernels whatever the number of
+    arrays (two reductions per gradient leaf made the monitor cost ~35% of a small CPU step):
+    each array is zero-padded to whole rows of `_CHUNK` elements (zeros change neither sum),
+    all rows are reduced at once, and the 0/1 matrix adds the row sums up per group. When
+    that matrix would pass `_FUSED_LIMIT` entries (large models, where a kernel's launch cost
+    is negligible), each array is reduced on its own instead.
+    """
+    rows = [-(-f.size // _CHUNK) for f in flat]
+    dtype = jnp.result_type(*flat)
+    if sum(rows) * groups.shape[1] > _FUSED_LIMIT:
+        each = jnp.stack([jnp.stack([jnp.sum(f), jnp.sum(f * f)]) for f in flat])
+        return jnp.matmul(jnp.asarray(groups.T, dtype), each,
+                          precision=jax.lax.Precision.HIGHEST)
+    # Each row of values next to its row of squares, written by one fused kernel.
+    matrix = jnp.concatenate([
+        jnp.stack([jnp.pad(x, (0, n * _CHUNK - x.size)).reshape(n, _CHUNK)
+                   for x in (f, f * f)], axis=1) for f, n in zip(flat, rows)])  # (rows, 2, C)
+    to_groups = np.repeat(groups, rows, axis=0).T  # (groups, rows): row r is in group k
+    return jnp.matmul(jnp.asarray(to_groups, dtype), jnp.sum(matrix, axis=2),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def _statistics(grads: PyTree, leaf_names: Sequence[str], layer_of: Sequence[int],
+                n_layers: int, dead_units: Sequence[jax.Array]):
+    """``(grad_norm, [leaf norms, means, stds], layer norms, dead fractions)`` in one pass.
+
+    Dtype: float32, or float64 when a leaf is float64 (half precision is summed in float32,
+    so a sum of many squares neither loses its small terms nor overflows early).
+    """
+    leaves = jax.tree.leaves(grads)
+    for name, g in zip(leaf_names, leaves):
+        if not jnp.issubdtype(jnp.result_type(g), jnp.floating):
+            raise TypeError(f"the gradient monitor needs real floating-point gradients; leaf "
+                            f"{name} has dtype {jnp.result_type(g)} and shape {jnp.shape(g)}. "
+                            "Freeze integer leaves (funcgrad.trainable_mask) or take their "
+                            "gradient out.")
+    dtype = jnp.result_type(jnp.float32, *(jnp.result_type(g) for g in leaves))
+    flat = [jnp.ravel(x).astype(dtype) for x in (*leaves, *dead_units)]
+    # Groups summed: each leaf, each layer, all leaves, then each ReLU site's dead units.
+    n, total = len(leaves), len(leaves) + n_layers
+    groups = np.zeros((n + len(dead_units), total + 1 + len(dead_units)))
+    for i, layer in enumerate(layer_of):
+        groups[i, [i, n + layer, total]] = 1
+    groups[n:, total + 1:] = np.eye(len(dead_units))
+    sums = _sums(flat, groups)
+    sizes = np.array([max(x.size, 1) for x in flat]).astype(dtype)
+    mean = sums[:n, 0] / sizes[:n]
+    # One pass: var = E[g^2] - E[g]^2, clamped at 0. Its rounding error is ~eps * E[g^2], so
+    # a std below ~sqrt(eps) * rms (3e-4 of the rms in float32) is noise; a second pass over
+    # the gradients would cost more kernels per step.
+    std = jnp.sqrt(jnp.maximum(sums[:n, 1] / sizes[:n] - mean * mean, 0))
+    stats = jnp.concatenate([jnp.sqrt(sums[:n, 1]), mean, std])
+    return (jnp.sqrt(sums[total, 1]), stats, jnp.sqrt(sums[n:total, 1]),
+            sums[total + 1:, 0] / sizes[n:])
+
+
+@dataclasses.dataclass(frozen=True)
+class GradMonitor:
+    """The monitor's settings and its ``(init, update)`` pair of pure functions.
+
+    Attributes:
+      warmup: steps whose finite global norms make the baseline (their mean), >= 1.
+      explode_factor: the explosion threshold in units of the baseline, > 1.
+      vanish_floor: a layer norm below this (gradient units) counts toward vanishing, >= 0.
+      vanish_steps: consecutive steps below the floor that raise a vanishing flag, >= 1.
+      dead_relu: whether `funcgrad.train.make_train_step` records dead ReLU units.
+      dead_threshold: `monitor_alerts` reports a ReLU site once its dead fraction reaches
+        this (dimensionless, in (0, 1]).
+    The defaults are rules of thumb, not results. Article A §4.2 calls a global norm of about
+    0.01 to 10 normal and a norm that stays far outside it a warning; Pascanu et al. 2013
+    (arXiv:1211.5063, §3.2) set the clipping threshold from the average norm over many
+    updates, and a norm ten times the early average is far outside its usual spread. Below a
+    layer norm of 1e-6 an update with a learning rate <= 0.1 is under 1.2e-7, the float32
+    spacing at 1.0, so unit-scale weights no longer move.
+    """
+    warmup: int = 10
+    explode_factor: float = 10.0
+    vanish_floor: float = 1e-6
+    vanish_steps: int = 10
+    dead_relu: bool = True
+    dead_threshold: float = 0.9
+
+    def __post_init__(self):
+        checks = [("warmup", self.warmup, _count(self.warmup), "an int >= 1 (steps)"),
+                  ("explode_factor", self.explode_factor,
+                   _real(self.explode_factor) and self.explode_factor > 1, "a number > 1"),
+                  ("vanish_floor", self.vanish_floor,
+                   _real(self.vanish_floor) and self.vanish_floor >= 0, "a number >= 0"),
+                  ("vanish_steps", self.vanish_steps, _count(self.vanish_steps),
+                   "an int >= 1 (steps)"),
+                  ("dead_threshold", self.dead_threshold,
+                   _real(self.dead_threshold) and 0 < self.dead_threshold <= 1, "in (0, 1]")]
+        for name, value, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"grad_monitor: {name} must be {expected}, got {value!r}.")
+
+    def init(self, params: PyTree, *, trainable: PyTree | None = None) -> MonitorState:
+        """The state before the first step, for gradients with the structure of `params`.
+
+        `trainable` (a mask from `funcgrad.trainable_mask`, the structure of `params` or a
+        prefix of it) excludes layers whose leaves are all frozen from the vanishing check.
+        """
+        _, layer_names, layer_of = _layers(params)
+        watched = np.zeros(len(layer_names), bool)
+        flags = [True] * len(layer_of) if trainable is None else jax.tree.leaves(jax.tree.map(
+            lambda m, sub: jax.tree.map(lambda _: bool(m), sub), trainable, params))
+        for layer, flag in zip(layer_of, flags):
+            watched[layer] |= flag
+        counts = np.concatenate([[0, 0], np.where(watched, 0, -1)])
+        return MonitorState(jnp.asarray(counts, jnp.int32), jnp.zeros((), jnp.float32))
+
+    def update(self, state: MonitorState, grads: PyTree, *, loss: jax.ArrayLike | None = None,
+               dead_relu: DeadReLU | None = None) -> tuple[MonitorState, MonitorMetrics]:
+        """Statistics and flags of one step's gradients; pure, meant to run inside ``jit``.
+
+        Args:
+          state: from `init` or the previous `update`.
+          grads: the step's gradients, same structure as the `params` given to `init`.
+          loss: the step's loss, shape (); a non-finite loss raises the nonfinite flag.
+          dead_relu: from `with_dead_relu`, for the dead fractions (else none are reported).
+        Returns:
+          ``(state, metrics)``: the next `MonitorState` and this step's `MonitorMetrics`.
+        Raises:
+          ValueError: if `grads` has a different number of layers than the params of `init`.
+          TypeError: if a gradient leaf is not real floating point (the message names it).
+        """
+        leaf_names, layer_names, layer_of = _layers(grads)
+        if state.counts.shape != (2 + len(layer_names),):
+            raise ValueError(f"the monitor state was made for {state.counts.shape[0] - 2} "
+                             f"layers, but the gradients have {len(layer_names)} "
+                             f"({', '.join(layer_names)}). Make it with init(params) for "
+                             "these params.")
+        dead_units = dead_relu.dead if dead_relu is not None else ()
+        grad_norm, stats, layer_norm, dead = _statistics(grads, leaf_names, layer_of,
+                                                         len(layer_names), dead_units)
+        dtype = grad_norm.dtype
+        bad_loss = jnp.zeros((), bool) if loss is None else ~jnp.isfinite(loss)
+        loss = jnp.asarray(jnp.nan if loss is None else loss).astype(dtype)
+        step, baseline_steps, below_floor = state.step, state.baseline_steps, state.below_floor
+        finite = jnp.isfinite(grad_norm)
+        ready = baseline_steps >= self.warmup
+        baseline = (state.baseline_total
+                    / jnp.maximum(baseline_steps, 1).astype(jnp.float32)).astype(dtype)
+        explosion = ready & finite & (grad_norm > self.explode_factor * baseline)
+        add = ~ready & finite
+        streak = jnp.where(below_floor < 0, -1,
+                           jnp.where(layer_norm < self.vanish_floor, below_floor + 1, 0))
+        values = jnp.concatenate([jnp.stack([grad_norm, loss, jnp.where(ready, baseline, jnp.nan)]),
+                                  stats, layer_norm, dead])
+        flags = jnp.concatenate([jnp.stack([step, explosion.astype(jnp.int32),
+                                            (~finite | bad_loss).astype(jnp.int32)]),
+                                 (streak == self.vanish_steps).astype(jnp.int32), streak])
+        metrics = MonitorMetrics(values, flags, MonitorLayout(
+            leaf_names, layer_names, dead_relu.names if dead_relu is not None else (),
+            self.warmup, float(self.explode_factor), float(self.vanish_floor),
+            self.vanish_steps, float(self.dead_threshold)))
+        counts = jnp.concatenate([jnp.stack([step + 1, baseline_steps + add.astype(jnp.int32)]),
+                                  streak])
+        total_norm = state.baseline_total + jnp.where(add, grad_norm, 0).astype(jnp.float32)
+        return MonitorState(counts, total_norm), metrics
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float, np.number)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+
+
+def grad_monitor(*, warmup: int = 10, explode_factor: float = 10.0, vanish_floor: float = 1e-6,
+                 vanish_steps: int = 10, dead_relu: bool = True,
+                 dead_threshold: float = 0.9) -> GradMonitor:
+    """Returns a `GradMonitor` (see its attributes); ValueError names a setting out of range.
+
+    Example:
+      >>> monitor = grad_monitor(warmup=5)
+      >>> state = monitor.init(params)
+      >>> state, metrics = jax.jit(monitor.update)(state, grads)   # inside your train step
+      >>> for alert in monitor_alerts(metrics): print(alert)
+    """
+    return GradMonitor(warmup, explode_factor, vanish_floor, vanish_steps, dead_relu,
+                       dead_threshold)
+
+
+# --- alerts, on the host ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Alert:
+    """One alert of the monitor, ready to print with ``str(alert)``.
+
+    Attributes:
+      step: index of the step (0-based).
+      kind: one of `ALERT_KINDS`.
+      where: "global", a layer (``params[0]``) or a ReLU site (``relu 0 at nn.py:96 ...``).
+      value: the measured value (a norm in gradient units, or a dead fraction).
+      threshold: what it was compared with, in the same units.
+      detail: the comparison in words.
+    """
+    step: int
+    kind: str
+    where: str
+    value: float
+    threshold: float
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return (f"step {self.step}: {self.kind} at {self.where}: value {self.value:.4g}, "
+                f"threshold {self.threshold:.4g} ({self.detail})")
+
+
+def monitor_alerts(metrics: MonitorMetrics, *,
+                   previous: MonitorMetrics | None = None) -> list[Alert]:
+    """The alerts of one step's `MonitorMetrics` (device or host arrays), in `ALERT_KINDS` order.
+
+    ``nonfinite`` and ``explosion`` are reported on every step that has them; ``vanishing`` on
+    the step a layer's streak below the floor reaches ``vanish_steps``; ``dead_relu`` when a
+    site's dead fraction reaches ``dead_threshold``: on every step, or, given the `previous`
+    step's metrics, only on the step it crosses the threshold. Metrics stacked by ``lax.scan``
+    (a leading step axis) give the alerts of every step, each step the previous of the next.
+    """
+    m = jax.device_get(metrics)
+    if np.ndim(m.flags) > 1:
+        out, prev = [], previous
+        for values, flags in zip(np.reshape(m.values, (-1, np.shape(m.values)[-1])),
+                                 np.reshape(m.flags, (-1, np.shape(m.flags)[-1]))):
+            row = MonitorMetrics(values, flags, m.layout)
+            out += monitor_alerts(row, previous=prev)
+            prev = row
+        return out
+    step = int(m.step)
+    out = []
+    if bool(m.nonfinite):
+        out.append(Alert(step, "nonfinite", "global", float(m.grad_norm), math.inf,
+                         f"grad_norm {float(m.grad_norm):.4g}, loss {float(m.loss):.4g}; "
+                         "a NaN or inf"))
+    if bool(m.explosion):
+        limit = m.explode_factor * float(m.baseline)
+        out.append(Alert(step, "explosion", "global", float(m.grad_norm), limit,
+                         f"grad_norm > {m.explode_factor:g} x baseline {float(m.baseline):.4g}"))
+    for name, hit, norm in zip(m.layer_names, np.asarray(m.vanishing), np.asarray(m.layer_norm)):
+        if hit:
+            out.append(Alert(step, "vanishing", name, float(norm), m.vanish_floor,
+                             f"layer norm < floor for {m.vanish_steps} steps"))
+    before = (np.asarray(previous.dead_fraction) if previous is not None
+              else np.full(len(m.relu_names), -1.0))
+    for name, frac, prev in zip(m.relu_names, np.asarray(m.dead_fraction), before):
+        if frac >= m.dead_threshold and not prev >= m.dead_threshold:
+            out.append(Alert(step, "dead_relu", name, float(frac), m.dead_threshold,
+                             f"{100 * float(frac):.0f}% of units dead for the whole batch"))
+    return out
