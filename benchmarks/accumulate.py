@@ -24,15 +24,12 @@ import argparse
 import json
 import os
 import platform
-import random
-import statistics
-import time
 
 import jax
 import optax
 
 import funcgrad as fg
-from funcgrad.train import make_train_step
+from _timing import medians, paired_ratio, rounds
 
 COUNTS = (4, 8, 16, 32)
 
@@ -80,27 +77,6 @@ def _multisteps_runner(tx, params, microbatches, count):
     return run, mini_step.lower(params, multi.init(params), microbatches[0])
 
 
-def _measure(runs: dict, updates: int, repeats: int, seed: int = 0) -> dict[str, list[float]]:
-    """Seconds per update of each run, one entry per round (all runs once per round)."""
-    for run in runs.values():  # compile and warm up
-        run(3)
-    times = {name: [] for name in runs}
-    order = list(runs)
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            runs[name](updates)
-            times[name].append((time.perf_counter() - start) / updates)
-    return times
-
-
-def _ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
-    """Median over rounds of time[name] / time[baseline] measured in the same round."""
-    return statistics.median(a / b for a, b in zip(times[name], times[baseline]))
-
-
 def _temp(lowered) -> int:
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
@@ -126,17 +102,17 @@ def main() -> None:
         stacked = {k: v.reshape(count, micro, *v.shape[1:]) for k, v in batch.items()}
         microbatches = [{k: v[i] for k, v in stacked.items()} for i in range(count)]
         full = fg.make_train_step(_mean_loss, tx)
-        scan = make_train_step(_per_example_loss, tx, accumulate=count)
+        scan = fg.make_train_step(_per_example_loss, tx, accumulate=count)
         multi_run, multi_lowered = _multisteps_runner(tx, params, microbatches, count)
-        times = _measure({"full": _runner(full, state, batch),
-                          "scan": _runner(scan, state, stacked), "multisteps": multi_run},
-                         args.updates, args.repeats)
-        t = {name: statistics.median(v) for name, v in times.items()}
+        times = rounds({"full": _runner(full, state, batch),
+                        "scan": _runner(scan, state, stacked), "multisteps": multi_run},
+                       args.updates, args.repeats, warmup=3)
+        t = medians(times)
         rows.append({
             "model": "64-128-10 relu, adam", "micro_batch": micro, "micro_batches": count,
             "examples": n, **{f"{k}_ms_per_update": 1e3 * v for k, v in t.items()},
-            "scan_over_full": _ratio(times, "scan", "full"),
-            "multisteps_over_full": _ratio(times, "multisteps", "full"),
+            "scan_over_full": paired_ratio(times, "scan", "full"),
+            "multisteps_over_full": paired_ratio(times, "multisteps", "full"),
             "full_temp_bytes": _temp(full.lower(state, batch)),
             "scan_temp_bytes": _temp(scan.lower(state, stacked)),
             "multisteps_temp_bytes_per_call": _temp(multi_lowered),

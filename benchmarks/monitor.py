@@ -19,15 +19,13 @@ import inspect
 import json
 import os
 import platform
-import random
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import funcgrad as fg
+from _timing import medians, rounds
 from funcgrad.monitor import grad_monitor, with_dead_relu
 
 LIMIT = 1.10
@@ -82,21 +80,6 @@ def _runner(step, state, batch):
     return run
 
 
-def _measure(runs: dict, steps: int, repeats: int, seed: int = 0) -> dict[str, float]:
-    for run in runs.values():  # compile and warm up
-        run(20)
-    times = {name: [] for name in runs}
-    order = list(runs)
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            runs[name](steps)
-            times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def _steps(tx, params, monitor):
     """(funcgrad, plain, monitored) runners' steps and start states."""
     built_in = "monitor" in inspect.signature(fg.make_train_step).parameters
@@ -130,7 +113,7 @@ def main() -> None:
         (ours, plain, monitored), built_in = _steps(tx, params, monitor)
         runs = {"funcgrad": _runner(*ours, batch), "plain": _runner(*plain, batch),
                 "monitor": _runner(*monitored, batch)}
-        t = _measure(runs, args.steps, args.repeats)
+        t = medians(rounds(runs, args.steps, args.repeats))
         rows.append({"model": "64-128-10 relu, adam", "batch": batch_size,
                      "monitor_in_make_train_step": built_in,
                      **{f"{k}_us_per_step": 1e6 * v for k, v in t.items()},

@@ -13,13 +13,11 @@ import argparse
 import json
 import os
 import platform
-import random
-import statistics
-import time
 
 import jax
 
 import funcgrad as fg
+from _timing import medians, rounds
 
 
 def _forward(tapped: bool):
@@ -38,21 +36,6 @@ def _loss(forward):
     def loss(params, x, y):
         return fg.softmax_cross_entropy(forward(params, x), y)
     return loss
-
-
-def _measure(runs, calls, repeats, seed=0):
-    for run in runs.values():
-        run(10)
-    times = {name: [] for name in runs}
-    order = list(runs)
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            runs[name](calls)
-            times[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _runner(fn, *args):
@@ -84,7 +67,7 @@ def main():
             "intermediate_grads": _runner(jax.jit(fg.intermediate_grads(_loss(_forward(True)))),
                                           params, x, y),
         }
-        t = _measure(runs, args.calls, args.repeats)
+        t = medians(rounds(runs, args.calls, args.repeats, warmup=10))
         rows.append({"model": "-".join(map(str, sizes)) + " relu", "batch": batch,
                      **{f"{k}_us": v * 1e6 for k, v in t.items()},
                      "forward_ratio": t["forward+taps"] / t["forward"],

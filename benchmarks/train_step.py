@@ -18,14 +18,12 @@ import argparse
 import json
 import os
 import platform
-import random
-import statistics
-import time
 
 import jax
 import optax
 
 import funcgrad as fg
+from _timing import medians, rounds
 
 
 def _loss_fn(params, batch):
@@ -67,21 +65,6 @@ def _funcgrad_runner(step, state, batch):
     return run
 
 
-def _measure(runs: dict, steps: int, repeats: int, seed: int = 0) -> dict[str, float]:
-    for run in runs.values():  # compile and warm up
-        run(20)
-    times = {name: [] for name in runs}
-    order = list(runs)
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            runs[name](steps)
-            times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="steps per timed repeat")
@@ -104,7 +87,7 @@ def main() -> None:
                                       batch),
             "funcgrad": _funcgrad_runner(ours, fg.init_train_state(params, tx), batch),
         }
-        t = _measure(runs, args.steps, args.repeats)
+        t = medians(rounds(runs, args.steps, args.repeats))
         rows.append({"model": "64-128-10 relu, adam", "batch": batch_size, "clip_norm": clip,
                      **{f"{k}_steps_per_s": 1 / v for k, v in t.items()},
                      "ratio_to_hand": t["funcgrad"] / t["hand"],

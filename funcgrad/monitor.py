@@ -17,157 +17,27 @@ All of it is ``jnp`` code: no host round-trip inside ``jit``, so it compiles int
 persist in a `MonitorState` the caller carries, e.g. in the train state. On the host,
 `monitor_alerts` turns one step's metrics into `Alert` objects whose ``str`` is a readable
 line; the names (leaf paths, layers, ReLU sites) travel as static pytree metadata of
-`MonitorMetrics`, so they survive ``jit`` without a side channel.
-
-Dead ReLUs without touching the model: `with_dead_relu` traces the function to a jaxpr and
-evaluates it equation by equation at trace time, binding the same primitives; at every
-``max(x, 0)`` (``jax.nn.relu`` or ``jnp.maximum(x, 0)``, also inside ``jit``, ``custom_jvp``
-and ``checkpoint``) it also returns, as a ``jnp`` value, which units (last axis) have a
-pre-activation ``x <= 0`` for every example. Sites are named by order and source line.
+`MonitorMetrics`, so they survive ``jit`` without a side channel. `with_dead_relu` and
+`DeadReLU` live in `funcgrad.dead_relu` and are re-exported here.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
-from funcgrad._jaxpr import source_line
+from funcgrad.dead_relu import DeadReLU as DeadReLU
+from funcgrad.dead_relu import with_dead_relu as with_dead_relu
 
 PyTree = Any
 
 #: Alert kinds, in the order `monitor_alerts` reports them within a step.
 ALERT_KINDS = ("nonfinite", "explosion", "vanishing", "dead_relu")
-
-
-# --- dead ReLU units, by interpreting the program ----------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class DeadReLU:
-    """The dead units of every ReLU in a program, for one batch.
-
-    Attributes:
-      dead: one bool array of shape (units,) per site: True where the unit's pre-activation
-        (the ReLU's input; units are its last axis) is <= 0 for every example of the batch.
-      names: static; one name per site in program order, ``"relu 0 at nn.py:96:16 (mlp_apply)"``.
-    """
-    dead: tuple[jax.Array, ...] = ()
-    names: tuple[str, ...] = ()
-
-    @property
-    def fraction(self) -> jax.Array:
-        """Shape (sites,), float32, dimensionless in [0, 1]: dead units over all units."""
-        return jnp.asarray([jnp.mean(d, dtype=jnp.float32) for d in self.dead], jnp.float32)
-
-
-jax.tree_util.register_dataclass(DeadReLU, data_fields=["dead"], meta_fields=["names"])
-
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr"}
-# Bound unchanged (their derivative rules or remat policy must survive); ReLUs inside are
-# recorded by a second, gradient-free evaluation of the body, which XLA merges with the first.
-_OPAQUE = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}
-
-
-def _closed(sub):
-    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
-
-
-def _is_zero(v) -> bool:
-    return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
-
-
-def _is_relu(eqn) -> bool:
-    return (eqn.primitive.name == "max" and len(eqn.invars) == 2
-            and any(map(_is_zero, eqn.invars)) and not all(map(_is_zero, eqn.invars)))
-
-
-def _has_relu(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        key = _INLINE.get(name) or _OPAQUE.get(name)
-        if _is_relu(eqn) or (key in eqn.params and _has_relu(_closed(eqn.params[key])[0])):
-            return True
-    return False
-
-
-def _bind(eqn, ins):
-    bind = eqn.primitive.get_bind_params(eqn.params)  # higher-order primitives need subfuns
-    subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
-    outs = eqn.primitive.bind(*subfuns, *ins, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def _dead_units(x: jax.Array) -> jax.Array:
-    return ~jnp.any(jax.lax.stop_gradient(x) > 0, axis=tuple(range(x.ndim - 1)))
-
-
-def _eval(jaxpr, consts, args, sites: list, where: str):
-    """Evaluates `jaxpr`; appends ``(name, dead units)`` to `sites` at every ``max(x, 0)``."""
-    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-
-    def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        here = source_line(eqn) or where
-        key = _INLINE.get(name) or _OPAQUE.get(name)
-        sub = _closed(eqn.params[key]) if key in eqn.params else None
-        if sub is not None and name in _INLINE and _has_relu(sub[0]):
-            outs = _eval(*sub, ins[len(ins) - len(sub[0].invars):], sites, here)
-        else:
-            if _is_relu(eqn):
-                x = ins[1] if _is_zero(eqn.invars[0]) else ins[0]
-                if jnp.ndim(x):
-                    sites.append((f"relu {len(sites)} at {here or '?'}", _dead_units(x)))
-            elif sub is not None and _has_relu(sub[0]):
-                inner = [jax.lax.stop_gradient(a) for a in ins[len(ins) - len(sub[0].invars):]]
-                _eval(*sub, inner, sites, here)
-            outs = _bind(eqn, ins)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def with_dead_relu(fn: Callable) -> Callable[..., tuple[Any, DeadReLU]]:
-    """Transforms `fn` to also return the dead units of every ReLU it applies.
-
-    ``loss, dead = with_dead_relu(loss_fn)(params, batch)`` computes the same loss (the same
-    primitives, bound in the same order; custom derivative rules such as ``jax.nn.relu``'s are
-    kept) plus a `DeadReLU`, so ``jax.value_and_grad(with_dead_relu(loss_fn), has_aux=True)``
-    gives gradients and dead units in one compiled pass. A unit is dead for the batch when
-    its pre-activation is <= 0 for every example (relu'(z) = 0 there in JAX, so it passes no
-    gradient); "units" are the last axis, "examples" all the others.
-
-    ReLUs are found as ``max(x, 0)`` with a literal zero, at top level and inside ``jit``,
-    ``custom_jvp`` / ``custom_vjp`` functions and ``checkpoint``; ReLUs inside ``scan``,
-    ``cond`` or ``while_loop`` bodies are not reported.
-
-    Args:
-      fn: a pure function of arrays and pytrees of arrays.
-    Returns:
-      a function of the same arguments returning ``(fn(*args), DeadReLU)``; jit-able.
-    Raises:
-      TypeError: if `fn` is not callable.
-    """
-    if not callable(fn):
-        raise TypeError(f"with_dead_relu needs a callable, got {type(fn).__name__}.")
-
-    def transformed(*args):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        sites: list[tuple[str, jax.Array]] = []
-        outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), sites, "")
-        out = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-        return out, DeadReLU(tuple(d for _, d in sites), tuple(n for n, _ in sites))
-
-    return transformed
 
 
 # --- per-step statistics, baseline and flags ---------------------------------------------

@@ -1,0 +1,45 @@
+"""Shared by the benchmarks: timing in shuffled rounds on a noisy machine.
+
+On a small shared machine whichever variant runs first in a round is measurably slower, and
+load comes and goes, so every variant runs once per round in an order shuffled each round
+(seeded), and results are medians over rounds — of times, or of ratios taken within a round.
+"""
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+
+def rounds(runs: dict[str, Callable[[int], object]], n: int, repeats: int, *, warmup: int = 20,
+           seed: int = 0) -> dict[str, list[float]]:
+    """Seconds per unit of each run, one entry per round.
+
+    Args:
+      runs: name -> ``run(n)``, which does n units of work (steps, calls) and blocks until done.
+      n: units per timed call.
+      repeats: rounds.
+      warmup: units each run does once before timing (compilation, caches).
+      seed: seed of the shuffled order.
+    """
+    for run in runs.values():
+        run(warmup)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            runs[name](n)
+            times[name].append((time.perf_counter() - start) / n)
+    return times
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each run's per-round times."""
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
+    """Median over rounds of ``times[name] / times[baseline]`` measured in the same round."""
+    return statistics.median(a / b for a, b in zip(times[name], times[baseline]))
