@@ -78,18 +78,6 @@ def objective(spec: Spec, theta: jax.Array, leaves: tuple, cotangents: tuple) ->
     return phi(theta)
 
 
-def objective_of_pieces(spec: Spec, pieces: list, leaves: tuple, cotangents: tuple) -> jax.Array:
-    """`objective` with theta given as its leaf pieces. At order 1 without see-through, the
-    pieces go straight into the function, so under ``vmap`` only a perturbed piece is batched
-    and work that does not depend on it is done once, not once per perturbation."""
-    if spec.order > 1 or spec.see_through_stop_gradient:
-        theta = jnp.concatenate([jnp.ravel(p) for p in pieces])
-        return objective(spec, theta, leaves, cotangents)
-    dtype = pieces[0].dtype
-    y = _output(spec, _args(spec, pieces, leaves)).astype(dtype)
-    return y[0] if spec.scalar_output else jnp.dot(cotangents[0], y)
-
-
 def _reduce_grad(phi, u):
     return lambda t: jnp.dot(u, jax.grad(phi)(t))
 

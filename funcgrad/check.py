@@ -251,28 +251,25 @@ def _full_kernel(spec, theta, leaves, cotangents, tangents, *, eps, chunk):
     """One compiled call: phi(theta); phi(theta ± eps·e_i) for every i; grad phi(theta); the
     output at theta; and, if `tangents` is not None, the jvp of phi along each of them.
 
-    Leaf by leaf, so that under vmap only the perturbed leaf is batched; each leaf's indices are
-    padded to whole chunks (a padded index perturbs nothing) so one loop body is compiled."""
-    pieces = obj.split(spec, theta)
-    f_plus, f_minus = [], []
-    for l, piece in enumerate(pieces):
-        size = piece.size
-        c = min(chunk, size)
-        ids = jnp.arange(-(-size // c) * c).reshape(-1, c)
-        index = jnp.arange(size)
-
-        def plus_minus(i, l=l, piece=piece, index=index):
-            e = jnp.where(index == i, eps, 0.0).reshape(piece.shape)
-            at = lambda q: [q if j == l else p for j, p in enumerate(pieces)]
-            return (obj.objective_of_pieces(spec, at(piece + e), leaves, cotangents),
-                    obj.objective_of_pieces(spec, at(piece - e), leaves, cotangents))
-
-        batched = jax.vmap(plus_minus)
-        fp, fm = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
-        f_plus.append(jnp.ravel(fp)[:size]), f_minus.append(jnp.ravel(fm)[:size])
+    The perturbations e_i run over the flat parameter vector in vmapped chunks of `chunk`
+    (padded to whole chunks; a padded index perturbs nothing), so one loop body is compiled
+    whatever the number of leaves. (Perturbing leaf by leaf, so that only the perturbed leaf
+    is batched, saved up to ~25% of the run time on a 2-layer MLP but compiled one body per
+    leaf: its first call, which is compile time, was ~1.6x longer.)"""
+    n = theta.shape[0]
+    c = min(chunk, n)
+    ids = jnp.arange(-(-n // c) * c).reshape(-1, c)
+    index = jnp.arange(n)
     phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
+
+    def plus_minus(i):
+        e = jnp.where(index == i, eps, 0.0)
+        return phi(theta + e), phi(theta - e)
+
+    batched = jax.vmap(plus_minus)
+    f_plus, f_minus = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
     jvps = None if tangents is None else jax.vmap(lambda v: jax.jvp(phi, (theta,), (v,))[1])(tangents)
-    return (phi(theta), jnp.concatenate(f_plus), jnp.concatenate(f_minus), jax.grad(phi)(theta),
+    return (phi(theta), jnp.ravel(f_plus)[:n], jnp.ravel(f_minus)[:n], jax.grad(phi)(theta),
             obj.output_vector(spec, theta, leaves), jvps)
 
 
