@@ -3,8 +3,10 @@
 Every step, `GradMonitor.update` turns the gradients into one `MonitorMetrics`: the global norm,
 the L2 norm, mean and standard deviation of every leaf, the norm of every layer (the leaves that
 share a parent container, e.g. ``params[0]``) and, with `with_dead_relu`, the share of each
-ReLU's units that are dead for the whole batch. It also raises three flags (article A §4.2,
-B §4.3; concept 16 of CONCEPTS.md):
+ReLU's units that are dead for the whole batch, plus the counters of a baseline and of
+vanishing streaks. Three flags follow from those values (article A §4.2, B §4.3; concept 16 of
+CONCEPTS.md); they are properties of `MonitorMetrics`, computed where they are read (with NumPy
+on the host for `monitor_alerts`), not in the step:
 
   ``explosion``  the global norm exceeds ``explode_factor`` times the baseline, the mean global
                  norm of the first ``warmup`` finite steps (never before that baseline is ready);
@@ -12,8 +14,9 @@ B §4.3; concept 16 of CONCEPTS.md):
   ``vanishing``  a layer's norm has stayed below ``vanish_floor`` for ``vanish_steps``
                  consecutive steps (raised once per streak, on the step it reaches that length).
 
-All of it is ``jnp`` code: no host round-trip inside ``jit``, so it compiles into the step
-(``benchmarks/monitor.py`` measures what it adds). The baseline and the vanishing streaks
+The statistics are ``jnp`` code: no host round-trip inside ``jit``, so they compile into the
+step (``benchmarks/monitor.py`` measures what they add), and everything in it that depends on
+the gradient norm is one packed vector. The baseline and the vanishing streaks
 persist in a `MonitorState` the caller carries, e.g. in the train state. On the host,
 `monitor_alerts` turns one step's metrics into `Alert` objects whose ``str`` is a readable
 line; the names (leaf paths, layers, ReLU sites) travel as static pytree metadata of
@@ -42,25 +45,90 @@ ALERT_KINDS = ("nonfinite", "explosion", "vanishing", "dead_relu")
 
 # --- per-step statistics, baseline and flags ---------------------------------------------
 
-class MonitorState(NamedTuple):
+#: Where the per-step values sit in `MonitorMetrics.values` and `MonitorState.values`: six
+#: scalars, then blocks of `leaves` or `layers` entries (`_Slots` computes the offsets).
+_COUNT, _SUMSQ, _LOSS, _BASELINE_STEPS, _BASELINE, _BASELINE_TOTAL = range(6)
+
+
+class _Slots(NamedTuple):
+    """Offsets of the blocks of the packed values for `leaves` leaves and `layers` layers:
+    ``[count, sum of squares, loss, baseline_steps, baseline, baseline_total | leaf_norm |
+    layer_norm | leaf_mean | leaf_std | below_floor]``."""
+    leaf_norm: int
+    layer_norm: int
+    leaf_mean: int
+    leaf_std: int
+    below_floor: int
+    size: int
+
+    @classmethod
+    def of(cls, leaves: int, layers: int) -> _Slots:
+        return cls(6, 6 + leaves, 6 + leaves + layers, 6 + 2 * leaves + layers,
+                   6 + 3 * leaves + layers, 6 + 3 * leaves + 2 * layers)
+
+
+def _xp(x):
+    """NumPy for host arrays (after ``jax.device_get``), jax.numpy for device arrays/tracers."""
+    return np if isinstance(x, (np.ndarray, np.generic)) else jnp
+
+
+def _int_type(dtype):
+    return np.int32 if np.dtype(dtype).itemsize == 4 else np.int64
+
+
+def _count_of(values):
+    """The update count, stored bit for bit in the float slot `_COUNT` (an int32 in float32,
+    an int64 in float64: exact where a float count would stop at 2**24)."""
+    bits = values[..., _COUNT]
+    if _xp(values) is np:
+        return np.asarray(bits).view(_int_type(bits.dtype))
+    return jax.lax.bitcast_convert_type(bits, _int_type(bits.dtype))
+
+
+class MonitorState:
     """What the monitor keeps between steps (a pytree: it jits, vmaps and checkpoints).
 
-    Packed in two arrays (each array in the step's state is one more buffer and one more
-    kernel per step); the properties read it by name.
+    One packed float vector, the last step's `MonitorMetrics.values`, holds the update count,
+    the baseline and the vanishing streaks next to the statistics. A train step writes it with
+    one fused kernel and reads the global norm back from it (one sqrt) for its non-finite
+    guard: each further array computed from the norm would be one more small kernel ready
+    together with the guarded updates, and past 8 ready kernels XLA:CPU hands half of them to
+    its thread pool (measured 1.6x a small step; see funcgrad.train). The properties read the
+    vector by name.
 
     Attributes:
-      counts: shape (2 + layers,), int32: ``step`` (steps seen so far, the index of the next
-        step), ``baseline_steps`` (finite global norms in the baseline, at most ``warmup``),
-        then ``below_floor``: per layer, the consecutive steps up to the last one that its norm
-        was below the floor, or -1 for a layer that is not watched (all its leaves frozen).
-      baseline_total: shape (), float32; the sum of those finite global norms.
+      values: shape ``(6 + 3*leaves + 2*layers,)``, float32 (float64 for float64 params): the
+        last update's `MonitorMetrics.values` (NaN statistics before the first), whose
+        count, ``baseline_steps``, ``baseline_total`` and ``below_floor`` entries are the
+        counters after that update (the count as the bits of an int32, resp. int64).
+      layers: static; the number of layers.
+    Properties: ``step`` (int32, updates so far: the index of the next step),
+    ``baseline_steps`` (finite global norms in the baseline, at most ``warmup``),
+    ``baseline_total`` (their sum), ``below_floor`` (per layer, the consecutive steps up to
+    the last one that its norm was below the floor, or -1 for a layer that is not watched: all
+    its leaves frozen; exact in float32 up to 2**24 steps, where a streak stops growing).
     """
-    counts: jax.Array
-    baseline_total: jax.Array
+    __slots__ = ("values", "layers")
 
-    step = property(lambda self: self.counts[..., 0])
-    baseline_steps = property(lambda self: self.counts[..., 1])
-    below_floor = property(lambda self: self.counts[..., 2:])
+    def __init__(self, values: jax.Array, layers: int):
+        self.values, self.layers = values, layers
+
+    def __repr__(self) -> str:
+        return f"MonitorState(values={self.values!r}, layers={self.layers})"
+
+    step = property(lambda self: _count_of(self.values))
+    baseline_steps = property(
+        lambda self: self.values[..., _BASELINE_STEPS].astype(np.int32))
+    baseline_total = property(lambda self: self.values[..., _BASELINE_TOTAL])
+    below_floor = property(lambda self: self.values[
+        ..., self.values.shape[-1] - self.layers:].astype(np.int32))
+
+
+jax.tree_util.register_pytree_with_keys(
+    MonitorState,
+    lambda s: (((jax.tree_util.GetAttrKey("values"), s.values),), s.layers),
+    lambda layers, children: MonitorState(*children, layers),
+    flatten_func=lambda s: ((s.values,), s.layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +137,9 @@ class MonitorLayout:
 
     Attributes:
       leaf_names: ``params[0]['w']``, ...; layer_names: ``params[0]``, ...; relu_names:
-        ``relu 0 at nn.py:96:16 (mlp_apply)``, ...; then the `GradMonitor` settings.
+        ``relu 0 at nn.py:96:16 (mlp_apply)``, ...; then the `GradMonitor` settings, and
+        has_loss: whether `GradMonitor.update` was given a loss (a non-finite one raises the
+        nonfinite flag).
     """
     leaf_names: tuple[str, ...]
     layer_names: tuple[str, ...]
@@ -79,23 +149,30 @@ class MonitorLayout:
     vanish_floor: float
     vanish_steps: int
     dead_threshold: float
+    has_loss: bool = True
 
 
 class MonitorMetrics:
-    """One step's gradient statistics and flags, packed in two arrays, read by name.
+    """One step's gradient statistics and flags: one packed vector (plus the dead-unit masks),
+    read by name.
 
-    ``m.grad_norm``, ``m.leaf_norm``, ``m.explosion``, ... are properties that slice the two
-    arrays, on device or on host (after ``jax.device_get(m)``). Packing makes the step return
-    two buffers instead of thirteen and lets XLA write them in two fused kernels. A plain class
-    with ``__slots__`` rather than a frozen dataclass: rebuilding one after each jitted call
-    measured ~3 microseconds cheaper on CPU, ~2% of a small train step.
+    ``m.grad_norm``, ``m.leaf_norm``, ``m.explosion``, ... are properties that slice the arrays
+    (and derive the flags from them), on device or on host (after ``jax.device_get(m)``, with
+    NumPy). Everything that depends on the gradient norm is one packed vector, written by one
+    fused kernel, and the flags are not computed in the step at all: each extra array the step
+    derives from the norm is one more kernel at its end (see `MonitorState`). A plain class with
+    ``__slots__`` rather than a frozen dataclass: rebuilding one after each jitted call measured
+    ~3 microseconds cheaper on CPU, ~2% of a small train step.
 
     Attributes:
-      values: shape ``(3 + 3*leaves + layers + sites,)``, float (float32, or float64 for
-        float64 gradients): grad_norm, loss, baseline, leaf_norm, leaf_mean, leaf_std,
-        layer_norm, dead_fraction, in that order.
-      flags: shape ``(3 + 2*layers,)``, int32: step, explosion, nonfinite, vanishing,
-        below_floor.
+      values: shape ``(6 + 3*leaves + 2*layers,)``, float (float32, or float64 for float64
+        params): the update count including this step (the bits of an int), the global sum of
+        squares (grad_norm**2), loss, baseline_steps after this step, the baseline this step
+        was compared with, baseline_total after it, then leaf_norm, layer_norm, leaf_mean,
+        leaf_std and below_floor (`_Slots`). The same vector is the next `MonitorState.values`.
+      dead: one bool array of shape (units,) per ReLU site, `DeadReLU.dead` (True: dead for
+        the whole batch); ``dead_fraction`` averages them where it is read (on the host, no
+        kernel in the step).
       layout: static; a `MonitorLayout` (names and settings), so that `monitor_alerts` needs
         nothing else. ``m.leaf_names`` etc. read it through.
     Properties (norms in the gradients' units; metrics stacked by ``lax.scan`` or ``vmap``
@@ -109,10 +186,11 @@ class MonitorMetrics:
       streak reaches ``vanish_steps``; below_floor: (layers,) int, each layer's streak (-1:
       not watched).
     """
-    __slots__ = ("values", "flags", "layout")
+    __slots__ = ("values", "dead", "layout")
 
-    def __init__(self, values: jax.Array, flags: jax.Array, layout: MonitorLayout):
-        self.values, self.flags, self.layout = values, flags, layout
+    def __init__(self, values: jax.Array | None, dead: tuple[jax.Array, ...],
+                 layout: MonitorLayout):
+        self.values, self.dead, self.layout = values, dead, layout
 
     def __getattr__(self, name: str):  # leaf_names, warmup, ... from the layout
         if name in MonitorLayout.__dataclass_fields__:
@@ -120,27 +198,54 @@ class MonitorMetrics:
         raise AttributeError(f"MonitorMetrics has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        return (f"MonitorMetrics(values={self.values!r}, flags={self.flags!r}, "
+        return (f"MonitorMetrics(values={self.values!r}, dead={self.dead!r}, "
                 f"layout={self.layout!r})")
 
-    def _values(self, block: int, size: int | None):
-        start = 3 + block * len(self.layout.leaf_names)
-        return self.values[..., start:] if size is None else self.values[..., start:start + size]
+    def _detached(self) -> MonitorMetrics:
+        """Without `values`, which the step's new `MonitorState` holds: a jitted train step
+        returns the vector once, in the state (a second output would be a copy kernel after
+        the norm), and sets ``metrics.values = state.values`` on the host."""
+        return MonitorMetrics(None, self.dead, self.layout)
 
-    grad_norm = property(lambda self: self.values[..., 0])
-    loss = property(lambda self: self.values[..., 1])
-    baseline = property(lambda self: self.values[..., 2])
-    leaf_norm = property(lambda self: self._values(0, len(self.layout.leaf_names)))
-    leaf_mean = property(lambda self: self._values(1, len(self.layout.leaf_names)))
-    leaf_std = property(lambda self: self._values(2, len(self.layout.leaf_names)))
-    layer_norm = property(lambda self: self._values(3, len(self.layout.layer_names)))
-    dead_fraction = property(
-        lambda self: self._values(3, None)[..., len(self.layout.layer_names):])
-    step = property(lambda self: self.flags[..., 0])
-    explosion = property(lambda self: self.flags[..., 1] != 0)
-    nonfinite = property(lambda self: self.flags[..., 2] != 0)
-    vanishing = property(lambda self: self.flags[..., 3:3 + len(self.layout.layer_names)] != 0)
-    below_floor = property(lambda self: self.flags[..., 3 + len(self.layout.layer_names):])
+    def _block(self, name: str) -> Any:
+        slots = _Slots.of(len(self.layout.leaf_names), len(self.layout.layer_names))
+        start = getattr(slots, name)
+        return self.values[..., start:slots[slots._fields.index(name) + 1]]
+
+    grad_norm = property(lambda self: _xp(self.values).sqrt(self.values[..., _SUMSQ]))
+    loss = property(lambda self: self.values[..., _LOSS])
+    baseline = property(lambda self: self.values[..., _BASELINE])
+    leaf_norm = property(lambda self: self._block("leaf_norm"))
+    layer_norm = property(lambda self: self._block("layer_norm"))
+    leaf_mean = property(lambda self: self._block("leaf_mean"))
+    leaf_std = property(lambda self: self._block("leaf_std"))
+    below_floor = property(lambda self: self._block("below_floor").astype(np.int32))
+    step = property(lambda self: _count_of(self.values) - 1)
+
+    @property
+    def dead_fraction(self):
+        xp = _xp(self.values)
+        if not self.dead:
+            return xp.zeros((*xp.shape(self.values)[:-1], 0), xp.float32)
+        return xp.stack([xp.mean(d, axis=-1, dtype=xp.float32) for d in self.dead], axis=-1)
+
+    @property
+    def explosion(self):
+        """The global norm is finite and above ``explode_factor`` x the (ready) baseline."""
+        xp, norm, baseline = _xp(self.values), self.grad_norm, self.baseline
+        limit = xp.asarray(self.layout.explode_factor, self.values.dtype) * baseline
+        return xp.isfinite(norm) & ~xp.isnan(baseline) & (norm > limit)
+
+    @property
+    def nonfinite(self):
+        """The global norm, or the loss when one was given, is NaN or inf."""
+        xp = _xp(self.values)
+        bad = ~xp.isfinite(self.grad_norm)
+        return bad | ~xp.isfinite(self.loss) if self.layout.has_loss else bad
+
+    @property
+    def vanishing(self):
+        return self.below_floor == self.layout.vanish_steps
 
     def to_dict(self) -> dict[str, Any]:
         """One step's numbers as plain Python numbers keyed by name (for JSON)."""
@@ -158,9 +263,9 @@ class MonitorMetrics:
 jax.tree_util.register_pytree_with_keys(
     MonitorMetrics,
     lambda m: (((jax.tree_util.GetAttrKey("values"), m.values),
-                (jax.tree_util.GetAttrKey("flags"), m.flags)), m.layout),
+                (jax.tree_util.GetAttrKey("dead"), m.dead)), m.layout),
     lambda layout, children: MonitorMetrics(*children, layout),
-    flatten_func=lambda m: ((m.values, m.flags), m.layout))
+    flatten_func=lambda m: ((m.values, m.dead), m.layout))
 
 
 def _layers(params: PyTree) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
@@ -174,6 +279,13 @@ def _layers(params: PyTree) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int
             layer_names.append(layer)
         layer_of.append(layer_names.index(layer))
     return tuple(leaf_names), tuple(layer_names), tuple(layer_of)
+
+
+def _values_dtype(leaves: Sequence[Any]):
+    """float32, or float64 when a leaf is float64 (half precision is summed in float32, so a
+    sum of many squares neither loses its small terms nor overflows early)."""
+    return jnp.result_type(jnp.float32, *(jnp.result_type(g) for g in leaves
+                                          if jnp.issubdtype(jnp.result_type(g), jnp.floating)))
 
 
 #: Elements per row of the padded matrix that `_sums` reduces in one pass.
@@ -208,12 +320,9 @@ def _sums(flat: Sequence[jax.Array], groups: np.ndarray) -> jax.Array:
 
 
 def _statistics(grads: PyTree, leaf_names: Sequence[str], layer_of: Sequence[int],
-                n_layers: int, dead_units: Sequence[jax.Array]):
-    """``(grad_norm, [leaf norms, means, stds], layer norms, dead fractions)`` in one pass.
-
-    Dtype: float32, or float64 when a leaf is float64 (half precision is summed in float32,
-    so a sum of many squares neither loses its small terms nor overflows early).
-    """
+                n_layers: int, dtype):
+    """``(sum of squares of all leaves, [leaf norms, layer norms], leaf means, leaf stds)``,
+    in `dtype`, from one pass over the gradients."""
     leaves = jax.tree.leaves(grads)
     for name, g in zip(leaf_names, leaves):
         if not jnp.issubdtype(jnp.result_type(g), jnp.floating):
@@ -221,24 +330,30 @@ def _statistics(grads: PyTree, leaf_names: Sequence[str], layer_of: Sequence[int
                             f"{name} has dtype {jnp.result_type(g)} and shape {jnp.shape(g)}. "
                             "Freeze integer leaves (funcgrad.trainable_mask) or take their "
                             "gradient out.")
-    dtype = jnp.result_type(jnp.float32, *(jnp.result_type(g) for g in leaves))
-    flat = [jnp.ravel(x).astype(dtype) for x in (*leaves, *dead_units)]
-    # Groups summed: each leaf, each layer, all leaves, then each ReLU site's dead units.
+    flat = [jnp.ravel(x).astype(dtype) for x in leaves]
+    # Groups summed: each leaf, each layer, then all leaves.
     n, total = len(leaves), len(leaves) + n_layers
-    groups = np.zeros((n + len(dead_units), total + 1 + len(dead_units)))
+    groups = np.zeros((n, total + 1))
     for i, layer in enumerate(layer_of):
         groups[i, [i, n + layer, total]] = 1
-    groups[n:, total + 1:] = np.eye(len(dead_units))
     sums = _sums(flat, groups)
     sizes = np.array([max(x.size, 1) for x in flat]).astype(dtype)
-    mean = sums[:n, 0] / sizes[:n]
+    mean = sums[:n, 0] / sizes
     # One pass: var = E[g^2] - E[g]^2, clamped at 0. Its rounding error is ~eps * E[g^2], so
     # a std below ~sqrt(eps) * rms (3e-4 of the rms in float32) is noise; a second pass over
     # the gradients would cost more kernels per step.
-    std = jnp.sqrt(jnp.maximum(sums[:n, 1] / sizes[:n] - mean * mean, 0))
-    stats = jnp.concatenate([jnp.sqrt(sums[:n, 1]), mean, std])
-    return (jnp.sqrt(sums[total, 1]), stats, jnp.sqrt(sums[n:total, 1]),
-            sums[total + 1:, 0] / sizes[n:])
+    std = jnp.sqrt(jnp.maximum(sums[:n, 1] / sizes - mean * mean, 0))
+    return sums[total, 1], jnp.sqrt(sums[:total, 1]), mean, std
+
+
+def _vector(*scalars: jax.Array) -> jax.Array:
+    """``jnp.stack(scalars)`` as one elementwise select: XLA:CPU fuses a concatenate of at most
+    8 operands into one kernel, and each stacked scalar would be an operand of its own."""
+    index = jnp.arange(len(scalars))
+    out = jnp.broadcast_to(scalars[-1], index.shape)
+    for i in range(len(scalars) - 2, -1, -1):
+        out = jnp.where(index == i, scalars[i], out)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,18 +402,21 @@ class GradMonitor:
         `trainable` (a mask from `funcgrad.trainable_mask`, the structure of `params` or a
         prefix of it) excludes layers whose leaves are all frozen from the vanishing check.
         """
-        _, layer_names, layer_of = _layers(params)
+        leaf_names, layer_names, layer_of = _layers(params)
         watched = np.zeros(len(layer_names), bool)
         flags = [True] * len(layer_of) if trainable is None else jax.tree.leaves(jax.tree.map(
             lambda m, sub: jax.tree.map(lambda _: bool(m), sub), trainable, params))
         for layer, flag in zip(layer_of, flags):
             watched[layer] |= flag
-        counts = np.concatenate([[0, 0], np.where(watched, 0, -1)])
-        return MonitorState(jnp.asarray(counts, jnp.int32), jnp.zeros((), jnp.float32))
+        slots = _Slots.of(len(leaf_names), len(layer_names))
+        values = np.full(slots.size, np.nan, _values_dtype(jax.tree.leaves(params)))
+        values[[_COUNT, _BASELINE_STEPS, _BASELINE_TOTAL]] = 0  # count 0: all bits 0
+        values[slots.below_floor:] = np.where(watched, 0, -1)
+        return MonitorState(jnp.asarray(values), len(layer_names))
 
     def update(self, state: MonitorState, grads: PyTree, *, loss: jax.ArrayLike | None = None,
                dead_relu: DeadReLU | None = None) -> tuple[MonitorState, MonitorMetrics]:
-        """Statistics and flags of one step's gradients; pure, meant to run inside ``jit``.
+        """Statistics of one step's gradients; pure, meant to run inside ``jit``.
 
         Args:
           state: from `init` or the previous `update`.
@@ -306,45 +424,52 @@ class GradMonitor:
           loss: the step's loss, shape (); a non-finite loss raises the nonfinite flag.
           dead_relu: from `with_dead_relu`, for the dead fractions (else none are reported).
         Returns:
-          ``(state, metrics)``: the next `MonitorState` and this step's `MonitorMetrics`.
+          ``(state, metrics)``: the next `MonitorState` and this step's `MonitorMetrics`
+          (whose ``values`` is the new state's ``values``).
         Raises:
-          ValueError: if `grads` has a different number of layers than the params of `init`.
+          ValueError: if `grads` has a different number of layers or leaves than the params
+            of `init`.
           TypeError: if a gradient leaf is not real floating point (the message names it).
         """
         leaf_names, layer_names, layer_of = _layers(grads)
-        if state.counts.shape != (2 + len(layer_names),):
-            raise ValueError(f"the monitor state was made for {state.counts.shape[0] - 2} "
-                             f"layers, but the gradients have {len(layer_names)} "
-                             f"({', '.join(layer_names)}). Make it with init(params) for "
+        slots = _Slots.of(len(leaf_names), len(layer_names))
+        if state.layers != len(layer_names) or state.values.shape[-1] != slots.size:
+            raise ValueError(f"the monitor state was made for {state.layers} layers, but the "
+                             f"gradients have {len(layer_names)} ({', '.join(layer_names)}) "
+                             f"and {len(leaf_names)} leaves. Make it with init(params) for "
                              "these params.")
-        dead_units = dead_relu.dead if dead_relu is not None else ()
-        grad_norm, stats, layer_norm, dead = _statistics(grads, leaf_names, layer_of,
-                                                         len(layer_names), dead_units)
-        dtype = grad_norm.dtype
-        bad_loss = jnp.zeros((), bool) if loss is None else ~jnp.isfinite(loss)
-        loss = jnp.asarray(jnp.nan if loss is None else loss).astype(dtype)
-        step, baseline_steps, below_floor = state.step, state.baseline_steps, state.below_floor
-        finite = jnp.isfinite(grad_norm)
+        dtype = state.values.dtype
+        sumsq, norms, mean, std = _statistics(grads, leaf_names, layer_of, len(layer_names),
+                                              dtype)
+        layer_norm = norms[len(leaf_names):]
+        has_loss = loss is not None
+        loss = jnp.asarray(loss if has_loss else jnp.nan).astype(dtype)
+        old = state.values
+        baseline_steps, baseline_total = old[_BASELINE_STEPS], old[_BASELINE_TOTAL]
+        below_floor = old[slots.below_floor:]
         ready = baseline_steps >= self.warmup
-        baseline = (state.baseline_total
-                    / jnp.maximum(baseline_steps, 1).astype(jnp.float32)).astype(dtype)
-        explosion = ready & finite & (grad_norm > self.explode_factor * baseline)
-        add = ~ready & finite
+        baseline = jnp.where(ready, baseline_total / jnp.maximum(baseline_steps, 1), jnp.nan)
+        add = ~ready & jnp.isfinite(sumsq)  # sqrt(x) is finite exactly when x >= 0 is
         streak = jnp.where(below_floor < 0, -1,
                            jnp.where(layer_norm < self.vanish_floor, below_floor + 1, 0))
-        values = jnp.concatenate([jnp.stack([grad_norm, loss, jnp.where(ready, baseline, jnp.nan)]),
-                                  stats, layer_norm, dead])
-        flags = jnp.concatenate([jnp.stack([step, explosion.astype(jnp.int32),
-                                            (~finite | bad_loss).astype(jnp.int32)]),
-                                 (streak == self.vanish_steps).astype(jnp.int32), streak])
-        metrics = MonitorMetrics(values, flags, MonitorLayout(
+        count = jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(old[_COUNT], _int_type(dtype)) + 1, dtype)
+        # The baseline's divide and the norm's sqrt are operands of their own: inside the
+        # broadcast of `_vector` XLA would compute them in kernels of their own first.
+        values = jnp.concatenate([
+            _vector(count, sumsq, loss, baseline_steps + add.astype(dtype)), baseline[None],
+            (baseline_total + jnp.where(add, jnp.sqrt(sumsq), 0))[None], norms, mean, std,
+            streak.astype(dtype)])
+        # A barrier, so that XLA reads the global norm back from this vector (`grad_norm`:
+        # one sqrt kernel after it, which a train step's guard and "grad_norm" share) instead
+        # of computing it beside it: see MonitorState.
+        values = jax.lax.optimization_barrier(values)
+        dead = tuple(dead_relu.dead) if dead_relu is not None else ()
+        metrics = MonitorMetrics(values, dead, MonitorLayout(
             leaf_names, layer_names, dead_relu.names if dead_relu is not None else (),
             self.warmup, float(self.explode_factor), float(self.vanish_floor),
-            self.vanish_steps, float(self.dead_threshold)))
-        counts = jnp.concatenate([jnp.stack([step + 1, baseline_steps + add.astype(jnp.int32)]),
-                                  streak])
-        total_norm = state.baseline_total + jnp.where(add, grad_norm, 0).astype(jnp.float32)
-        return MonitorState(counts, total_norm), metrics
+            self.vanish_steps, float(self.dead_threshold), has_loss))
+        return MonitorState(values, state.layers), metrics
 
 
 def _real(x) -> bool:
@@ -407,11 +532,12 @@ def monitor_alerts(metrics: MonitorMetrics, *,
     (a leading step axis) give the alerts of every step, each step the previous of the next.
     """
     m = jax.device_get(metrics)
-    if np.ndim(m.flags) > 1:
+    if np.ndim(m.values) > 1:
         out, prev = [], previous
-        for values, flags in zip(np.reshape(m.values, (-1, np.shape(m.values)[-1])),
-                                 np.reshape(m.flags, (-1, np.shape(m.flags)[-1]))):
-            row = MonitorMetrics(values, flags, m.layout)
+        values = np.reshape(m.values, (-1, np.shape(m.values)[-1]))
+        dead = [np.reshape(d, (len(values), -1)) for d in m.dead]
+        for i in range(len(values)):
+            row = MonitorMetrics(values[i], tuple(d[i] for d in dead), m.layout)
             out += monitor_alerts(row, previous=prev)
             prev = row
         return out

@@ -222,11 +222,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       monitor: a `funcgrad.monitor.GradMonitor` (``funcgrad.grad_monitor()``): every update
         also computes per-leaf norm, mean and std, per-layer norms, the dead-ReLU fraction of
         each ReLU in `loss_fn` (found in its jaxpr, no model change; on the float32 path
-        without `accumulate`), a baseline and the explosion / nonfinite / vanishing flags,
-        all inside the jitted step, as ``metrics["monitor"]`` (a `MonitorMetrics`; `fit`
-        prints its alerts). "grad_norm" then comes from the monitor's fused sums (the same
-        global norm). Costs <= 10% of a small CPU step (``benchmarks/monitor.py``). Create
-        the state with ``init_train_state(..., monitor=monitor)``.
+        without `accumulate`), a baseline and the vanishing streaks, all inside the jitted
+        step, as ``metrics["monitor"]`` (a `MonitorMetrics`, whose explosion / nonfinite /
+        vanishing flags are read from those values; `fit` prints its alerts). "grad_norm"
+        then comes from the monitor's fused sums (the same global norm). The step's packed
+        monitor values are returned once, in the new state, and a thin Python wrapper around
+        the jitted function (``step.__wrapped__``) hands them to ``metrics["monitor"]``.
+        Costs <= 10% of a small CPU step (``benchmarks/monitor.py``). Create the state with
+        ``init_train_state(..., monitor=monitor)``.
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
       ``{"loss": (), "grad_norm": ()}``, plus ``"clip_coef": ()`` with `clip_norm`, and
@@ -276,7 +279,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             monitor_state, report = monitor.update(state.monitor, grads, loss=loss,
                                                    dead_relu=dead)
             grad_norm = report.grad_norm
-            metrics = {"loss": loss, "grad_norm": grad_norm, "monitor": report}
+            # Its packed values leave the step once, in the new state; `_attach_monitor` puts
+            # them into metrics["monitor"] on the host (a second output of the same vector is
+            # a copy kernel after the norm: see funcgrad.monitor.MonitorState). Under the
+            # accumulating scan each update's metrics are stacked, so they keep their values.
+            metrics = {"loss": loss, "grad_norm": grad_norm,
+                       "monitor": report if accumulate is not None else report._detached()}
         zero = nonfinite == "zero"
         if clip_norm is not None:
             grads, info = clip_by_global_norm(grads, clip_norm, zero_nonfinite=zero,
@@ -291,9 +299,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         params, opt_state = jax.tree.map(
             lambda n, o: jnp.where(ok, n, o),
             (optax.apply_updates(state.params, updates), opt_state), (state.params, state.opt_state))
-        # Neither the counter nor a "skipped" output depends on `ok` in the plain step: on CPU
-        # XLA then recomputed the norm in each guarded update (measured 1.8x a small step).
-        # A skip is visible as a non-finite loss or grad_norm (`step_was_skipped`).
+        # Neither the counter nor a "skipped" output depends on `ok` in the plain step: with
+        # one, a small CPU step measured 1.8x. The norm's kernel makes every guarded update
+        # ready at once, and one more small kernel ready beside them (more than 8 in the
+        # queue) makes XLA:CPU's thunk executor hand half of them to its thread pool, which
+        # on a small CPU costs far more than it saves (funcgrad.monitor.MonitorState keeps the
+        # monitor off that point). A skip is visible as a non-finite loss or grad_norm
+        # (`step_was_skipped`).
         if zero or loss_scale is not None:
             metrics["skipped"] = (~ok).astype(jnp.int32)
         if loss_scale is None:
@@ -328,11 +340,23 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             return accumulating(state, microbatches, mask)
 
     out = jax.jit(step) if jit else step
+    if monitor is not None and accumulate is None:
+        out = _attach_monitor(out)
     if detect_anomaly:
         out = _detecting_anomalies(out, loss_fn, trainable)
     out.nonfinite = nonfinite
     out.accumulate = accumulate
     return out
+
+
+def _attach_monitor(step: Callable) -> Callable:
+    """`step`, with metrics["monitor"] completed with the new state's monitor values."""
+    def stepped(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        new_state, metrics = step(state, batch)
+        metrics["monitor"].values = new_state.monitor.values  # a fresh object every call
+        return new_state, metrics
+
+    return functools.wraps(step)(stepped)
 
 
 def step_was_skipped(metrics: Mapping[str, Any]) -> bool:

@@ -250,9 +250,12 @@ def test_dead_relu_alert_fires_when_a_site_crosses_the_threshold():
                                           1e-6, 10, 0.5)
 
     def metrics(step, fraction):
-        # values: grad_norm, loss, baseline, (no leaves), layer_norm, dead_fraction.
-        return MonitorMetrics(np.array([1.0, 1.0, np.nan, 1.0, fraction], np.float32),
-                              np.array([step, 0, 0, 0, 0], np.int32), layout)
+        # values: the update count (step + 1, as int32 bits), grad_norm**2, loss,
+        # baseline_steps, baseline, baseline_total, (no leaves), layer_norm, below_floor; then
+        # the dead units of the one site (4 units, 4 * fraction of them dead).
+        values = np.array([0.0, 1.0, 1.0, 0.0, np.nan, 0.0, 1.0, 0.0], np.float32)
+        values[:1] = np.array([step + 1], np.int32).view(np.float32)
+        return MonitorMetrics(values, (np.arange(4) < 4 * fraction,), layout)
 
     # Threshold 0.5: 0.25 -> no; 0.5 reaches it -> alert; 0.75 stays above: with `previous`
     # no new alert, without it the level is reported again.
@@ -297,6 +300,19 @@ def test_the_monitor_runs_inside_a_jitted_step_and_under_scan():
         (float(looped[0].grad_norm) + float(looped[1].grad_norm)) / 2, rel=1e-6)
     assert list(d["layer_norm"]) == ["params[0]", "params[1]"]
     assert list(d["dead_fraction"])[0].startswith("relu 0 at nn.py:")
+
+
+def test_the_update_count_is_exact_beyond_float32_integers():
+    # The count rides in the packed float vector as the bits of an int32: 2**24 + 1 is not a
+    # float32 number, yet it must come back and advance exactly.
+    monitor = grad_monitor()
+    grads = {"w": jnp.array([3.0, 4.0])}
+    state = monitor.init(grads)
+    values = np.array(state.values)
+    values[:1] = np.array([2**24 + 1], np.int32).view(np.float32)
+    state, m = jax.jit(monitor.update)(MonitorState(jnp.asarray(values), state.layers), grads)
+    assert int(m.step) == 2**24 + 1 and int(state.step) == 2**24 + 2
+    assert float(m.grad_norm) == 5.0
 
 
 # --- errors ------------------------------------------------------------------------------------
@@ -352,6 +368,8 @@ def test_make_train_step_returns_the_monitor_metrics_and_the_same_global_norm():
     assert float(metrics["grad_norm"]) == pytest.approx(float(expected), rel=1e-6)
     m = metrics["monitor"]
     assert float(m.grad_norm) == float(metrics["grad_norm"]) and int(m.step) == 0
+    # The jitted step returns the packed values once, in the state (see MonitorState).
+    assert m.values is new_state.monitor.values
     assert m.relu_names[0].startswith("relu 0 at nn.py:") and m.dead_fraction.shape == (1,)
     assert int(new_state.monitor.step) == 1
     with pytest.raises(ValueError, match="no monitor state"):
