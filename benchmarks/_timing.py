@@ -9,6 +9,22 @@ import statistics
 import time
 from collections.abc import Callable
 
+import jax
+
+
+def step_runner(step: Callable, state: object, *args: object) -> Callable[[int], object]:
+    """``run(n)``: n calls ``state, out = step(state, *args)`` from the carried state; blocks
+    on the last state and output. The state carries over from one call of run to the next."""
+    carry = [state]
+
+    def run(n):
+        s = carry[0]
+        for _ in range(n):
+            s, out = step(s, *args)
+        carry[0] = s
+        return jax.block_until_ready((s, out))
+    return run
+
 
 def rounds(runs: dict[str, Callable[[int], object]], n: int, repeats: int, *, warmup: int = 20,
            seed: int = 0) -> dict[str, list[float]]:

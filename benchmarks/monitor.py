@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, rounds
+from _timing import medians, paired_ratio, rounds, step_runner
 from funcgrad.monitor import grad_monitor, with_dead_relu
 
 LIMIT = 1.10
@@ -69,19 +69,6 @@ def _written_out_step(tx, monitor):
     return step
 
 
-def _runner(step, state, batch):
-    """Returns run(n): n steps from the carried state; blocks on the state and metrics."""
-    carry = [state]
-
-    def run(n):
-        s = carry[0]
-        for _ in range(n):
-            s, metrics = step(s, batch)
-        carry[0] = s
-        return jax.block_until_ready((s, metrics))
-    return run
-
-
 def _steps(tx, params, monitor):
     """(funcgrad, plain, monitored) runners' steps and start states."""
     built_in = "monitor" in inspect.signature(fg.make_train_step).parameters
@@ -113,8 +100,8 @@ def main() -> None:
         params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
         tx = optax.adam(1e-3)
         (ours, plain, monitored), built_in = _steps(tx, params, monitor)
-        runs = {"funcgrad": _runner(*ours, batch), "plain": _runner(*plain, batch),
-                "monitor": _runner(*monitored, batch)}
+        runs = {"funcgrad": step_runner(*ours, batch), "plain": step_runner(*plain, batch),
+                "monitor": step_runner(*monitored, batch)}
         times = rounds(runs, args.steps, args.repeats)
         t = medians(times)
         rows.append({"model": "64-128-10 relu, adam", "batch": batch_size,

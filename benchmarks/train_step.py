@@ -23,7 +23,7 @@ import jax
 import optax
 
 import funcgrad as fg
-from _timing import medians, rounds
+from _timing import medians, rounds, step_runner
 
 
 def _loss_fn(params, batch):
@@ -53,18 +53,6 @@ def _hand_runner(step, params, opt_state, batch):
     return run
 
 
-def _funcgrad_runner(step, state, batch):
-    carry = [state]
-
-    def run(n):
-        s = carry[0]
-        for _ in range(n):
-            s, metrics = step(s, batch)
-        carry[0] = s
-        return jax.block_until_ready((s, metrics))
-    return run
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="steps per timed repeat")
@@ -85,7 +73,7 @@ def main() -> None:
             "hand": _hand_runner(_hand_step(hand_tx, False), params, hand_tx.init(params), batch),
             "hand+norm": _hand_runner(_hand_step(hand_tx, True), params, hand_tx.init(params),
                                       batch),
-            "funcgrad": _funcgrad_runner(ours, fg.init_train_state(params, tx), batch),
+            "funcgrad": step_runner(ours, fg.init_train_state(params, tx), batch),
         }
         t = medians(rounds(runs, args.steps, args.repeats))
         rows.append({"model": "64-128-10 relu, adam", "batch": batch_size, "clip_norm": clip,
