@@ -4,6 +4,9 @@ On a small shared machine whichever variant runs first in a round is measurably 
 load comes and goes, so every variant runs once per round in an order shuffled each round
 (seeded), and results are medians over rounds — of times, or of ratios taken within a round.
 """
+import json
+import os
+import platform
 import random
 import statistics
 import time
@@ -59,3 +62,14 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
 def paired_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
     """Median over rounds of ``times[name] / times[baseline]`` measured in the same round."""
     return statistics.median(a / b for a, b in zip(times[name], times[baseline]))
+
+
+def write_results(path: str, rows: list[dict], **extra: object) -> None:
+    """Writes `rows` and the versions and device they were measured on as JSON to `path`."""
+    import optax
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"jax": jax.__version__, "optax": optax.__version__,
+                   "device": str(jax.devices()[0]), "machine": platform.machine(),
+                   **extra, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")

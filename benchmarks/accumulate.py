@@ -21,15 +21,12 @@ buffers a call needs besides its arguments and outputs. The criteria of issue 5:
                                       [--out benchmarks/results/accumulate.json]
 """
 import argparse
-import json
-import os
-import platform
 
 import jax
 import optax
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, rounds
+from _timing import medians, paired_ratio, rounds, step_runner, write_results
 
 COUNTS = (4, 8, 16, 32)
 
@@ -43,20 +40,7 @@ def _mean_loss(params, batch):
     return _per_example_loss(params, batch).mean()
 
 
-def _runner(step, state, *args):
-    """Returns run(n): n calls of ``step(state, *args)`` from the carried state; then blocks."""
-    carry = [state]
-
-    def run(n):
-        s = carry[0]
-        for _ in range(n):
-            s, metrics = step(s, *args)
-        carry[0] = s
-        return jax.block_until_ready((s, metrics))
-    return run
-
-
-def _multisteps_runner(tx, params, microbatches, count):
+def _multistepsstep_runner(tx, params, microbatches, count):
     """run(n): n updates of optax.MultiSteps, i.e. n * count jitted mini-step calls."""
     multi = optax.MultiSteps(tx, every_k_schedule=count)
 
@@ -103,9 +87,9 @@ def main() -> None:
         microbatches = [{k: v[i] for k, v in stacked.items()} for i in range(count)]
         full = fg.make_train_step(_mean_loss, tx)
         scan = fg.make_train_step(_per_example_loss, tx, accumulate=count)
-        multi_run, multi_lowered = _multisteps_runner(tx, params, microbatches, count)
-        times = rounds({"full": _runner(full, state, batch),
-                        "scan": _runner(scan, state, stacked), "multisteps": multi_run},
+        multi_run, multi_lowered = _multistepsstep_runner(tx, params, microbatches, count)
+        times = rounds({"full": step_runner(full, state, batch),
+                        "scan": step_runner(scan, state, stacked), "multisteps": multi_run},
                        args.updates, args.repeats, warmup=3)
         t = medians(times)
         rows.append({
@@ -138,14 +122,9 @@ def main() -> None:
           "ratios: median over rounds of the two times of each round")
     print(f"criteria: scan/full <= 1.3: worst {worst:.3f} {'ok' if worst <= 1.3 else 'FAILED'}; "
           f"scan temp bytes not growing with M: {'ok' if flat else 'FAILED'}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"jax": jax.__version__, "optax": optax.__version__,
-                   "device": str(jax.devices()[0]), "machine": platform.machine(),
-                   "criteria": {"max_scan_over_full": worst, "scan_over_full_ok": worst <= 1.3,
-                                "scan_temp_flat": flat},
-                   "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows, criteria={"max_scan_over_full": worst,
+                                            "scan_over_full_ok": worst <= 1.3,
+                                            "scan_temp_flat": flat})
 
 
 if __name__ == "__main__":

@@ -18,16 +18,13 @@ load of a shared machine drifts between rounds, and both times of a round share 
 """
 import argparse
 import inspect
-import json
-import os
-import platform
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, rounds, step_runner
+from _timing import medians, paired_ratio, rounds, step_runner, write_results
 from funcgrad.monitor import grad_monitor, with_dead_relu
 
 LIMIT = 1.10
@@ -123,12 +120,7 @@ def main() -> None:
     print(f"microseconds per jitted train step (medians) of a 64-128-10 ReLU MLP with Adam on "
           f"digits; ratios: medians over rounds of the ratio within a round (last column: "
           f"monitor/plain of the medians); limit monitor/plain <= {LIMIT:.2f}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"jax": jax.__version__, "optax": optax.__version__,
-                   "device": str(jax.devices()[0]), "machine": platform.machine(), "rows": rows},
-                  f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,11 @@ time is the median over repeats of (repeat time / calls). Prints a table and wri
     $ python benchmarks/taps.py [--calls 200] [--repeats 41] [--out benchmarks/results/taps.json]
 """
 import argparse
-import json
-import os
-import platform
 
 import jax
 
 import funcgrad as fg
-from _timing import medians, rounds
+from _timing import medians, rounds, write_results
 
 
 def _forward(tapped: bool):
@@ -82,11 +79,7 @@ def main():
               f"{r['intermediate_grads_us']:>10.1f}{r['grad_ratio']:>8.3f}")
     print("microseconds per jitted call (medians); ratio = tapped / untapped, "
           "intermediate_grads / jax.value_and_grad")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]),
-                   "machine": platform.machine(), "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,12 @@ median over repeats of (repeat time / steps). Prints a table and writes JSON.
     $ python benchmarks/train_step.py [--steps 100] [--repeats 41] [--out benchmarks/results/train_step.json]
 """
 import argparse
-import json
-import os
-import platform
 
 import jax
 import optax
 
 import funcgrad as fg
-from _timing import medians, rounds, step_runner
+from _timing import medians, rounds, step_runner, write_results
 
 
 def _loss_fn(params, batch):
@@ -91,12 +88,7 @@ def main() -> None:
               f"{r['ratio_to_hand_norm']:>20.3f}")
     print("steps/s of a 64-128-10 ReLU MLP with Adam on digits; ratio = funcgrad time per step "
           "/ baseline time per step (medians)")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"jax": jax.__version__, "optax": optax.__version__,
-                   "device": str(jax.devices()[0]), "machine": platform.machine(), "rows": rows},
-                  f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":
