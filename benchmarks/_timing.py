@@ -64,6 +64,13 @@ def paired_ratio(times: dict[str, list[float]], name: str, baseline: str) -> flo
     return statistics.median(a / b for a, b in zip(times[name], times[baseline]))
 
 
+def ratio_quartiles(times: dict[str, list[float]], name: str,
+                    baseline: str) -> tuple[float, float]:
+    """25th and 75th percentiles over rounds of ``times[name] / times[baseline]``."""
+    q = statistics.quantiles((a / b for a, b in zip(times[name], times[baseline])), n=4)
+    return q[0], q[2]
+
+
 def write_results(path: str, rows: list[dict], **extra: object) -> None:
     """Writes `rows` and the versions and device they were measured on as JSON to `path`."""
     import optax
