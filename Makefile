@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/funcgrad train --out runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
