@@ -302,9 +302,9 @@ def _sums(flat: Sequence[jax.Array], groups: np.ndarray) -> jax.Array:
         each = jnp.stack([jnp.stack([jnp.sum(f), jnp.sum(f * f)]) for f in flat])
         return jnp.matmul(jnp.asarray(groups.T, dtype), each,
                           precision=jax.lax.Precision.HIGHEST)
-    # The padded rows, written by one fused kernel; both row sums read them in one more. (A
-    # matrix with each row of squares stacked beside its row of values took ~10 us more on
-    # CPU to write: a concatenate of interleaved operands is slow elementwise code.)
+    # The padded rows, written by one fused kernel, then two row reductions. (A matrix with
+    # each row of squares stacked beside its row of values, reduced once, took ~10 us more
+    # kernel time per step in a CPU profile: that concatenate is slow elementwise code.)
     matrix = jnp.concatenate([jnp.pad(f, (0, n * _CHUNK - f.size)).reshape(n, _CHUNK)
                               for f, n in zip(flat, rows)])  # (rows, C)
     row_sums = jnp.stack([jnp.sum(matrix, axis=1), jnp.sum(matrix * matrix, axis=1)], axis=1)
