@@ -112,11 +112,16 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree, microbatches: Py
 
 
 def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
-                value_and_grad=jax.value_and_grad) -> AccumulatedGrads:
+                value_and_grad=jax.value_and_grad, compute_dtype=None,
+                scale=None) -> AccumulatedGrads:
     """`accumulate_grads` over micro-batches ``start .. start + length - 1`` (start may be traced).
 
     Micro-batches are read by index (``dynamic_index_in_dim``) rather than sliced out first,
     so no copy of the group is made: temporary memory is one micro-batch, whatever `length`.
+    With `compute_dtype` or `scale` (shape (), float32) each micro-batch's forward and backward
+    pass run in `compute_dtype` on ``scale * summed loss`` and its gradient is unscaled in
+    float32 before it is added (`funcgrad.precision.scaled_value_and_grad`), so the sums only
+    ever hold true, float32 gradients.
     """
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)),
                        microbatches)
@@ -134,6 +139,16 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
             return jnp.sum(losses)
         return jnp.sum(jnp.where(real, losses, jnp.zeros_like(losses)))
 
+    if compute_dtype is None and scale is None:
+        differentiate = value_and_grad(summed_loss)
+    else:
+        from funcgrad.precision import scaled_value_and_grad
+        scaled = scaled_value_and_grad(
+            lambda p, batch: summed_loss(p, *batch), value_and_grad=value_and_grad,
+            compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
+        one_scale = jnp.ones((), jnp.float32) if scale is None else scale
+        differentiate = lambda p, microbatch, real: scaled(p, (microbatch, real), one_scale)
+
     acc_dtype = lambda dtype: jnp.promote_types(dtype, jnp.float32)
     zeros = (jnp.zeros((), acc_dtype(out.dtype)),
              jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), acc_dtype(jnp.result_type(p))),
@@ -145,7 +160,7 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
         take = lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False)
         microbatch = jax.tree.map(take, microbatches)
         real = None if mask is None else take(mask)
-        loss, grads = value_and_grad(summed_loss)(params, microbatch, real)
+        loss, grads = differentiate(params, microbatch, real)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
         n = size if real is None else jnp.sum(real, dtype=jnp.int32)
         return (index + 1, loss_sum + loss.astype(loss_sum.dtype), grad_sum, count + n), None
@@ -162,6 +177,7 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
 def make_accumulating_step(
         loss_fn: PerExampleLossFn, apply_update: ApplyUpdate, *, accumulate: int,
         tail: str = "apply", value_and_grad: Callable = jax.value_and_grad,
+        compute_dtype: Any = None, loss_scale_of: Callable[[Any], jax.Array] | None = None,
         jit: bool = True) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
     """Returns ``step(state, microbatches, mask=None) -> (state, metrics)``: one update per group.
 
@@ -192,6 +208,12 @@ def make_accumulating_step(
       tail: "apply" or "drop", the policy for a final group of fewer than K micro-batches.
       value_and_grad: the differentiation transform, ``jax.value_and_grad`` or one with its
         signature, e.g. ``lambda f: funcgrad.masks.value_and_grad_trainable(f, mask)``.
+      compute_dtype: if given (float16, bfloat16), each micro-batch's forward and backward
+        pass runs in it over the float32 params; the sums and the update stay float32.
+      loss_scale_of: if given, ``loss_scale_of(state)`` is the loss scale (shape (), float32)
+        of the update about to be computed: every micro-batch of the group is differentiated
+        at ``scale * loss`` and unscaled before it is summed (the scale changes only between
+        updates, in `apply_update`).
       jit: if False the step is returned un-jitted (for debugging with prints).
     Returns:
       ``step(state, microbatches, mask=None)`` with `microbatches` and `mask` as in
@@ -216,7 +238,9 @@ def make_accumulating_step(
 
         def update(state, start, length):
             acc = _accumulate(loss_fn, state.params, microbatches, mask, start=start,
-                              length=length, value_and_grad=value_and_grad)
+                              length=length, value_and_grad=value_and_grad,
+                              compute_dtype=compute_dtype,
+                              scale=None if loss_scale_of is None else loss_scale_of(state))
             state, metrics = apply_update(state, acc.loss, acc.grads)
             return state, {**metrics, "examples": acc.count}
 

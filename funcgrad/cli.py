@@ -136,19 +136,19 @@ def _train(args: argparse.Namespace) -> int:
     loss_scale = dynamic_loss_scale() if args.loss_scale == "dynamic" else None
     accumulate = args.accumulate if args.accumulate > 1 else None
     monitor = None if args.no_monitor else grad_monitor()
-    if accumulate and (compute_dtype is not None or loss_scale is not None or args.detect_anomaly):
-        raise ValueError("--accumulate does not combine with --dtype, --loss-scale or "
-                         "--detect-anomaly in this release; use one or the other.")
+    if accumulate and args.detect_anomaly:
+        raise ValueError("--accumulate does not combine with --detect-anomaly in this release; "
+                         "use one or the other.")
     if args.dtype == "float16" and loss_scale is None:
         print("funcgrad: note: float16 without --loss-scale dynamic: small gradients may "
               "underflow to zero", file=sys.stderr)
-
 
     def loss_fn(params, batch):
         logits = mlp_apply(params, batch["x"], activation=args.activation)
         # The loss in float32 whatever the compute dtype, as PyTorch's autocast does.
         if accumulate:  # one loss per example: the step takes the exact mean over each group
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                                   batch["y"])
         return softmax_cross_entropy(logits.astype(jnp.float32), batch["y"])
 
     @jax.jit

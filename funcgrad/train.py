@@ -210,7 +210,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         K micro-batches gives one update with the exact mean gradient over its examples (the
         norm, clipping, guard and optimizer run once per update, inside one ``lax.scan``);
         the metrics gain a leading axis of length U (updates in the call) plus
-        ``"examples": (U,)`` and ``"dropped_examples": ()``.
+        ``"examples": (U,)`` and ``"dropped_examples": ()``. With `compute_dtype` and/or
+        `loss_scale` every micro-batch of an update runs in the compute dtype at that update's
+        scale and is unscaled in float32 before it is summed; an overflow in any micro-batch
+        skips the whole update and backs the scale off once (PyTorch: one
+        ``GradScaler.update()`` per optimizer step). The scale multiplies each micro-batch's
+        *summed* loss, so each example's cotangent is m times larger than under a mean loss
+        and a dynamic scale settles about m times lower. Not with `detect_anomaly`.
       tail: with `accumulate`, what a final group of fewer than K micro-batches does:
         "apply" (one more update over its examples, the default) or "drop" (counted in
         "dropped_examples").
@@ -240,8 +246,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       units. Without "skipped", a step was skipped exactly when its loss or grad_norm is not
       finite (`step_was_skipped`). The step has attributes ``nonfinite`` (the policy) and ``accumulate``.
     Raises:
-      ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy; at the
-        first call, if the loss is not a scalar or the optimizer state does not match
+      ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy, if
+        `loss_scale` comes with ``nonfinite="zero"``, if `accumulate` comes with
+        `detect_anomaly`; at the first call, if the loss is not a scalar (or, with
+        `accumulate`, not one loss per example) or the optimizer state does not match
         `optimizer` and the params.
     """
     optimizer = make_optimizer(optimizer)
@@ -330,11 +338,15 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         return apply_update(state, loss, grads, dead)
 
     if accumulate is not None:
-        if compute_dtype is not None or loss_scale is not None or detect_anomaly:
-            raise ValueError("accumulate= does not combine with compute_dtype=, loss_scale= or "
-                             "detect_anomaly= in this release; use one or the other.")
-        accumulating = make_accumulating_step(loss_fn, apply_update, accumulate=accumulate,
-                                              tail=tail, value_and_grad=differentiate, jit=False)
+        if detect_anomaly:
+            raise ValueError("accumulate= does not combine with detect_anomaly= in this "
+                             "release: find the first NaN with funcgrad.find_nonfinite on one "
+                             "micro-batch, or train without accumulate=.")
+        accumulating = make_accumulating_step(
+            loss_fn, apply_update, accumulate=accumulate, tail=tail,
+            value_and_grad=differentiate, compute_dtype=compute_dtype,
+            loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
+            jit=False)
 
         def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
             _check_state(state, optimizer, loss_scale, monitor)

@@ -258,6 +258,85 @@ def test_clipping_applies_once_to_the_mean_gradient():
     assert metrics["grad_norm"].shape == (1,) and float(metrics["grad_norm"][0]) == 5.0
 
 
+def test_loss_scaled_accumulation_equals_the_unscaled_one():
+    # Second method: the same accumulating step without a loss scale. Multiplying the loss by
+    # a power of two (2**10) multiplies every cotangent by it exactly (no overflow here) and
+    # the float32 division undoes it exactly, so the updates agree to float rounding; the
+    # scale grows by 2 after growth_interval = 2 finite updates (PyTorch/jmp convention).
+    params, batch = _params(), _examples(20)
+    stacked, mask = stack_microbatches(_split(batch, [5, 3, 7, 1, 4]))
+    tx = optax.adam(1e-2)
+    scale = fg.dynamic_loss_scale(init_scale=2.0**10, growth_interval=2)
+    scaled = make_train_step(per_example_loss, tx, accumulate=2, loss_scale=scale)
+    plain = make_train_step(per_example_loss, tx, accumulate=2)
+    s_state, s_metrics = scaled(fg.init_train_state(params, tx, loss_scale=scale), stacked, mask)
+    p_state, p_metrics = plain(fg.init_train_state(params, tx), stacked, mask)
+    for a, b in zip(jax.tree.leaves(s_state.params), jax.tree.leaves(p_state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(s_metrics["grad_norm"], p_metrics["grad_norm"], rtol=1e-6)
+    # 3 updates (2 groups of 2 and the tail of 1), all finite: scale 2**10, 2**10, 2**11.
+    assert list(np.asarray(s_metrics["loss_scale"])) == [2.0**10, 2.0**10, 2.0**11]
+    assert list(np.asarray(s_metrics["skipped"])) == [0, 0, 0]
+
+
+def test_an_overflowing_micro_batch_skips_its_whole_update_and_backs_off_once():
+    # loss_i = (w * x_i)^2 with w = 1; micro-batch 1 holds x = 3e17: its loss 9e34 is finite in
+    # float32 (max ~3.4e38), but scaled by 2**15 it is ~2.9e39 = inf, and so is its scaled
+    # gradient 2**15 * 2 * w * x^2. Update 0 (micro-batches 0, 1) is skipped whole: params and
+    # optimizer state bit-identical, scale halved once to 2**14. Update 1 (micro-batches 2, 3,
+    # x = 1) applies: mean gradient 2 * w * x^2 = 2, SGD lr 0.1 -> w = 0.8.
+    def loss_fn(params, batch):
+        return (params["w"] * batch["x"]) ** 2
+
+    tx = optax.sgd(0.1)
+    scale = fg.dynamic_loss_scale(init_scale=2.0**15)
+    step = make_train_step(loss_fn, tx, accumulate=2, loss_scale=scale)
+    x = np.array([[1.0], [3e17], [1.0], [1.0]], np.float32)
+    state0 = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx, loss_scale=scale)
+    state, metrics = step(state0, {"x": x[:2]})
+    assert _bits(state.params) == _bits(state0.params)
+    assert _bits(state.opt_state) == _bits(state0.opt_state)
+    assert list(np.asarray(metrics["skipped"])) == [1]
+    assert float(state.loss_scale.scale) == 2.0**14 and int(state.loss_scale.skipped_total) == 1
+    assert np.isfinite(metrics["loss"][0]) and not np.isfinite(metrics["grad_norm"][0])
+    state, metrics = step(state, {"x": x[2:]})
+    np.testing.assert_allclose(state.params["w"], 0.8, rtol=1e-6)
+    assert list(np.asarray(metrics["skipped"])) == [0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_half_precision_accumulation_is_close_to_the_float32_full_batch(dtype):
+    # Second method: the float32 full-batch gradient. The forward and backward pass run in the
+    # half dtype (eps 2**-10 for float16, 2**-7 for bfloat16), so the gradient agrees to a few
+    # eps in relative global norm; accumulating in float32 adds no further error. The update is
+    # SGD with lr 1, so params moved by -grads: recover the gradient from the params. The
+    # loss is taken on float32 logits (as PyTorch's autocast does) and the scale is 2**8, far
+    # from float16 overflow for these O(1) gradients, so the update is applied.
+    def loss_fn(params, batch):
+        logits = fg.mlp_apply(params, batch["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    params, batch = _params(), _examples(24)
+    stacked, mask = stack_microbatches(_split(batch, [8, 8, 8]))
+    tx = optax.sgd(1.0)
+    scale = fg.dynamic_loss_scale(init_scale=2.0**8)
+    step = make_train_step(loss_fn, tx, accumulate=3, compute_dtype=dtype, loss_scale=scale)
+    state, metrics = step(fg.init_train_state(params, tx, loss_scale=scale), stacked, mask)
+    assert int(metrics["skipped"][0]) == 0
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state.params))
+    grads = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                         params, state.params)
+    eps = float(jnp.finfo(dtype).eps)
+    err = _rel_err(grads, full_grad(params, batch))
+    # ... and it did run in the half dtype: in float32 the same step is ~1e-7 from it.
+    assert 1e-5 < err < 8 * eps
+
+
+def test_accumulate_with_detect_anomaly_is_refused_with_an_alternative():
+    with pytest.raises(ValueError, match="accumulate= does not combine with detect_anomaly="):
+        make_train_step(per_example_loss, optax.sgd(0.1), accumulate=2, detect_anomaly=True)
+
+
 def test_step_temp_memory_does_not_grow_with_micro_batches_or_updates():
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
     tx = optax.adam(1e-3)

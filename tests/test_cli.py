@@ -60,6 +60,21 @@ def test_accumulate_flag(tmp_path, capsys):
     assert len(metrics["steps"]["loss"]) == 12 and metrics["dropped_examples"] == 0
 
 
+def test_accumulate_with_float16_and_dynamic_loss_scaling(tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(["train", "--accumulate", "4", "--dtype", "float16", "--loss-scale",
+                   "dynamic", "--epochs", "1", "--out", str(out), "--no-progress"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "compute float16, dynamic loss scale, 4 micro-batches per update" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    row = metrics["epochs"][-1]
+    # 12 updates as in test_accumulate_flag, skipped ones included; each skip halves the scale
+    # once from 2**15 (no growth within 2000 steps): scale = 2**15 / 2**skipped.
+    assert len(metrics["steps"]["loss"]) + row["skipped"] == 12
+    assert row["loss_scale"] == 2.0 ** 15 / 2 ** row["skipped"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "--lr", "-1"], "argument --lr: expected a positive float, got '-1'"),
     (["train", "--epochs", "two"], "argument --epochs: expected a positive int, got 'two'"),
