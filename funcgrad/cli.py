@@ -136,9 +136,6 @@ def _train(args: argparse.Namespace) -> int:
     loss_scale = dynamic_loss_scale() if args.loss_scale == "dynamic" else None
     accumulate = args.accumulate if args.accumulate > 1 else None
     monitor = None if args.no_monitor else grad_monitor()
-    if accumulate and args.detect_anomaly:
-        raise ValueError("--accumulate does not combine with --detect-anomaly in this release; "
-                         "use one or the other.")
     if args.dtype == "float16" and loss_scale is None:
         print("funcgrad: note: float16 without --loss-scale dynamic: small gradients may "
               "underflow to zero", file=sys.stderr)

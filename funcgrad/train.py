@@ -216,7 +216,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         skips the whole update and backs the scale off once (PyTorch: one
         ``GradScaler.update()`` per optimizer step). The scale multiplies each micro-batch's
         *summed* loss, so each example's cotangent is m times larger than under a mean loss
-        and a dynamic scale settles about m times lower. Not with `detect_anomaly`.
+        and a dynamic scale settles about m times lower.
       tail: with `accumulate`, what a final group of fewer than K micro-batches does:
         "apply" (one more update over its examples, the default) or "drop" (counted in
         "dropped_examples").
@@ -224,8 +224,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       detect_anomaly: PyTorch's ``detect_anomaly`` for this step. After a step whose loss or
         gradient norm is NaN/inf, `funcgrad.anomaly.find_nonfinite` runs (eagerly) on that
         step's params and batch and its `AnomalyReport` is added as ``metrics["anomaly"]``;
-        `fit` puts it in its `NonFiniteReport`. It costs one host read of the loss and norm per
-        step; with the default False the step is the plain jitted function and pays nothing.
+        `fit` puts it in its `NonFiniteReport`. With `accumulate` it runs on each micro-batch
+        of the first non-finite update, from the params that update started from, and reports
+        the first micro-batch that is not finite (named in the report's context). It costs one
+        host read of the loss and norm per step; with the default False the step is the plain
+        jitted function and pays nothing.
       monitor: a `funcgrad.monitor.GradMonitor` (``funcgrad.grad_monitor()``): every update
         also computes per-leaf norm, mean and std, per-layer norms, the dead-ReLU fraction of
         each ReLU in `loss_fn` (found in its jaxpr, no model change; on the float32 path
@@ -246,9 +249,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       units. Without "skipped", a step was skipped exactly when its loss or grad_norm is not
       finite (`step_was_skipped`). The step has attributes ``nonfinite`` (the policy) and ``accumulate``.
     Raises:
-      ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy, if
-        `loss_scale` comes with ``nonfinite="zero"``, if `accumulate` comes with
-        `detect_anomaly`; at the first call, if the loss is not a scalar (or, with
+      ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy, or if
+        `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a scalar (or, with
         `accumulate`, not one loss per example) or the optimizer state does not match
         `optimizer` and the params.
     """
@@ -338,10 +340,6 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         return apply_update(state, loss, grads, dead)
 
     if accumulate is not None:
-        if detect_anomaly:
-            raise ValueError("accumulate= does not combine with detect_anomaly= in this "
-                             "release: find the first NaN with funcgrad.find_nonfinite on one "
-                             "micro-batch, or train without accumulate=.")
         accumulating = make_accumulating_step(
             loss_fn, apply_update, accumulate=accumulate, tail=tail,
             value_and_grad=differentiate, compute_dtype=compute_dtype,
@@ -356,7 +354,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     if monitor is not None and accumulate is None:
         out = _attach_monitor(out)
     if detect_anomaly:
-        out = _detecting_anomalies(out, loss_fn, trainable)
+        out = (_detecting_anomalies(out, loss_fn, trainable) if accumulate is None else
+               _detecting_anomalies_per_micro_batch(out, loss_fn, trainable, accumulate))
     out.nonfinite = nonfinite
     out.accumulate = accumulate
     return out
@@ -383,24 +382,71 @@ def step_was_skipped(metrics: Mapping[str, Any]) -> bool:
     return not (math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["grad_norm"])))
 
 
-def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None) -> Callable:
-    """`step`, then `find_nonfinite` on the same params and batch when its loss or norm is NaN/inf."""
+def _locate_nonfinite(loss_fn: LossFn, params: PyTree, batch: Batch, trainable: PyTree | None):
+    """`find_nonfinite` of ``loss_fn(params, batch)``, differentiating what the step does."""
     from funcgrad.anomaly import find_nonfinite
     from funcgrad.masks import _split
 
+    if trainable is None:
+        return find_nonfinite(_scalar_loss(loss_fn), params, batch)
+    train, frozen, merge = _split(params, trainable, "detect_anomaly")
+    return find_nonfinite(lambda params, frozen, batch: loss_fn(merge(params, frozen), batch),
+                          train, frozen, batch)
+
+
+def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None) -> Callable:
+    """`step`, then `find_nonfinite` on the same params and batch when its loss or norm is NaN/inf."""
     def checked(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         new_state, metrics = step(state, batch)
         loss, norm = (float(v) for v in jax.device_get((metrics["loss"], metrics["grad_norm"])))
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            if trainable is None:
-                report = find_nonfinite(_scalar_loss(loss_fn), state.params, batch)
-            else:  # differentiate the trainable leaves only, as the step does
-                train, frozen, merge = _split(state.params, trainable, "detect_anomaly")
-                report = find_nonfinite(
-                    lambda params, frozen, batch: loss_fn(merge(params, frozen), batch),
-                    train, frozen, batch)
-            metrics = {**metrics, "anomaly": report}
+            metrics = {**metrics,
+                       "anomaly": _locate_nonfinite(loss_fn, state.params, batch, trainable)}
         return new_state, metrics
+
+    return functools.wraps(step)(checked)
+
+
+def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
+                                         trainable: PyTree | None, k: int) -> Callable:
+    """The accumulating `step`; after a call with a NaN/inf update, `find_nonfinite` on each
+    micro-batch of the first such update, from the params it started from, until one is not
+    finite. Its report (context: which micro-batch) is ``metrics["anomaly"]``."""
+    from funcgrad.accumulate import _checked_mask, _leading_axes
+
+    def checked(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
+        new_state, metrics = step(state, microbatches, mask)
+        losses, norms = jax.device_get((metrics["loss"], metrics["grad_norm"]))
+        bad = np.flatnonzero(~(np.isfinite(losses) & np.isfinite(norms)))
+        if not bad.size:
+            return new_state, metrics
+        u = int(bad[0])
+        num, size = _leading_axes(microbatches)
+        mask = _checked_mask(mask, num, size)
+        before = state
+        if u:  # the params update u started from: the same step on the groups before it
+            head = jax.tree.map(lambda a: a[:u * k], microbatches)
+            before = step(state, head, None if mask is None else mask[:u * k])[0]
+        report = None
+        for j in range(u * k, min((u + 1) * k, num)):
+            microbatch = jax.tree.map(lambda a: a[j], microbatches)
+            real = None if mask is None else np.asarray(mask[j])
+            if real is not None and not real.any():
+                continue
+
+            def mean_loss(params, microbatch, real=real):
+                losses = loss_fn(params, microbatch)
+                if real is None:
+                    return jnp.mean(losses)
+                return jnp.sum(jnp.where(real, losses, 0)) / int(real.sum())
+
+            report = _locate_nonfinite(mean_loss, before.params, microbatch, trainable)
+            report = dataclasses.replace(report, context=(
+                f"micro-batch {j - u * k} (0-based) of the {min(k, num - u * k)} of update {u} "
+                f"(micro-batch {j} of the call)", *report.context))
+            if not report.ok:
+                break
+        return new_state, {**metrics, "anomaly": report}
 
     return functools.wraps(step)(checked)
 
@@ -573,7 +619,8 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                         state = new_state
                         bar.update(1)
                         continue
-                    metrics = {k: jax.tree.map(lambda v: v[0], v) for k, v in metrics.items()}
+                    metrics = {k: v if k == "anomaly" else jax.tree.map(lambda a: a[0], v)
+                               for k, v in metrics.items()}
                 scaled = getattr(new_state, "loss_scale", None) is not None
                 loss, grad_norm, skipped, used, backed_off, monitored = jax.device_get(
                     (metrics["loss"], metrics["grad_norm"], metrics.get("skipped", 0),

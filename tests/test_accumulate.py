@@ -6,6 +6,8 @@ params. Both are float32 sums of the same per-example terms in different orders,
 to a few float32 ulps (eps = 1.2e-7); the issue's bound, 1e-6 relative in the global L2 norm,
 leaves room for about eight.
 """
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,9 +334,40 @@ def test_half_precision_accumulation_is_close_to_the_float32_full_batch(dtype):
     assert 1e-5 < err < 8 * eps
 
 
-def test_accumulate_with_detect_anomaly_is_refused_with_an_alternative():
-    with pytest.raises(ValueError, match="accumulate= does not combine with detect_anomaly="):
-        make_train_step(per_example_loss, optax.sgd(0.1), accumulate=2, detect_anomaly=True)
+def test_detect_anomaly_names_the_micro_batch_and_the_line():
+    # loss_i = sqrt(w * x_i): finite for x_i >= 0, NaN for x_i < 0 (sqrt of a negative). Six
+    # micro-batches of 2 in groups of 2: the only negative x sits in micro-batch 3, row 1, so
+    # update 0 (micro-batches 0, 1) is finite and applied, update 1 (2, 3) is the first NaN
+    # one: its report is for micro-batch 1 of that update (3 of the call), forward, sqrt, this
+    # file's line, evaluated at the params update 1 started from (w after update 0).
+    def loss_fn(params, batch):
+        return jnp.sqrt(params["w"] * batch["x"])
+
+    x = np.array([[1.0, 4.0], [1.0, 1.0], [9.0, 1.0], [1.0, -2.0], [1.0, 1.0], [1.0, 1.0]],
+                 np.float32)
+    tx = optax.sgd(0.1)
+    step = make_train_step(loss_fn, tx, accumulate=2, detect_anomaly=True)
+    state0 = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx)
+    state, metrics = step(state0, {"x": x})
+    report = metrics["anomaly"]
+    assert (report.phase, report.primitive) == ("forward", "sqrt")
+    assert report.file.endswith("test_accumulate.py")
+    assert report.context[0].startswith("micro-batch 1 (0-based) of the 2 of update 1 "
+                                        "(micro-batch 3 of the call)")
+    # Update 0: d/dw mean(sqrt(w x)) = mean(sqrt(x)) / (2 sqrt(w)) = (1 + 2 + 1 + 1) / 4 / 2
+    # = 0.625 at w = 1, so w1 = 1 - 0.1 * 0.625 = 0.9375. Update 1 is skipped (NaN). Update 2
+    # (x all ones) has gradient 1 / (2 sqrt(w1)): w2 = w1 - 0.1 * 0.5 / sqrt(w1).
+    assert list(np.isfinite(np.asarray(metrics["loss"]))) == [True, False, True]
+    w1 = 1 - 0.1 * 0.625
+    np.testing.assert_allclose(state.params["w"], w1 - 0.1 * 0.5 / np.sqrt(w1), rtol=1e-6)
+    # Without NaN no report, and fit carries a report into its NonFiniteReport.
+    _, clean = step(state0, {"x": np.abs(x)})
+    assert "anomaly" not in clean
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result = fg.fit(step, state0, x.reshape(-1), np.zeros(12, np.int32), epochs=1,
+                        batch_size=2, progress=False)
+    assert result.nonfinite.anomaly.primitive == "sqrt"
 
 
 def test_step_temp_memory_does_not_grow_with_micro_batches_or_updates():
