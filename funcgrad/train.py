@@ -226,8 +226,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         step's params and batch and its `AnomalyReport` is added as ``metrics["anomaly"]``;
         `fit` puts it in its `NonFiniteReport`. With `accumulate` it runs on each micro-batch
         of the first non-finite update, from the params that update started from, and reports
-        the first micro-batch that is not finite (named in the report's context). It costs one
-        host read of the loss and norm per step; with the default False the step is the plain
+        the first micro-batch that is not finite (named in the report's context). With
+        `compute_dtype` and `loss_scale` the location evaluates the loss as the step does (in
+        that dtype, times the scale); under a loss scale a step whose loss is finite is a
+        routine overflow (skipped, the scale backs off) and is not located. It costs one host
+        read of the loss and norm per step; with the default False the step is the plain
         jitted function and pays nothing.
       monitor: a `funcgrad.monitor.GradMonitor` (``funcgrad.grad_monitor()``): every update
         also computes per-leaf norm, mean and std, per-layer norms, the dead-ReLU fraction of
@@ -354,8 +357,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     if monitor is not None and accumulate is None:
         out = _attach_monitor(out)
     if detect_anomaly:
-        out = (_detecting_anomalies(out, loss_fn, trainable) if accumulate is None else
-               _detecting_anomalies_per_micro_batch(out, loss_fn, trainable, accumulate))
+        out = (_detecting_anomalies(out, loss_fn, trainable, compute_dtype) if accumulate is None
+               else _detecting_anomalies_per_micro_batch(out, loss_fn, trainable, accumulate,
+                                                         compute_dtype))
     out.nonfinite = nonfinite
     out.accumulate = accumulate
     return out
@@ -382,33 +386,59 @@ def step_was_skipped(metrics: Mapping[str, Any]) -> bool:
     return not (math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["grad_norm"])))
 
 
-def _locate_nonfinite(loss_fn: LossFn, params: PyTree, batch: Batch, trainable: PyTree | None):
-    """`find_nonfinite` of ``loss_fn(params, batch)``, differentiating what the step does."""
+def _locate_nonfinite(loss_fn: LossFn, params: PyTree, batch: Batch, trainable: PyTree | None,
+                      compute_dtype: Any = None, scale: float | None = None):
+    """`find_nonfinite` of ``loss_fn(params, batch)``, evaluated as the step does: only the
+    trainable leaves differentiated, in `compute_dtype` and at loss `scale` when given."""
     from funcgrad.anomaly import find_nonfinite
     from funcgrad.masks import _split
+    from funcgrad.precision import cast_floating
 
+    fn, how = _scalar_loss(loss_fn), ()
+    if compute_dtype is not None or scale is not None:
+        dtype = jnp.float32 if compute_dtype is None else compute_dtype
+        unscaled = fn
+
+        def fn(params, batch):
+            loss = unscaled(cast_floating(params, dtype), cast_floating(batch, dtype))
+            loss = jnp.asarray(loss).astype(jnp.float32)
+            return loss if scale is None else loss * scale
+
+        how = (f"the loss as the step computes it: {jnp.dtype(dtype).name}"
+               + ("" if scale is None else f", times the loss scale {scale:g}"),)
     if trainable is None:
-        return find_nonfinite(_scalar_loss(loss_fn), params, batch)
-    train, frozen, merge = _split(params, trainable, "detect_anomaly")
-    return find_nonfinite(lambda params, frozen, batch: loss_fn(merge(params, frozen), batch),
-                          train, frozen, batch)
+        report = find_nonfinite(fn, params, batch)
+    else:
+        train, frozen, merge = _split(params, trainable, "detect_anomaly")
+        report = find_nonfinite(lambda params, frozen, batch: fn(merge(params, frozen), batch),
+                                train, frozen, batch)
+    return dataclasses.replace(report, context=(*how, *report.context)) if how else report
 
 
-def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None) -> Callable:
-    """`step`, then `find_nonfinite` on the same params and batch when its loss or norm is NaN/inf."""
+def _scale_of(state: TrainState) -> float | None:
+    return None if state.loss_scale is None else float(state.loss_scale.scale)
+
+
+def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None,
+                         compute_dtype: Any = None) -> Callable:
+    """`step`, then `find_nonfinite` on the same params and batch when its loss or norm is
+    NaN/inf (not for a finite loss under a loss scale: that is a routine overflow, skipped and
+    handled by backing the scale off)."""
     def checked(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         new_state, metrics = step(state, batch)
         loss, norm = (float(v) for v in jax.device_get((metrics["loss"], metrics["grad_norm"])))
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            metrics = {**metrics,
-                       "anomaly": _locate_nonfinite(loss_fn, state.params, batch, trainable)}
+        routine = state.loss_scale is not None and math.isfinite(loss)
+        if not (math.isfinite(loss) and math.isfinite(norm)) and not routine:
+            metrics = {**metrics, "anomaly": _locate_nonfinite(
+                loss_fn, state.params, batch, trainable, compute_dtype, _scale_of(state))}
         return new_state, metrics
 
     return functools.wraps(step)(checked)
 
 
 def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
-                                         trainable: PyTree | None, k: int) -> Callable:
+                                         trainable: PyTree | None, k: int,
+                                         compute_dtype: Any = None) -> Callable:
     """The accumulating `step`; after a call with a NaN/inf update, `find_nonfinite` on each
     micro-batch of the first such update, from the params it started from, until one is not
     finite. Its report (context: which micro-batch) is ``metrics["anomaly"]``."""
@@ -417,7 +447,10 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
     def checked(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
         new_state, metrics = step(state, microbatches, mask)
         losses, norms = jax.device_get((metrics["loss"], metrics["grad_norm"]))
-        bad = np.flatnonzero(~(np.isfinite(losses) & np.isfinite(norms)))
+        bad = ~(np.isfinite(losses) & np.isfinite(norms))
+        if state.loss_scale is not None:  # a finite loss: a routine overflow (see above)
+            bad &= ~np.isfinite(losses)
+        bad = np.flatnonzero(bad)
         if not bad.size:
             return new_state, metrics
         u = int(bad[0])
@@ -434,13 +467,18 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
             if real is not None and not real.any():
                 continue
 
-            def mean_loss(params, microbatch, real=real):
-                losses = loss_fn(params, microbatch)
-                if real is None:
-                    return jnp.mean(losses)
-                return jnp.sum(jnp.where(real, losses, 0)) / int(real.sum())
+            scale = _scale_of(before)
 
-            report = _locate_nonfinite(mean_loss, before.params, microbatch, trainable)
+            def micro_loss(params, microbatch, real=real, scale=scale):
+                """The mean loss; under a scale the step's summed loss (same cotangents)."""
+                losses = loss_fn(params, microbatch)
+                total = jnp.sum(losses if real is None else jnp.where(real, losses, 0))
+                if scale is not None:
+                    return total
+                return total / (losses.shape[0] if real is None else int(real.sum()))
+
+            report = _locate_nonfinite(micro_loss, before.params, microbatch, trainable,
+                                       compute_dtype, scale)
             report = dataclasses.replace(report, context=(
                 f"micro-batch {j - u * k} (0-based) of the {min(k, num - u * k)} of update {u} "
                 f"(micro-batch {j} of the call)", *report.context))

@@ -274,6 +274,36 @@ def test_detect_anomaly_names_the_line_and_costs_nothing_when_off():
     assert result.nonfinite.to_dict()["anomaly"]["phase"] == "forward"
 
 
+def test_detect_anomaly_evaluates_in_the_compute_dtype_and_skips_routine_overflows():
+    # exp(12 w) at w = 1 is 162754.8: finite in float32, inf in float16 (max 65504). The step
+    # runs in float16, so its loss is inf; located in float32 it would look fine, so the
+    # report must come from a float16 evaluation: forward, exp, this file's line.
+    def loss_fn(params, batch):
+        return jnp.mean(jnp.exp(params["w"] * batch["x"]))
+
+    tx = optax.sgd(0.1)
+    scale = fg.dynamic_loss_scale(init_scale=2.0**4)
+    step = fg.make_train_step(loss_fn, tx, compute_dtype=jnp.float16, loss_scale=scale,
+                              detect_anomaly=True)
+    state = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx, loss_scale=scale)
+    _, metrics = step(state, {"x": jnp.array([12.0, 0.0])})
+    report = metrics["anomaly"]
+    assert (report.phase, report.primitive) == ("forward", "exp")
+    assert report.file.endswith("test_train.py")
+    assert report.context[0] == ("the loss as the step computes it: float16, times the loss "
+                                 "scale 16")
+    # x = 8: exp(8) = 2981 is finite in float16, but the scaled backward overflows at a scale
+    # of 2**15 (d/dw = x exp(w x) / 2 * 32768 = 8 * 2981 / 2 * 32768 ~ 3.9e8 > 65504): a
+    # routine loss-scale skip, not an anomaly; the scale backs off and nothing is located.
+    big = fg.dynamic_loss_scale(init_scale=2.0**15)
+    step = fg.make_train_step(loss_fn, tx, compute_dtype=jnp.float16, loss_scale=big,
+                              detect_anomaly=True)
+    state = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx, loss_scale=big)
+    new_state, metrics = step(state, {"x": jnp.array([8.0, 0.0])})
+    assert int(metrics["skipped"]) == 1 and "anomaly" not in metrics
+    assert float(new_state.loss_scale.scale) == 2.0**14
+
+
 @pytest.mark.parametrize("tail, updates, dropped", [
     # 1437 digits in micro-batches of 32: ceil(1437 / 32) = 45 per epoch, the last holding
     # 1437 - 44 * 32 = 29. Groups of 4: 11 full groups and a tail of 1 micro-batch.
