@@ -25,7 +25,9 @@ class Check:
         """A row that passes when ``value == reference`` (strings, statuses, counts)."""
         ok = value == reference
         self.failed += not ok
-        print(f"  {name:<36}{str(value):>14} {str(reference):>14}   {'ok' if ok else 'MISMATCH'}")
+        v, r = str(value), str(reference)
+        w = max(14, len(v), len(r))  # long names widen their own row rather than run together
+        print(f"  {name:<36}{v:>{w}} {r:>{w}}   {'ok' if ok else 'MISMATCH'}")
 
     def done(self) -> None:
         if self.failed:

@@ -182,7 +182,8 @@ class GradCheckReport:
 
     Attributes:
       rows: one `LeafCheck` per differentiated leaf, in pytree order.
-      mode, modes, order: what was checked ("full"/"directional", ("rev", "fwd"), 1 or 2).
+      mode, modes, order: what was checked ("full"/"directional", ("rev", "fwd"), 1 or 2);
+        `modes` lists the modes actually checked (no "fwd" when it was skipped, see notes).
       dtype_used: the dtype the function computed in (float64 unless it forces lower).
       eps, rtol, atol: the step and tolerances used (see `funcgrad.check.TOLERANCES`).
       skipped: integer/boolean leaves that were not differentiated.

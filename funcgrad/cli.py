@@ -81,7 +81,8 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--test-size", type=_fraction, default=0.2,
                    help="held-out fraction of the 1,797 digits (default: 0.2)")
     t.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (none either when stderr is not a terminal)")
     t.add_argument("--no-monitor", action="store_true",
                    help="no gradient monitor (by default each step also computes per-layer "
                         "gradient norms, dead-ReLU fractions and explosion/vanishing alerts, "
@@ -171,7 +172,7 @@ def _train(args: argparse.Namespace) -> int:
                      data.y_train, epochs=args.epochs,
                      batch_size=args.batch_size, seed=args.seed,
                      evaluate=lambda p: {"test_accuracy": test_accuracy(p)},
-                     progress=not args.no_progress, log=print)
+                     progress=not args.no_progress and sys.stderr.isatty(), log=print)
     history = result.history
     metrics_path = os.path.join(args.out, "metrics.json")
     with open(metrics_path, "w") as f:

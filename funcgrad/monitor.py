@@ -8,8 +8,9 @@ vanishing streaks. Three flags follow from those values (article A §4.2, B §4.
 CONCEPTS.md); they are properties of `MonitorMetrics`, computed where they are read (with NumPy
 on the host for `monitor_alerts`), not in the step:
 
-  ``explosion``  the global norm exceeds ``explode_factor`` times the baseline, the mean global
-                 norm of the first ``warmup`` finite steps (never before that baseline is ready);
+  ``explosion``  the global norm exceeds ``explode_factor`` times the baseline: the mean global
+                 norm of the first ``warmup`` finite steps that did not explode themselves, or
+                 during those steps the mean of the ones so far (from the second step on);
   ``nonfinite``  the global norm or the loss is NaN or inf (at any step);
   ``vanishing``  a layer's norm has stayed below ``vanish_floor`` for ``vanish_steps``
                  consecutive steps (raised once per streak, on the step it reaches that length).
@@ -103,7 +104,8 @@ class MonitorState:
         counters after that update (the count as the bits of an int32, resp. int64).
       layers: static; the number of layers.
     Properties: ``step`` (int32, updates so far: the index of the next step),
-    ``baseline_steps`` (finite global norms in the baseline, at most ``warmup``),
+    ``baseline_steps`` (finite, non-exploding global norms in the baseline, at most
+    ``warmup``),
     ``baseline_total`` (their sum), ``below_floor`` (per layer, the consecutive steps up to
     the last one that its norm was below the floor, or -1 for a layer that is not watched: all
     its leaves frozen; exact in float32 up to 2**24 steps, where a streak stops growing).
@@ -174,8 +176,9 @@ class MonitorMetrics:
     Properties (norms in the gradients' units; metrics stacked by ``lax.scan`` or ``vmap``
     keep their leading axes, the shapes below are per step):
       step: (), the index of the step (0-based). loss: () (nan when none was given).
-      grad_norm: () global L2 norm. baseline: () mean global norm of the first ``warmup``
-      finite steps, nan until then. leaf_norm, leaf_mean, leaf_std: (leaves,) L2 norm, mean
+      grad_norm: () global L2 norm. baseline: () the baseline this step was compared with:
+      the mean of the first ``warmup`` finite, non-exploding global norms, or of those before
+      this step while there are fewer; nan at the first step. leaf_norm, leaf_mean, leaf_std: (leaves,) L2 norm, mean
       and population standard deviation (ddof=0) of each leaf, in ``jax.tree.leaves`` order.
       layer_norm: (layers,). dead_fraction: (sites,), dimensionless (`with_dead_relu`).
       explosion, nonfinite: () bool; vanishing: (layers,) bool, True on the step a layer's
@@ -227,7 +230,8 @@ class MonitorMetrics:
 
     @property
     def explosion(self):
-        """The global norm is finite and above ``explode_factor`` x the (ready) baseline."""
+        """The global norm is finite and above ``explode_factor`` x the baseline it was
+        compared with (from the second step on)."""
         xp, norm, baseline = _xp(self.values), self.grad_norm, self.baseline
         limit = xp.asarray(self.layout.explode_factor, self.values.dtype) * baseline
         return xp.isfinite(norm) & ~xp.isnan(baseline) & (norm > limit)
@@ -355,7 +359,8 @@ class GradMonitor:
     """The monitor's settings and its ``(init, update)`` pair of pure functions.
 
     Attributes:
-      warmup: steps whose finite global norms make the baseline (their mean), >= 1.
+      warmup: steps whose finite global norms make the baseline (their mean; a norm that
+        explodes against the mean so far is left out), >= 1.
       explode_factor: the explosion threshold in units of the baseline, > 1.
       vanish_floor: a layer norm below this (gradient units) counts toward vanishing, >= 0.
       vanish_steps: consecutive steps below the floor that raise a vanishing flag, >= 1.
@@ -442,8 +447,15 @@ class GradMonitor:
         baseline_steps, baseline_total = old[_BASELINE_STEPS], old[_BASELINE_TOTAL]
         below_floor = old[slots.below_floor:]
         ready = baseline_steps >= self.warmup
-        baseline = jnp.where(ready, baseline_total / jnp.maximum(baseline_steps, 1), jnp.nan)
-        add = ~ready & jnp.isfinite(sumsq)  # sqrt(x) is finite exactly when x >= 0 is
+        # The reference this step is compared with: the mean of the norms in the baseline so
+        # far (all `warmup` of them once it is ready), NaN before the first. A norm that
+        # explodes against it is not added, so an explosion from step 1 on (a far too large
+        # learning rate) neither hides in its own baseline nor goes unreported.
+        baseline = jnp.where(baseline_steps > 0,
+                             baseline_total / jnp.maximum(baseline_steps, 1), jnp.nan)
+        exploding = sumsq > (self.explode_factor * baseline) ** 2  # False while baseline is NaN
+        # sqrt(x) is finite exactly when x >= 0 is
+        add = ~ready & jnp.isfinite(sumsq) & ~exploding
         streak = jnp.where(below_floor < 0, -1,
                            jnp.where(layer_norm < self.vanish_floor, below_floor + 1, 0))
         count = jax.lax.bitcast_convert_type(

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 PyTree = Any
@@ -51,7 +52,15 @@ def mlp_init(key: jax.Array, sizes: Sequence[int], *, activation: str = "relu",
     Raises:
       ValueError: if `sizes` has fewer than two entries or a non-positive one, or the
         activation is unknown.
+      TypeError: if `key` is a Python int or other non-key (PyTorch seeds with an int; JAX
+        takes a key made from it).
     """
+    if isinstance(key, (int, np.integer)):
+        raise TypeError(f"mlp_init: key must be a JAX PRNG key, got the int {key!r}. Make one "
+                        f"from the seed: mlp_init(jax.random.key({int(key)}), sizes).")
+    if not isinstance(key, (jax.Array, np.ndarray)):
+        raise TypeError(f"mlp_init: key must be a JAX PRNG key (jax.random.key(seed)), got "
+                        f"{type(key).__name__}.")
     sizes = tuple(sizes)
     if len(sizes) < 2 or not all(isinstance(s, int) and s > 0 for s in sizes):
         raise ValueError(
@@ -102,10 +111,27 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
     Args:
       logits: shape ``(batch, classes)``, floating.
-      labels: shape ``(batch,)``, integer class indices in ``[0, classes)``.
+      labels: shape ``(batch,)``, integer class indices in ``[0, classes)``. A label outside
+        that range gives NaN (it cannot raise inside jit); `funcgrad.find_nonfinite` locates it.
     Returns:
       a scalar (shape ``()``) in nats, the dtype of `logits`.
+    Raises:
+      TypeError: if `labels` are not integers (one-hot or float labels: use
+        ``optax.softmax_cross_entropy`` for probabilities, or ``labels.argmax(-1)``).
+      ValueError: if the shapes do not match: labels must be ``logits.shape[:-1]``.
     """
+    logits_shape, labels_shape = jnp.shape(logits), jnp.shape(labels)
+    if not jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+        raise TypeError(
+            f"softmax_cross_entropy: labels must be integer class indices of shape "
+            f"{logits_shape[:-1]}, got dtype {jnp.result_type(labels)} and shape {labels_shape}. "
+            "For one-hot labels pass labels.argmax(-1); for soft labels (probabilities) use "
+            "optax.softmax_cross_entropy(logits, probs).mean().")
+    if labels_shape != logits_shape[:-1]:
+        raise ValueError(
+            f"softmax_cross_entropy: labels of shape {labels_shape} do not match logits of "
+            f"shape {logits_shape}: expected one label per row, shape {logits_shape[:-1]}. "
+            "Check that x and y of the batch hold the same examples.")
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 

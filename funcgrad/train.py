@@ -114,20 +114,36 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {list(OPTIMIZERS)} "
                          "or an optax GradientTransformation.")
     if not callable(learning_rate):  # an optax schedule is passed through
-        try:
-            lr = float(learning_rate)
-        except (TypeError, ValueError):
-            lr = float("nan")
+        # A number (a str or bool would pass float() here and fail later inside optax).
+        number = (isinstance(learning_rate, (int, float, np.number))
+                  or (isinstance(learning_rate, (np.ndarray, jax.Array))
+                      and np.ndim(learning_rate) == 0
+                      and jnp.issubdtype(jnp.result_type(learning_rate), jnp.floating)))
+        lr = float(learning_rate) if number and not isinstance(learning_rate, bool) else math.nan
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"learning_rate must be a positive finite number or an optax "
-                             f"schedule, got {learning_rate!r}.")
+                             f"schedule, got {learning_rate!r}"
+                             + (" (a string: pass the number, e.g. 1e-3)."
+                                if isinstance(learning_rate, str) else "."))
     if optimizer == "sgd":
         return optax.sgd(learning_rate)
     if optimizer == "momentum":
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
+        if (isinstance(momentum, (bool, str)) or not isinstance(momentum, (int, float, np.number))
+                or not 0.0 <= momentum < 1.0):
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}.")
         return optax.sgd(learning_rate, momentum=momentum)
     return optax.adam(learning_rate)
+
+
+def _check_kinds(monitor: Any, loss_scale: Any) -> None:
+    """TypeError for a `monitor` or `loss_scale` of the wrong kind (True, an uncalled factory)."""
+    if monitor is not None and not isinstance(monitor, GradMonitor):
+        raise TypeError(f"monitor must be a GradMonitor, e.g. monitor=funcgrad.grad_monitor() "
+                        f"(called), got {type(monitor).__name__}.")
+    if loss_scale is not None and not isinstance(loss_scale, LossScale):
+        raise TypeError(f"loss_scale must be a LossScale, e.g. "
+                        f"loss_scale=funcgrad.dynamic_loss_scale() (called), got "
+                        f"{type(loss_scale).__name__}.")
 
 
 def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
@@ -142,7 +158,9 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     ``funcgrad.dynamic_loss_scale()``) adds its initial state; give `make_train_step` the same.
     `monitor` (``funcgrad.grad_monitor()``) adds the monitor's state (layers whose leaves are
     all frozen by `trainable` are not checked for vanishing); give `make_train_step` the same.
+    Raises TypeError for a `monitor` or `loss_scale` of the wrong kind (``monitor=True``).
     """
+    _check_kinds(monitor, loss_scale)
     optimizer = make_optimizer(optimizer)
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
@@ -252,6 +270,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       units. Without "skipped", a step was skipped exactly when its loss or grad_norm is not
       finite (`step_was_skipped`). The step has attributes ``nonfinite`` (the policy) and ``accumulate``.
     Raises:
+      TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
+        ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``).
       ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy, or if
         `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a scalar (or, with
         `accumulate`, not one loss per example) or the optimizer state does not match
@@ -263,6 +283,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
+    _check_kinds(monitor, loss_scale)
     if loss_scale is not None and nonfinite == "zero":
         raise ValueError("loss_scale needs nonfinite='skip' (or 'raise'): a step whose scaled "
                          "gradients overflowed must be skipped whole, not applied with its "
@@ -417,6 +438,33 @@ def _locate_nonfinite(loss_fn: LossFn, params: PyTree, batch: Batch, trainable: 
 
 def _scale_of(state: TrainState) -> float | None:
     return None if state.loss_scale is None else float(state.loss_scale.scale)
+
+
+def _called(step: Callable, state: TrainState, args: tuple, *, first: bool):
+    """``step(state, *args)``; on the first call of a fit, a wrong kind of `step` is named."""
+    if not first:
+        return step(state, *args)
+    ours = hasattr(step, "nonfinite")  # set by make_train_step
+    fix = ("fit calls step(state, batch) with the TrainState and expects (TrainState, metrics) "
+           "back; build it with step = funcgrad.make_train_step(loss_fn, optimizer) (a loss "
+           "function is not a step).")
+    try:
+        out = step(state, *args)
+    except Exception as error:
+        if not ours:
+            error.add_note(f"funcgrad.fit: `step` was not made by make_train_step. {fix}")
+        raise
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
+        raise TypeError(f"funcgrad.fit: step returned {_kind(out)}, not "
+                        f"(TrainState, metrics). {fix}")
+    return out
+
+
+def _kind(value: Any) -> str:
+    """A short description of `value` for an error: an array's shape and dtype, else its type."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
 
 
 def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None,
@@ -649,7 +697,7 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
             calls = (((b,) for b in micro) if accumulate == 1
                      else group_microbatches(micro, accumulate, size=batch_size))
             for i, call in enumerate(calls):
-                new_state, metrics = step(state, *call)
+                new_state, metrics = _called(step, state, call, first=run_step == 0)
                 if accumulate > 1:  # one group per call: metrics of 1 update, or 0 if dropped
                     history.dropped_examples += int(metrics.pop("dropped_examples"))
                     metrics.pop("examples")

@@ -116,6 +116,7 @@ def test_doubled_element_is_located_to_leaf_and_element(mode):
     # The analytic value is exactly twice the true derivative, which the numeric value is.
     assert bad.analytic == pytest.approx(2 * bad.numeric, rel=1e-6)
     assert any("fwd skipped" in n for n in report.notes)  # custom_vjp: no jvp
+    assert report.modes == ("rev",) and f"({mode}, rev," in str(report)  # what was checked
 
 
 def test_sign_error_in_one_leaf():

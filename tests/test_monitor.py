@@ -184,21 +184,34 @@ def _norms(values):
     return [{"w": jnp.array([v], jnp.float32)} for v in values]
 
 
-def test_explosion_fires_above_k_times_baseline_and_never_before_it_is_ready():
-    # warmup 2, k = 10. Baseline = mean of steps 0-1 = (1 + 3) / 2 = 2; threshold 10 * 2 = 20.
-    # Step 1 (3) is 3x step 0 but the baseline is not ready: no alert. Step 2: 30 > 20 alert;
-    # step 3: 19 no; step 4: 21 alert; step 5: 20 is not above 20, no alert.
+def test_explosion_fires_above_k_times_baseline():
+    # warmup 2, k = 10. Step 0 has no baseline (nan). Step 1 is compared with the mean so far,
+    # 1: 3 < 10, no alert, and it joins the baseline, now ready: (1 + 3) / 2 = 2, threshold
+    # 10 * 2 = 20. Step 2: 30 > 20 alert; step 3: 19 no; step 4: 21 alert; step 5: 20 is not
+    # above 20, no alert.
     monitor = grad_monitor(warmup=2, explode_factor=10.0)
     metrics, state = _run(monitor, _norms([1, 3, 30, 19, 21, 20]))
     assert _alerts(metrics) == [(2, "explosion", "global"), (4, "explosion", "global")]
-    assert [float(m.baseline) for m in metrics[2:]] == [2.0] * 4
-    assert all(np.isnan(float(m.baseline)) for m in metrics[:2])
+    assert [float(m.baseline) for m in metrics[1:]] == [1.0] + [2.0] * 4
+    assert np.isnan(float(metrics[0].baseline))
     alert = monitor_alerts(metrics[2])[0]
     assert (alert.value, alert.threshold) == (30.0, 20.0)
     assert str(alert) == ("step 2: explosion at global: value 30, threshold 20 "
                           "(grad_norm > 10 x baseline 2)")
     # The baseline froze after warmup: its sum and count are those of steps 0-1.
     assert (float(state.baseline_total), int(state.baseline_steps), int(state.step)) == (4.0, 2, 6)
+
+
+def test_an_explosion_from_the_second_step_is_reported_and_kept_out_of_the_baseline():
+    # A far too large learning rate: the norm jumps at step 1 and stays up. warmup 3, k = 10.
+    # Step 0: 2, baseline nan, joins it. Steps 1, 2 (50, 60) exceed 10 x 2 = 20: alerts, and
+    # they stay out of the baseline. Step 3: 3 < 20, joins: (2 + 3) / 2 = 2.5. Step 4: 2 <
+    # 25, joins: the baseline is ready with 3 norms, total 2 + 3 + 2 = 7.
+    monitor = grad_monitor(warmup=3, explode_factor=10.0)
+    metrics, state = _run(monitor, _norms([2, 50, 60, 3, 2]))
+    assert _alerts(metrics) == [(1, "explosion", "global"), (2, "explosion", "global")]
+    assert [float(m.baseline) for m in metrics[1:]] == [2.0, 2.0, 2.0, 2.5]
+    assert (float(state.baseline_total), int(state.baseline_steps)) == (7.0, 3)
 
 
 def test_a_nonfinite_step_raises_an_alert_and_stays_out_of_the_baseline():

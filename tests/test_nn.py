@@ -53,3 +53,19 @@ def test_bad_input_errors(key):
         fg.mlp_init(key, (5, 3), activation="swish")
     with pytest.raises(ValueError, match="at least two positive ints"):
         fg.mlp_init(key, (5,))
+    # PyTorch habit: an int seed. JAX takes a key made from it.
+    with pytest.raises(TypeError, match=r"got the int 0\. Make one from the seed: "
+                                        r"mlp_init\(jax\.random\.key\(0\), sizes\)"):
+        fg.mlp_init(0, (5, 3))
+
+
+def test_cross_entropy_label_errors():
+    logits = jnp.zeros((4, 10))
+    # Labels for another number of rows (x and y of different batches).
+    with pytest.raises(ValueError, match=r"labels of shape \(3,\) do not match logits of shape "
+                                         r"\(4, 10\): expected one label per row, shape \(4,\)"):
+        fg.softmax_cross_entropy(logits, jnp.zeros(3, jnp.int32))
+    # One-hot (float) labels.
+    with pytest.raises(TypeError, match=r"labels must be integer class indices of shape \(4,\), "
+                                        r"got dtype float32 .* pass labels\.argmax\(-1\)"):
+        fg.softmax_cross_entropy(logits, jax.nn.one_hot(jnp.arange(4), 10))

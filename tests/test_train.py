@@ -152,8 +152,16 @@ def test_optimizers_by_name():
         fg.make_optimizer("rmsprop")
     with pytest.raises(ValueError, match="learning_rate must be a positive"):
         fg.make_optimizer("adam", -1.0)
-    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\)"):
         fg.make_optimizer("momentum", 0.1, momentum=1.5)
+    # A string or bool learning rate passes float() but fails later inside optax: refused.
+    with pytest.raises(ValueError, match=r"got '1e-3' \(a string: pass the number, e\.g\. 1e-3\)"):
+        fg.make_optimizer("adam", "1e-3")
+    with pytest.raises(ValueError, match="learning_rate must be a positive finite number"):
+        fg.make_optimizer("sgd", True)
+    assert isinstance(fg.make_optimizer("sgd", np.float32(0.1)), optax.GradientTransformation)
+    assert isinstance(fg.make_optimizer("adam", optax.constant_schedule(1e-3)),
+                      optax.GradientTransformation)
     with pytest.raises(TypeError, match="optimizer must be a name"):
         fg.make_optimizer(3)
 
@@ -325,3 +333,36 @@ def test_fit_with_accumulation_counts_updates_and_the_tail(tail, updates, droppe
     assert len(result.history.step_loss) == updates and int(result.state.step) == updates
     assert result.history.dropped_examples == dropped
     assert result.state.opt_state[0].count == updates       # Adam ran once per update
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"monitor": True}, r"monitor must be a GradMonitor, e\.g\. monitor=funcgrad\.grad_monitor\(\) \(called\), got bool"),
+    ({"monitor": fg.grad_monitor}, "monitor must be a GradMonitor.*got function"),
+    ({"loss_scale": fg.dynamic_loss_scale}, "loss_scale must be a LossScale.*got function"),
+], ids=["monitor_true", "uncalled_monitor", "uncalled_loss_scale"])
+def test_monitor_and_loss_scale_of_the_wrong_kind_are_named(kwargs, match):
+    params, tx = fg.mlp_init(jax.random.key(0), (4, 3)), optax.sgd(0.1)
+    with pytest.raises(TypeError, match=match):
+        fg.make_train_step(lambda p, b: 0.0, tx, **kwargs)
+    with pytest.raises(TypeError, match=match):
+        fg.init_train_state(params, tx, **kwargs)
+
+
+def test_fit_names_a_loss_function_passed_as_the_step():
+    data = fg.load_digits(seed=0)
+    params, tx = fg.mlp_init(jax.random.key(0), (64, 10)), optax.sgd(0.1)
+    state = fg.init_train_state(params, tx)
+
+    def loss_fn(params, batch):
+        return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
+
+    # loss_fn(state, batch) fails inside mlp_apply; the note says what fit expected.
+    with pytest.raises(ValueError) as error:
+        fg.fit(loss_fn, state, data.x_train, data.y_train, epochs=1, batch_size=32,
+               progress=False)
+    assert any("step = funcgrad.make_train_step(loss_fn, optimizer)" in note
+               for note in error.value.__notes__)
+    # A function that runs but returns something else than (TrainState, metrics).
+    with pytest.raises(TypeError, match=r"step returned an array of shape \(\) and dtype float32, not \(TrainState, metrics\)"):
+        fg.fit(lambda s, b: loss_fn(s.params, b), state, data.x_train, data.y_train, epochs=1,
+               batch_size=32, progress=False)
