@@ -239,9 +239,15 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
             and jnp.issubdtype(loss_shape.dtype, jnp.floating)):
         got = (f"shape {tuple(loss_shape.shape)} dtype {loss_shape.dtype}"
                if hasattr(loss_shape, "shape") else type(loss_shape).__name__)
+        integer = [path for path, x in zip(paths, p_leaves)
+                   if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+        fix = ("Reduce it (e.g. .mean()) or pass has_aux=True." if not (
+            hasattr(loss_shape, "dtype") and loss_shape.shape == () and integer) else
+            f"The params leaf {integer[0]} is an integer array (e.g. jnp.arange(3)); integer "
+            "params have no gradient: make them float (jnp.arange(3.0), x.astype(jnp.float32)).")
         raise ValueError(f"explain_grads needs loss_fn to return a real scalar loss"
                          f"{' as the first element of (loss, aux)' if has_aux else ''}; got "
-                         f"{got}. Reduce it (e.g. .mean()) or pass has_aux=True.")
+                         f"{got}. {fix}")
     floating = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in p_leaves]
     n_all = len(closed.jaxpr.invars)
     in_deps = [({i: _Path(_DIFF, "")} if i < len(p_leaves) and floating[i] else {})

@@ -166,5 +166,8 @@ def test_integer_leaves_and_bad_losses():
         explain_grads(lambda p: p["w"] * 2.0, {"w": jnp.ones(2)})
     with pytest.raises(TypeError, match="needs a callable loss_fn"):
         explain_grads("loss", {"w": jnp.ones(2)})
+    # All-integer params make an integer loss: the message points at the params.
+    with pytest.raises(ValueError, match=r"dtype int32\. The params leaf p is an integer array"):
+        explain_grads(lambda p: jnp.sum(p * 2), jnp.arange(3))
     r = explain_grads(lambda p: (jnp.sum(p["w"]), {"aux": 1}), {"w": jnp.ones(2)}, has_aux=True)
     assert r.status("p['w']") == "connected"
