@@ -13,11 +13,11 @@ from funcgrad.nn import mean_squared_error as mean_squared_error
 from funcgrad.nn import mlp_apply as mlp_apply
 from funcgrad.nn import mlp_init as mlp_init
 from funcgrad.nn import softmax_cross_entropy as softmax_cross_entropy
-from funcgrad.train import FitResult as FitResult
-from funcgrad.train import History as History
-from funcgrad.train import NonFiniteReport as NonFiniteReport
+from funcgrad.fit import FitResult as FitResult
+from funcgrad.fit import History as History
+from funcgrad.fit import NonFiniteReport as NonFiniteReport
 from funcgrad.train import TrainState as TrainState
-from funcgrad.train import fit as fit
+from funcgrad.fit import fit as fit
 from funcgrad.train import init_train_state as init_train_state
 from funcgrad.train import make_optimizer as make_optimizer
 from funcgrad.train import make_train_step as make_train_step

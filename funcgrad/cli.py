@@ -124,7 +124,8 @@ def _train(args: argparse.Namespace) -> int:
     from funcgrad.monitor import grad_monitor
     from funcgrad.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
     from funcgrad.precision import dynamic_loss_scale
-    from funcgrad.train import fit, init_train_state, make_optimizer, make_train_step
+    from funcgrad.fit import fit
+    from funcgrad.train import init_train_state, make_optimizer, make_train_step
 
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)

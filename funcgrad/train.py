@@ -1,4 +1,4 @@
-"""A functional training loop: an explicit train state, one jitted step, and a guarded `fit`.
+"""A functional train step: an explicit train state and one jitted step (`funcgrad.fit` runs it).
 
 There is no ``zero_grad``: each step computes fresh gradients with ``jax.value_and_grad`` and
 hands them to an optax optimizer, so nothing accumulates between steps unless you ask for it.
@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -17,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from funcgrad.accumulate import group_microbatches, make_accumulating_step
+from funcgrad.accumulate import make_accumulating_step
 from funcgrad.clipping import clip_by_global_norm, global_norm, zero_nonfinite_leaves
-from funcgrad.data import batches
 from funcgrad.masks import freeze, value_and_grad_trainable
-from funcgrad.monitor import GradMonitor, MonitorState, monitor_alerts, with_dead_relu
+from funcgrad.monitor import GradMonitor, MonitorState, with_dead_relu
 from funcgrad.precision import LossScale, LossScaleState, scaled_value_and_grad
 
 PyTree = Any
@@ -55,40 +53,6 @@ class TrainState(NamedTuple):
     step: jax.Array
     loss_scale: LossScaleState | None = None
     monitor: MonitorState | None = None
-
-
-class NonFiniteReport(NamedTuple):
-    """Where a training run met a non-finite loss or global gradient norm.
-
-    Attributes:
-      step: index of the offending step (0-based, counted over the whole run).
-      epoch: epoch of that step (0-based).
-      batch: index of the batch within that epoch (0-based).
-      loss: the loss of that step (a Python float; may be nan or inf).
-      grad_norm: the pre-clip global gradient norm of that step (may be nan or inf).
-      anomaly: with a step made with ``detect_anomaly=True``, the `funcgrad.anomaly.
-        AnomalyReport` of that step's params and batch (primitive, pass and source line of
-        the first non-finite value); None otherwise.
-    """
-    step: int
-    epoch: int
-    batch: int
-    loss: float
-    grad_norm: float
-    anomaly: Any = None
-
-    def __str__(self) -> str:
-        text = (f"non-finite value at step {self.step} (epoch {self.epoch}, batch {self.batch}): "
-                f"loss={self.loss}, grad_norm={self.grad_norm}. Training stopped; the returned "
-                "state is the last one with finite loss and gradients (this step was not "
-                "applied). Try a lower learning rate, clip_norm, or check the inputs of that "
-                "batch.")
-        return text if self.anomaly is None else f"{text}\n{self.anomaly}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (for metrics.json): the fields, with the anomaly report as a dict."""
-        return self._asdict() | {"anomaly": None if self.anomaly is None
-                                 else self.anomaly.to_dict()}
 
 
 def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate: float = 1e-3,
@@ -440,33 +404,6 @@ def _scale_of(state: TrainState) -> float | None:
     return None if state.loss_scale is None else float(state.loss_scale.scale)
 
 
-def _called(step: Callable, state: TrainState, args: tuple, *, first: bool):
-    """``step(state, *args)``; on the first call of a fit, a wrong kind of `step` is named."""
-    if not first:
-        return step(state, *args)
-    ours = hasattr(step, "nonfinite")  # set by make_train_step
-    fix = ("fit calls step(state, batch) with the TrainState and expects (TrainState, metrics) "
-           "back; build it with step = funcgrad.make_train_step(loss_fn, optimizer) (a loss "
-           "function is not a step).")
-    try:
-        out = step(state, *args)
-    except Exception as error:
-        if not ours:
-            error.add_note(f"funcgrad.fit: `step` was not made by make_train_step. {fix}")
-        raise
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
-        raise TypeError(f"funcgrad.fit: step returned {_kind(out)}, not "
-                        f"(TrainState, metrics). {fix}")
-    return out
-
-
-def _kind(value: Any) -> str:
-    """A short description of `value` for an error: an array's shape and dtype, else its type."""
-    if isinstance(value, (jax.Array, np.ndarray)):
-        return f"an array of shape {value.shape} and dtype {value.dtype}"
-    return f"a {type(value).__name__}"
-
-
 def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None,
                          compute_dtype: Any = None) -> Callable:
     """`step`, then `find_nonfinite` on the same params and batch when its loss or norm is
@@ -575,220 +512,3 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
             f"{jax.tree.structure(expected)}\n  got: {jax.tree.structure(got)}\n"
             "Create the state with init_train_state(params, optimizer) using the same optimizer "
             "(and the same trainable= mask, if the step has one).")
-
-
-@dataclasses.dataclass
-class History:
-    """What `fit` recorded: one row per epoch and the loss and gradient norm of every step.
-
-    Attributes:
-      epochs: list of dicts ``{"epoch", "steps", "loss", "grad_norm", **evaluate(params)}``;
-        "loss" and "grad_norm" are means over the epoch's applied steps.
-      step_loss, step_grad_norm: per-step values (Python floats) of the applied steps.
-      skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale
-        skipped; each epoch's row then also has "skipped" and "loss_scale".
-      dropped_examples: examples left out by an accumulating step's ``tail="drop"`` policy.
-      layer_names, step_layer_norm: with a monitored step (``make_train_step(monitor=)``),
-        the layers (``params[0]``, ...) and, per applied step, each layer's gradient norm.
-      alerts: the monitor's `funcgrad.monitor.Alert`s, in step order.
-    """
-    epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    step_loss: list[float] = dataclasses.field(default_factory=list)
-    step_grad_norm: list[float] = dataclasses.field(default_factory=list)
-    skipped_steps: list[int] = dataclasses.field(default_factory=list)
-    dropped_examples: int = 0
-    layer_names: tuple[str, ...] = ()
-    step_layer_norm: list[list[float]] = dataclasses.field(default_factory=list)
-    alerts: list = dataclasses.field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        steps = {"step": list(range(len(self.step_loss))), "loss": self.step_loss,
-                 "grad_norm": self.step_grad_norm}
-        if self.layer_names:
-            steps["layer_norm"] = {name: [row[j] for row in self.step_layer_norm]
-                                   for j, name in enumerate(self.layer_names)}
-        return {"epochs": self.epochs, "steps": steps,
-                "skipped_steps": self.skipped_steps, "dropped_examples": self.dropped_examples,
-                "alerts": [dataclasses.asdict(a) | {"text": str(a)} for a in self.alerts]}
-
-
-class FitResult(NamedTuple):
-    """What `fit` returns: the final (last finite) state, the history, and why it stopped early.
-
-    Attributes:
-      state: the `TrainState` after the last applied step.
-      history: the `History` of the run.
-      nonfinite: a `NonFiniteReport` if training stopped on a non-finite value, else None.
-    """
-    state: TrainState
-    history: History
-    nonfinite: NonFiniteReport | None
-
-
-#: How many monitor alerts `fit` passes to its `log`; all are kept in `History.alerts`.
-MAX_LOGGED_ALERTS = 20
-
-
-def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epochs: int,
-        batch_size: int, seed: int = 0, evaluate: Callable[[PyTree], Mapping[str, float]] | None = None,
-        progress: bool = True, log: Callable[[str], None] | None = None) -> FitResult:
-    """Trains for `epochs` passes over ``(x, y)`` with a progress bar, stopping on a non-finite.
-
-    Each epoch visits the examples in a seeded order (`funcgrad.data.batches` with
-    ``(seed, epoch)``), calls ``step(state, {"x": ..., "y": ...})`` and records the loss and
-    the global gradient norm. A step made with ``accumulate=K`` gets each K consecutive batches
-    of `batch_size` as one call (`funcgrad.accumulate.group_microbatches`; the epoch's last,
-    shorter group too, handled by the step's `tail` policy). After the epoch, ``evaluate(state.params)`` (if given) adds its
-    numbers (e.g. test accuracy) to the epoch's row, and `log` gets a one-line summary.
-
-    Guard: if a step was skipped (`step_was_skipped`: its ``metrics["skipped"]``, or a
-    non-finite loss or gradient norm), training stops at once and the state from *before*
-    that step is returned (JAX arrays are immutable, so keeping it
-    costs no copy); the result carries a `NonFiniteReport` and a ``RuntimeWarning`` with the
-    same text is issued. If that earlier state's params are themselves non-finite (an update
-    that overflowed while its loss and gradient were finite), the state from the end of the
-    last epoch whose params were all finite is returned instead (params are checked once per
-    epoch, not per step, to keep the loop free of extra reductions).
-
-    Args:
-      step: a step from `make_train_step`.
-      state: the starting `TrainState`.
-      x, y: training inputs ``(n, ...)`` and targets ``(n, ...)``, NumPy or JAX arrays.
-      epochs: number of passes, a positive int.
-      batch_size: examples per step, a positive int (the last batch of an epoch may be smaller).
-      seed: seed of the batch order.
-      evaluate: ``evaluate(params) -> {name: float}``, called once per epoch.
-      progress: show a tqdm progress bar on stderr.
-      log: called with each epoch's summary line (e.g. `print`), and with each alert of a
-        monitored step (``make_train_step(monitor=)``; the first `MAX_LOGGED_ALERTS`, all are
-        kept in the history); None for silence.
-    Returns:
-      a `FitResult`.
-    Raises:
-      ValueError: if `epochs` or `batch_size` is not a positive int.
-      FloatingPointError: at a skipped step, when `step` was made with ``nonfinite="raise"``;
-        the message is the `NonFiniteReport`.
-    """
-    from tqdm.auto import tqdm
-
-    if not isinstance(epochs, (int, np.integer)) or epochs < 1:
-        raise ValueError(f"fit: epochs must be a positive int, got {epochs!r}.")
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"fit: batch_size must be a positive int, got {batch_size!r}.")
-    history = History()
-    accumulate = getattr(step, "accumulate", None) or 1
-    steps_per_epoch = math.ceil(math.ceil(len(x) / batch_size) / accumulate)
-    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step", leave=False)
-    if len(x) == 0:
-        raise ValueError("fit: x is empty; there is nothing to train on.")
-
-    def say(line):
-        if log is not None:
-            with tqdm.external_write_mode():  # keeps the bar intact around the log line
-                log(line)
-
-    verified = state  # last state whose params were checked finite (at each epoch's end)
-    run_step = 0
-    previous_report = None  # the last step's MonitorMetrics: dead-ReLU alerts on crossings
-    try:
-        for epoch in range(epochs):
-            first, first_skip = len(history.step_loss), len(history.skipped_steps)
-            micro = batches(x, y, batch_size=batch_size, seed=seed, epoch=epoch)
-            calls = (((b,) for b in micro) if accumulate == 1
-                     else group_microbatches(micro, accumulate, size=batch_size))
-            for i, call in enumerate(calls):
-                new_state, metrics = _called(step, state, call, first=run_step == 0)
-                if accumulate > 1:  # one group per call: metrics of 1 update, or 0 if dropped
-                    history.dropped_examples += int(metrics.pop("dropped_examples"))
-                    metrics.pop("examples")
-                    if metrics["loss"].shape[0] == 0:
-                        state = new_state
-                        bar.update(1)
-                        continue
-                    metrics = {k: v if k == "anomaly" else jax.tree.map(lambda a: a[0], v)
-                               for k, v in metrics.items()}
-                scaled = getattr(new_state, "loss_scale", None) is not None
-                loss, grad_norm, skipped, used, backed_off, monitored = jax.device_get(
-                    (metrics["loss"], metrics["grad_norm"], metrics.get("skipped", 0),
-                     metrics.get("loss_scale", 0.0), new_state.loss_scale.scale if scaled else 0.0,
-                     metrics.get("monitor")))
-                loss, grad_norm = float(loss), float(grad_norm)
-                if skipped and scaled and math.isfinite(loss) and backed_off < used:
-                    # A loss-scale overflow: params and optimizer state kept, scale lowered;
-                    # routine, counted. (A skip that cannot lower the scale, at its floor, or a
-                    # non-finite loss, which the scale does not touch, is an anomaly below.)
-                    state = new_state
-                    history.skipped_steps.append(run_step)
-                    run_step += 1
-                    bar.update(1)
-                    continue
-                if monitored is not None:  # after routine loss-scale skips: no alert for those
-                    for alert in monitor_alerts(monitored, previous=previous_report):
-                        history.alerts.append(alert)
-                        if len(history.alerts) <= MAX_LOGGED_ALERTS:
-                            say(f"monitor: {alert}")
-                        elif len(history.alerts) == MAX_LOGGED_ALERTS + 1:
-                            say(f"monitor: more than {MAX_LOGGED_ALERTS} alerts; the rest are "
-                                "in the history, not printed")
-                    previous_report = monitored
-                bad = (bool(skipped) if "skipped" in metrics
-                       else step_was_skipped({"loss": loss, "grad_norm": grad_norm}))
-                if bad:
-                    report = NonFiniteReport(run_step, epoch, i, loss, grad_norm,
-                                             metrics.get("anomaly"))
-                    if getattr(step, "nonfinite", None) == "raise":
-                        raise FloatingPointError(str(report))
-                    if not _all_finite(state.params):
-                        # The step before applied an update that overflowed the params although
-                        # its own loss and gradient were finite: go back to the epoch's start.
-                        state = verified
-                    warnings.warn(str(report), RuntimeWarning, stacklevel=2)
-                    return FitResult(state, history, report)
-                state = new_state
-                history.step_loss.append(loss)
-                history.step_grad_norm.append(grad_norm)
-                if monitored is not None:
-                    history.layer_names = monitored.layer_names
-                    history.step_layer_norm.append(np.asarray(monitored.layer_norm).tolist())
-                run_step += 1
-                bar.update(1)
-                bar.set_postfix(epoch=epoch, loss=f"{history.step_loss[-1]:.4f}", refresh=False)
-            applied = len(history.step_loss) > first
-            row = {"epoch": epoch, "steps": run_step,
-                   "loss": float(np.mean(history.step_loss[first:])) if applied else math.nan,
-                   "grad_norm": (float(np.mean(history.step_grad_norm[first:])) if applied
-                                 else math.nan)}
-            if getattr(state, "loss_scale", None) is not None:
-                row["skipped"] = len(history.skipped_steps) - first_skip
-                row["loss_scale"] = float(state.loss_scale.scale)
-            if evaluate is not None:
-                scores = evaluate(state.params)
-                if not isinstance(scores, Mapping):
-                    raise TypeError("fit: evaluate(params) must return a mapping such as "
-                                    f"{{'test_accuracy': 0.97}}, got {type(scores).__name__}.")
-                row.update({k: float(v) for k, v in scores.items()})
-            history.epochs.append(row)
-            if _all_finite(state.params):
-                verified = state
-            say(format_epoch(row))
-    finally:
-        bar.close()
-    return FitResult(state, history, None)
-
-
-@jax.jit
-def _all_finite_device(params):
-    return jnp.all(jnp.array([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
-
-
-def _all_finite(params) -> bool:
-    return bool(_all_finite_device(params)) if jax.tree.leaves(params) else True
-
-
-def format_epoch(row: Mapping[str, float]) -> str:
-    """One line for an epoch's row of the history: ``epoch   3  loss 0.1234  grad_norm ...``."""
-    extra = "  ".join(f"{k} {v}" if isinstance(v, (int, np.integer)) else
-                      f"{k} {v:.6g}" if k == "loss_scale" else f"{k} {v:.4f}"
-                      for k, v in row.items() if k not in ("epoch", "steps", "loss", "grad_norm"))
-    return (f"epoch {int(row['epoch']) + 1:3d}  loss {row['loss']:.4f}  "
-            f"grad_norm {row['grad_norm']:.4f}  {extra}").rstrip()

@@ -1,0 +1,151 @@
+"""`fit`: the guard that keeps the last finite state, logging, accumulation groups, the error
+for a wrong step, and a short run on real data (concept 10)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import funcgrad as fg
+
+
+def half_squared_norm(params, batch):
+    # L = ||p||^2 / 2  ->  dL/dp = p
+    del batch
+    return 0.5 * jnp.sum(params["p"] ** 2)
+
+
+def _mlp_problem():
+    params = fg.mlp_init(jax.random.key(0), (6, 8, 3))
+    batch = {"x": jax.random.normal(jax.random.key(1), (5, 6)), "y": jnp.array([0, 1, 2, 1, 0])}
+
+    def loss_fn(p, b):
+        return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
+    return params, batch, loss_fn
+
+
+def test_fit_keeps_the_state_from_before_a_nan_batch():
+    # One clean step on 5 rows (one batch of 5); then a second fit from that state meets a NaN
+    # in its first batch: the loss is NaN, so the second fit must hand the first state back.
+    params, batch, loss_fn = _mlp_problem()
+    tx = optax.adam(1e-2)
+    step = fg.make_train_step(loss_fn, tx)
+    x, y = np.asarray(batch["x"]), np.asarray(batch["y"])
+    first = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=1, batch_size=5,
+                   progress=False)
+    bad_x = x.copy()
+    bad_x[2, 3] = np.nan
+    with pytest.warns(RuntimeWarning, match=r"step 0 \(epoch 0, batch 0\): loss=nan"):
+        second = fg.fit(step, first.state, bad_x, y, epochs=1, batch_size=5, progress=False)
+    for a, b in zip(jax.tree.leaves(second.state), jax.tree.leaves(first.state)):
+        np.testing.assert_array_equal(a, b)  # params, both Adam moments, counts, step: untouched
+    assert int(second.state.step) == 1 and math.isnan(second.nonfinite.loss)
+
+
+def test_fit_stops_at_first_overflow_and_keeps_last_finite_state():
+    # SGD with lr=1000 on L = p^2: p <- p - 1000*2p = -1999 p, so p_k = (-1999)^k from p_0 = 1.
+    # Step k computes L(p_k) = 1999^(2k). In float32 (max ~3.4e38) 1999^10 ~ 1.0e33 is finite but
+    # 1999^12 ~ 4.1e39 overflows to inf, so steps 0..5 apply and step 6 is refused:
+    # the state keeps p_6 = 1999^6 ~ 6.37e19 with 6 steps counted. The global norm of step 6's
+    # gradient 2*p_6 ~ 1.3e20 is inf as well: optax.tree.norm squares it (~1.6e40 > 3.4e38).
+    tx = optax.sgd(1000.0)
+    step = fg.make_train_step(lambda p, b: p["p"] ** 2, tx)
+    state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
+    x = np.zeros((8, 1), np.float32)
+    with pytest.warns(RuntimeWarning, match="non-finite value at step 6"):
+        result = fg.fit(step, state, x, np.zeros(8), epochs=2, batch_size=1, progress=False)
+    report = result.nonfinite
+    assert (report.step, report.epoch, report.batch) == (6, 0, 6)
+    assert math.isinf(report.loss) and math.isinf(report.grad_norm)
+    assert int(result.state.step) == 6
+    assert float(result.state.params["p"]) == pytest.approx(1999.0 ** 6, rel=1e-6)
+    assert len(result.history.step_loss) == 6 and result.history.epochs == []
+
+
+def test_fit_never_returns_params_overflowed_by_an_update():
+    # SGD lr=1e38 on L = -w from w = 3e38 (float32 max ~3.40e38): step 0 has loss -3e38 and
+    # gradient -1, both finite, but its update makes w = 3e38 + 1e38 = inf. Step 1's loss is
+    # -inf, so fit stops; the state before step 1 holds w = inf, so fit falls back to the last
+    # state verified finite, the initial one (w = 3e38, step 0).
+    tx = optax.sgd(1e38)
+    step = fg.make_train_step(lambda p, b: -p["w"], tx)
+    with pytest.warns(RuntimeWarning, match="non-finite value at step 1"):
+        result = fg.fit(step, fg.init_train_state({"w": jnp.float32(3e38)}, tx),
+                        np.zeros((4, 1)), np.zeros(4), epochs=1, batch_size=1, progress=False)
+    assert float(result.state.params["w"]) == pytest.approx(3e38, rel=1e-6)
+    assert int(result.state.step) == 0
+
+
+def test_fit_logs_through_the_progress_bar():
+    lines = []
+    tx = optax.sgd(0.1)
+    fg.fit(fg.make_train_step(half_squared_norm, tx), fg.init_train_state({"p": jnp.ones(2)}, tx),
+           np.zeros((4, 1)), np.zeros(4), epochs=2, batch_size=2, progress=True, log=lines.append)
+    # L = |p|^2/2 from p = (1, 1), lr 0.1: step losses 1.0 then 0.81 (p -> 0.9p); mean 0.905.
+    assert len(lines) == 2 and lines[0].startswith("epoch   1  loss 0.9")
+
+
+def test_fit_reaches_095_on_digits_quickly():
+    data = fg.load_digits(seed=0)
+    params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
+
+    def loss_fn(p, b):
+        return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
+
+    acc = jax.jit(lambda p: fg.accuracy(fg.mlp_apply(p, data.x_test), data.y_test))
+    tx = fg.make_optimizer("adam", 1e-3)
+    result = fg.fit(fg.make_train_step(loss_fn, tx), fg.init_train_state(params, tx),
+                    data.x_train, data.y_train, epochs=8, batch_size=32,
+                    evaluate=lambda p: {"test_accuracy": acc(p)}, progress=False)
+    history = result.history
+    assert result.nonfinite is None
+    assert history.epochs[-1]["test_accuracy"] >= 0.95
+    # ceil(1437 / 32) = 45 steps per epoch; each row's loss is the mean of its epoch's steps.
+    assert len(history.step_loss) == 8 * 45 and history.epochs[-1]["steps"] == 360
+    assert history.epochs[1]["loss"] == pytest.approx(np.mean(history.step_loss[45:90]))
+    assert history.epochs[-1]["loss"] < history.epochs[0]["loss"] / 5
+
+
+@pytest.mark.parametrize("tail, updates, dropped", [
+    # 1437 digits in micro-batches of 32: ceil(1437 / 32) = 45 per epoch, the last holding
+    # 1437 - 44 * 32 = 29. Groups of 4: 11 full groups and a tail of 1 micro-batch.
+    # "apply": 12 updates per epoch, 24 in 2; "drop": 11 per epoch, 29 examples dropped each.
+    ("apply", 24, 0),
+    ("drop", 22, 58),
+])
+def test_fit_with_accumulation_counts_updates_and_the_tail(tail, updates, dropped):
+    data = fg.load_digits(seed=0)
+    params = fg.mlp_init(jax.random.key(0), (64, 16, 10))
+
+    def per_example(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(fg.mlp_apply(p, b["x"]), b["y"])
+
+    tx = optax.adam(1e-3)
+    step = fg.make_train_step(per_example, tx, accumulate=4, tail=tail)
+    result = fg.fit(step, fg.init_train_state(params, tx), data.x_train, data.y_train, epochs=2,
+                    batch_size=32, progress=False)
+    assert len(result.history.step_loss) == updates and int(result.state.step) == updates
+    assert result.history.dropped_examples == dropped
+    assert result.state.opt_state[0].count == updates       # Adam ran once per update
+
+
+def test_fit_names_a_loss_function_passed_as_the_step():
+    data = fg.load_digits(seed=0)
+    params, tx = fg.mlp_init(jax.random.key(0), (64, 10)), optax.sgd(0.1)
+    state = fg.init_train_state(params, tx)
+
+    def loss_fn(params, batch):
+        return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
+
+    # loss_fn(state, batch) fails inside mlp_apply; the note says what fit expected.
+    with pytest.raises(ValueError) as error:
+        fg.fit(loss_fn, state, data.x_train, data.y_train, epochs=1, batch_size=32,
+               progress=False)
+    assert any("step = funcgrad.make_train_step(loss_fn, optimizer)" in note
+               for note in error.value.__notes__)
+    # A function that runs but returns something else than (TrainState, metrics).
+    with pytest.raises(TypeError, match=r"step returned an array of shape \(\) and dtype float32, not \(TrainState, metrics\)"):
+        fg.fit(lambda s, b: loss_fn(s.params, b), state, data.x_train, data.y_train, epochs=1,
+               batch_size=32, progress=False)
