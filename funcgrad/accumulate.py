@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad.precision import scaled_value_and_grad
 
 PyTree = Any
 PerExampleLossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -142,7 +143,6 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     if compute_dtype is None and scale is None:
         differentiate = value_and_grad(summed_loss)
     else:
-        from funcgrad.precision import scaled_value_and_grad
         scaled = scaled_value_and_grad(
             lambda p, batch: summed_loss(p, *batch), value_and_grad=value_and_grad,
             compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)

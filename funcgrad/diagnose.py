@@ -241,10 +241,12 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
                if hasattr(loss_shape, "shape") else type(loss_shape).__name__)
         integer = [path for path, x in zip(paths, p_leaves)
                    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-        fix = ("Reduce it (e.g. .mean()) or pass has_aux=True." if not (
-            hasattr(loss_shape, "dtype") and loss_shape.shape == () and integer) else
-            f"The params leaf {integer[0]} is an integer array (e.g. jnp.arange(3)); integer "
-            "params have no gradient: make them float (jnp.arange(3.0), x.astype(jnp.float32)).")
+        if integer and getattr(loss_shape, "shape", None) == ():  # an integer scalar loss
+            fix = (f"The params leaf {integer[0]} is an integer array (e.g. jnp.arange(3)); "
+                   "integer params have no gradient: make them float (jnp.arange(3.0), "
+                   "x.astype(jnp.float32)).")
+        else:
+            fix = "Reduce it (e.g. .mean()) or pass has_aux=True."
         raise ValueError(f"explain_grads needs loss_fn to return a real scalar loss"
                          f"{' as the first element of (loss, aux)' if has_aux else ''}; got "
                          f"{got}. {fix}")

@@ -237,9 +237,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
         ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``).
       ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy, or if
-        `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a scalar (or, with
-        `accumulate`, not one loss per example) or the optimizer state does not match
-        `optimizer` and the params.
+        `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a
+        scalar (with `accumulate`: not one loss per example) or the optimizer state does not
+        match `optimizer` and the params.
     """
     optimizer = make_optimizer(optimizer)
     if clip_norm is not None and not (isinstance(clip_norm, (int, float, np.number))
