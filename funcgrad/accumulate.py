@@ -120,9 +120,10 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     Micro-batches are read by index (``dynamic_index_in_dim``) rather than sliced out first,
     so no copy of the group is made: temporary memory is one micro-batch, whatever `length`.
     With `compute_dtype` or `scale` (shape (), float32) each micro-batch's forward and backward
-    pass run in `compute_dtype` on ``scale * summed loss`` and its gradient is unscaled in
-    float32 before it is added (`funcgrad.precision.scaled_value_and_grad`), so the sums only
-    ever hold true, float32 gradients.
+    pass run in `compute_dtype` on ``scale * summed loss / m`` (m: the padded micro-batch size;
+    the cotangents of a mean loss) and its gradient is unscaled and multiplied by m in float32
+    before it is added (`funcgrad.precision.scaled_value_and_grad`), so the sums only ever
+    hold true, float32 gradients.
     """
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)),
                        microbatches)
@@ -143,11 +144,19 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     if compute_dtype is None and scale is None:
         differentiate = value_and_grad(summed_loss)
     else:
+        # The compute-dtype pass differentiates the micro-batch's summed loss divided by its
+        # padded size m: per-example cotangents are then those of a mean loss (scale / m), as
+        # in a step without accumulation, so float16 overflows no sooner and a dynamic loss
+        # scale settles where it would without accumulation. The float32 result is multiplied
+        # back by m (one rounding, ~6e-8 relative).
         scaled = scaled_value_and_grad(
-            lambda p, batch: summed_loss(p, *batch), value_and_grad=value_and_grad,
+            lambda p, batch: summed_loss(p, *batch) / size, value_and_grad=value_and_grad,
             compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
         one_scale = jnp.ones((), jnp.float32) if scale is None else scale
-        differentiate = lambda p, microbatch, real: scaled(p, (microbatch, real), one_scale)
+
+        def differentiate(p, microbatch, real):
+            loss, grads = scaled(p, (microbatch, real), one_scale)
+            return loss * size, jax.tree.map(lambda g: g * size, grads)
 
     acc_dtype = lambda dtype: jnp.promote_types(dtype, jnp.float32)
     zeros = (jnp.zeros((), acc_dtype(out.dtype)),
@@ -221,7 +230,8 @@ def make_accumulating_step(
       partial group under "apply") and the metrics of `apply_update` stacked along a new
       leading axis of length U, plus ``"examples": (U,) int32`` (examples averaged by each
       update) and ``"dropped_examples": () int32``. A group without real examples gives a NaN
-      loss and gradient (see `accumulate_grads`).
+      loss and gradient (see `accumulate_grads`): the train step's guard skips that update
+      (under a loss scale it also backs the scale off once).
     Raises:
       ValueError: if `accumulate` is not a positive int or `tail` not a policy; at the first
         call, for the shape errors of `accumulate_grads`.

@@ -31,12 +31,15 @@ class NonFiniteReport(NamedTuple):
     Attributes:
       step: index of the offending step (0-based, counted over the whole run).
       epoch: epoch of that step (0-based).
-      batch: index of the batch within that epoch (0-based).
+      batch: index of the (first) batch of that step within its epoch (0-based); a step made
+        with ``accumulate=K`` takes batches ``batch .. batch + batches - 1``.
       loss: the loss of that step (a Python float; may be nan or inf).
       grad_norm: the pre-clip global gradient norm of that step (may be nan or inf).
       anomaly: with a step made with ``detect_anomaly=True``, the `funcgrad.anomaly.
         AnomalyReport` of that step's params and batch (primitive, pass and source line of
-        the first non-finite value); None otherwise.
+        the first non-finite value; with accumulation its context names the micro-batch);
+        None otherwise.
+      batches: how many batches the step took (1, or up to K with accumulation).
     """
     step: int
     epoch: int
@@ -44,13 +47,16 @@ class NonFiniteReport(NamedTuple):
     loss: float
     grad_norm: float
     anomaly: Any = None
+    batches: int = 1
 
     def __str__(self) -> str:
-        text = (f"non-finite value at step {self.step} (epoch {self.epoch}, batch {self.batch}): "
+        where = (f"batch {self.batch}" if self.batches == 1 else
+                 f"batches {self.batch}-{self.batch + self.batches - 1}, accumulated")
+        text = (f"non-finite value at step {self.step} (epoch {self.epoch}, {where}): "
                 f"loss={self.loss}, grad_norm={self.grad_norm}. Training stopped; the returned "
                 "state is the last one with finite loss and gradients (this step was not "
-                "applied). Try a lower learning rate, clip_norm, or check the inputs of that "
-                "batch.")
+                "applied). Try a lower learning rate, clip_norm, or check the inputs of "
+                f"{'that batch' if self.batches == 1 else 'those batches'}.")
         return text if self.anomaly is None else f"{text}\n{self.anomaly}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,8 +222,9 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                 bad = (bool(skipped) if "skipped" in metrics
                        else step_was_skipped({"loss": loss, "grad_norm": grad_norm}))
                 if bad:
-                    report = NonFiniteReport(run_step, epoch, i, loss, grad_norm,
-                                             metrics.get("anomaly"))
+                    taken = 1 if accumulate == 1 else int(jax.tree.leaves(call[0])[0].shape[0])
+                    report = NonFiniteReport(run_step, epoch, i * accumulate, loss, grad_norm,
+                                             metrics.get("anomaly"), taken)
                     if getattr(step, "nonfinite", None) == "raise":
                         raise FloatingPointError(str(report))
                     if not _all_finite(state.params):

@@ -196,9 +196,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         `loss_scale` every micro-batch of an update runs in the compute dtype at that update's
         scale and is unscaled in float32 before it is summed; an overflow in any micro-batch
         skips the whole update and backs the scale off once (PyTorch: one
-        ``GradScaler.update()`` per optimizer step). The scale multiplies each micro-batch's
-        *summed* loss, so each example's cotangent is m times larger than under a mean loss
-        and a dynamic scale settles about m times lower.
+        ``GradScaler.update()`` per optimizer step). Each micro-batch's pass sees the
+        cotangents of its mean loss, as a step without accumulation does, so the compute dtype
+        overflows no sooner and a dynamic scale settles at the same level.
       tail: with `accumulate`, what a final group of fewer than K micro-batches does:
         "apply" (one more update over its examples, the default) or "drop" (counted in
         "dropped_examples").
@@ -404,6 +404,19 @@ def _scale_of(state: TrainState) -> float | None:
     return None if state.loss_scale is None else float(state.loss_scale.scale)
 
 
+def _routine_overflow(loss: float, used: float | None, after: float | None) -> bool:
+    """A loss-scale skip that `fit` counts as routine: finite loss, and the scale backed off
+    (at its floor it cannot, and a NaN that persists there is an anomaly to locate)."""
+    return used is not None and math.isfinite(loss) and after < used
+
+
+def _locate_first(locate: Callable[[float | None], Any], scale: float | None):
+    """``locate(None)`` (the step's pass at scale 1: a NaN/inf that does not come from the
+    scale), and only if that is all finite, ``locate(scale)`` (an overflow the scale causes)."""
+    report = locate(None)
+    return report if (not report.ok or scale is None) else locate(scale)
+
+
 def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None,
                          compute_dtype: Any = None) -> Callable:
     """`step`, then `find_nonfinite` on the same params and batch when its loss or norm is
@@ -412,10 +425,11 @@ def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | No
     def checked(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         new_state, metrics = step(state, batch)
         loss, norm = (float(v) for v in jax.device_get((metrics["loss"], metrics["grad_norm"])))
-        routine = state.loss_scale is not None and math.isfinite(loss)
-        if not (math.isfinite(loss) and math.isfinite(norm)) and not routine:
-            metrics = {**metrics, "anomaly": _locate_nonfinite(
-                loss_fn, state.params, batch, trainable, compute_dtype, _scale_of(state))}
+        if not (math.isfinite(loss) and math.isfinite(norm)) and not _routine_overflow(
+                loss, _scale_of(state), _scale_of(new_state)):
+            metrics = {**metrics, "anomaly": _locate_first(
+                lambda scale: _locate_nonfinite(loss_fn, state.params, batch, trainable,
+                                                compute_dtype, scale), _scale_of(state))}
         return new_state, metrics
 
     return functools.wraps(step)(checked)
@@ -431,10 +445,14 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
 
     def checked(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
         new_state, metrics = step(state, microbatches, mask)
-        losses, norms = jax.device_get((metrics["loss"], metrics["grad_norm"]))
-        bad = ~(np.isfinite(losses) & np.isfinite(norms))
-        if state.loss_scale is not None:  # a finite loss: a routine overflow (see above)
-            bad &= ~np.isfinite(losses)
+        losses, norms, examples = jax.device_get(
+            (metrics["loss"], metrics["grad_norm"], metrics["examples"]))
+        bad = ~(np.isfinite(losses) & np.isfinite(norms)) & (examples > 0)
+        if state.loss_scale is not None:  # leave routine overflows alone (see above)
+            used = np.asarray(jax.device_get(metrics["loss_scale"]))
+            after = np.append(used[1:], _scale_of(new_state))
+            bad &= ~np.array([_routine_overflow(float(loss), float(a), float(b))
+                              for loss, a, b in zip(losses, used, after)], bool)
         bad = np.flatnonzero(bad)
         if not bad.size:
             return new_state, metrics
@@ -445,31 +463,33 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
         if u:  # the params update u started from: the same step on the groups before it
             head = jax.tree.map(lambda a: a[:u * k], microbatches)
             before = step(state, head, None if mask is None else mask[:u * k])[0]
-        report = None
-        for j in range(u * k, min((u + 1) * k, num)):
-            microbatch = jax.tree.map(lambda a: a[j], microbatches)
-            real = None if mask is None else np.asarray(mask[j])
-            if real is not None and not real.any():
-                continue
+        group = [j for j in range(u * k, min((u + 1) * k, num))
+                 if mask is None or np.asarray(mask[j]).any()]
+        mean_pass = compute_dtype is not None or before.loss_scale is not None
 
-            scale = _scale_of(before)
+        def micro_loss(params, microbatch, real):
+            """What the step differentiates for one micro-batch (`accumulate._accumulate`):
+            the summed loss of its real examples, over its padded size in the scaled pass."""
+            losses = loss_fn(params, microbatch)
+            total = jnp.sum(losses if real is None else jnp.where(real, losses, 0))
+            return total / losses.shape[0] if mean_pass else total
 
-            def micro_loss(params, microbatch, real=real, scale=scale):
-                """The mean loss; under a scale the step's summed loss (same cotangents)."""
-                losses = loss_fn(params, microbatch)
-                total = jnp.sum(losses if real is None else jnp.where(real, losses, 0))
-                if scale is not None:
-                    return total
-                return total / (losses.shape[0] if real is None else int(real.sum()))
+        def locate(scale):  # the first micro-batch of the group that is not finite
+            report = None
+            for j in group:
+                real = None if mask is None else np.asarray(mask[j])
+                report = _locate_nonfinite(
+                    functools.partial(micro_loss, real=real), before.params,
+                    jax.tree.map(lambda a: a[j], microbatches), trainable, compute_dtype, scale)
+                report = dataclasses.replace(report, context=(
+                    f"micro-batch {j - u * k} (0-based) of the {min(k, num - u * k)} of "
+                    f"update {u} (micro-batch {j} of the call)", *report.context))
+                if not report.ok:
+                    return report
+            return report
 
-            report = _locate_nonfinite(micro_loss, before.params, microbatch, trainable,
-                                       compute_dtype, scale)
-            report = dataclasses.replace(report, context=(
-                f"micro-batch {j - u * k} (0-based) of the {min(k, num - u * k)} of update {u} "
-                f"(micro-batch {j} of the call)", *report.context))
-            if not report.ok:
-                break
-        return new_state, {**metrics, "anomaly": report}
+        return new_state, {**metrics, "anomaly": locate(None) if _scale_of(before) is None
+                           else _locate_first(locate, _scale_of(before))}
 
     return functools.wraps(step)(checked)
 

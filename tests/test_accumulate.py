@@ -370,6 +370,29 @@ def test_detect_anomaly_names_the_micro_batch_and_the_line():
     assert result.nonfinite.anomaly.primitive == "sqrt"
 
 
+def test_detect_anomaly_under_a_loss_scale_names_the_real_nan_not_an_overflow():
+    # Float16, K = 2, one example per micro-batch, w = 1. Update 0 (x = 1, 1): d/dw (w x)^2
+    # = 2 times the scale 2**15 is 65536 > 65504, a routine overflow: skipped, scale 2**14.
+    # Update 1: micro-batch 2 has x = 100, gradient 2 x^2 w = 2e4, times 2**14 ~ 3.3e8: it
+    # overflows float16 too; micro-batch 3 has x = -1, where log(x^2 + x) = log 0 = -inf in
+    # the forward pass: a non-finite loss, so update 1 is located, and the report is the real
+    # -inf (micro-batch 3, forward, log, this file), not the overflow of micro-batch 2.
+    def loss_fn(params, batch):
+        return (params["w"] * batch["x"]) ** 2 + jnp.log(batch["x"] ** 2 + batch["x"])
+
+    x = np.array([[1.0], [1.0], [100.0], [-1.0]], np.float32)
+    tx = optax.sgd(0.1)
+    scale = fg.dynamic_loss_scale(init_scale=2.0**15)
+    step = make_train_step(loss_fn, tx, accumulate=2, compute_dtype=jnp.float16,
+                           loss_scale=scale, detect_anomaly=True)
+    _, metrics = step(fg.init_train_state({"w": jnp.ones(())}, tx, loss_scale=scale), {"x": x})
+    assert list(np.asarray(metrics["loss_scale"])) == [2.0**15, 2.0**14]
+    report = metrics["anomaly"]
+    assert report.context[0].startswith("micro-batch 1 (0-based) of the 2 of update 1")
+    assert (report.phase, report.primitive) == ("forward", "log")
+    assert report.file.endswith("test_accumulate.py")
+
+
 def test_step_temp_memory_does_not_grow_with_micro_batches_or_updates():
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
     tx = optax.adam(1e-3)

@@ -149,3 +149,19 @@ def test_fit_names_a_loss_function_passed_as_the_step():
     with pytest.raises(TypeError, match=r"step returned an array of shape \(\) and dtype float32, not \(TrainState, metrics\)"):
         fg.fit(lambda s, b: loss_fn(s.params, b), state, data.x_train, data.y_train, epochs=1,
                batch_size=32, progress=False)
+
+
+def test_nonfinite_report_with_accumulation_names_the_batches_of_the_update():
+    # As in test_fit_stops_at_first_overflow_and_keeps_last_finite_state, with per-example
+    # losses p^2 and 2 batches of 1 per update: update k has p_k = (-1999)^k, and update 6's
+    # loss 1999^12 overflows. Update 6 takes batches 12 and 13 of epoch 0.
+    tx = optax.sgd(1000.0)
+    step = fg.make_train_step(lambda p, b: p["p"] ** 2 * jnp.ones_like(b["x"][:, 0]), tx,
+                              accumulate=2)
+    state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
+    with pytest.warns(RuntimeWarning, match=r"step 6 \(epoch 0, batches 12-13, accumulated\)"):
+        result = fg.fit(step, state, np.zeros((32, 1), np.float32), np.zeros(32), epochs=1,
+                        batch_size=1, progress=False)
+    report = result.nonfinite
+    assert (report.step, report.batch, report.batches) == (6, 12, 2)
+    assert float(result.state.params["p"]) == pytest.approx(1999.0 ** 6, rel=1e-6)

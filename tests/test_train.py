@@ -217,8 +217,8 @@ def test_detect_anomaly_evaluates_in_the_compute_dtype_and_skips_routine_overflo
     report = metrics["anomaly"]
     assert (report.phase, report.primitive) == ("forward", "exp")
     assert report.file.endswith("test_train.py")
-    assert report.context[0] == ("the loss as the step computes it: float16, times the loss "
-                                 "scale 16")
+    # Found at scale 1 (the loss scale is not what overflows here), in float16.
+    assert report.context[0] == "the loss as the step computes it: float16"
     # x = 8: exp(8) = 2981 is finite in float16, but the scaled backward overflows at a scale
     # of 2**15 (d/dw = x exp(w x) / 2 * 32768 = 8 * 2981 / 2 * 32768 ~ 3.9e8 > 65504): a
     # routine loss-scale skip, not an anomaly; the scale backs off and nothing is located.
@@ -229,6 +229,25 @@ def test_detect_anomaly_evaluates_in_the_compute_dtype_and_skips_routine_overflo
     new_state, metrics = step(state, {"x": jnp.array([8.0, 0.0])})
     assert int(metrics["skipped"]) == 1 and "anomaly" not in metrics
     assert float(new_state.loss_scale.scale) == 2.0**14
+
+
+def test_detect_anomaly_locates_a_backward_nan_once_the_scale_cannot_back_off():
+    # The gradient of sqrt(sum(b^2)) at b = 0 is 0/0 = NaN in the backward pass, while the
+    # loss is finite. Under a loss scale at its floor (init = min = 1) the step is skipped
+    # without backing off: not a routine overflow, so it is located (backward, sqrt, here).
+    def loss_fn(params, batch):
+        return jnp.mean(batch["x"] * params["w"]) + jnp.sqrt(jnp.sum(params["b"] ** 2))
+
+    tx = optax.sgd(0.1)
+    floor = fg.dynamic_loss_scale(init_scale=1.0, min_scale=1.0)
+    step = fg.make_train_step(loss_fn, tx, compute_dtype=jnp.float16, loss_scale=floor,
+                              detect_anomaly=True)
+    state = fg.init_train_state({"w": jnp.ones(()), "b": jnp.zeros(2)}, tx, loss_scale=floor)
+    new_state, metrics = step(state, {"x": jnp.ones(4)})
+    assert int(metrics["skipped"]) == 1 and float(new_state.loss_scale.scale) == 1.0
+    report = metrics["anomaly"]
+    assert (report.phase, report.primitive) == ("backward", "sqrt")
+    assert report.file.endswith("test_train.py")
 
 
 @pytest.mark.parametrize("kwargs, match", [
