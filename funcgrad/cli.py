@@ -47,7 +47,10 @@ def _build_parser() -> argparse.ArgumentParser:
     from funcgrad.nn import ACTIVATIONS
     from funcgrad.train import OPTIMIZERS
 
+    from funcgrad import __version__
+
     parser = _Parser(prog="funcgrad", description="funcgrad: see, check and trust gradients in JAX.")
+    parser.add_argument("--version", action="version", version=f"funcgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     t = sub.add_parser(
         "train", help="train an MLP on scikit-learn's digits set (the main job)",
@@ -61,8 +64,8 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam",
                    help="optax optimizer (default: adam)")
     t.add_argument("--lr", type=_positive(float), default=1e-3, help="learning rate (default: 1e-3)")
-    t.add_argument("--momentum", type=_unit_interval, default=0.9,
-                   help="momentum coefficient for --optimizer momentum (default: 0.9)")
+    t.add_argument("--momentum", type=_unit_interval, default=None,
+                   help="momentum coefficient, only for --optimizer momentum (default: 0.9)")
     t.add_argument("--epochs", type=_positive(int), default=30, help="passes over the train split (default: 30)")
     t.add_argument("--batch-size", type=_positive(int), default=32, help="examples per step (default: 32)")
     t.add_argument("--seed", type=_seed, default=0, help="seed of the init, split and batch order (default: 0)")
@@ -98,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``funcgrad`` console script and ``python -m funcgrad``; returns the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
+    if args.command == "train" and args.momentum is not None and args.optimizer != "momentum":
+        parser.error(f"argument --momentum: applies to --optimizer momentum only (got "
+                     f"--optimizer {args.optimizer}); drop it or add --optimizer momentum")
     if args.command == "train":
         try:
             return _train(args)
@@ -132,7 +138,8 @@ def _train(args: argparse.Namespace) -> int:
     data = load_digits(test_size=args.test_size, seed=args.seed)
     sizes = (data.x_train.shape[1], *args.hidden, data.num_classes)
     params = mlp_init(jax.random.key(args.seed), sizes, activation=args.activation)
-    tx = make_optimizer(args.optimizer, args.lr, momentum=args.momentum)
+    tx = make_optimizer(args.optimizer, args.lr,
+                        momentum=0.9 if args.momentum is None else args.momentum)
 
     compute_dtype = None if args.dtype == "float32" else jnp.dtype(args.dtype)
     loss_scale = dynamic_loss_scale() if args.loss_scale == "dynamic" else None

@@ -88,16 +88,24 @@ def test_accumulate_with_float16_and_dynamic_loss_scaling(tmp_path, capsys):
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["train", "--accumulate", "0"], "argument --accumulate: expected a positive int, got '0'"),
+    (["train", "--momentum", "0.5"], "argument --momentum: applies to --optimizer momentum only"),
     ([], "the following arguments are required: command"),
 ], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
         "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype", "accumulate",
-        "no_command"])
+        "momentum_without_momentum_optimizer", "no_command"])
 def test_bad_flags_give_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "funcgrad", *argv], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_version():
+    import funcgrad
+    proc = subprocess.run([sys.executable, "-m", "funcgrad", "--version"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"funcgrad {funcgrad.__version__}"
 
 
 def test_unwritable_output_folder_is_one_line(tmp_path):
