@@ -9,27 +9,13 @@ import optax
 import pytest
 
 import funcgrad as fg
-
-
-def half_squared_norm(params, batch):
-    # L = ||p||^2 / 2  ->  dL/dp = p
-    del batch
-    return 0.5 * jnp.sum(params["p"] ** 2)
-
-
-def _mlp_problem():
-    params = fg.mlp_init(jax.random.key(0), (6, 8, 3))
-    batch = {"x": jax.random.normal(jax.random.key(1), (5, 6)), "y": jnp.array([0, 1, 2, 1, 0])}
-
-    def loss_fn(p, b):
-        return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
-    return params, batch, loss_fn
+from _problems import half_squared_norm, mlp_problem
 
 
 def test_fit_keeps_the_state_from_before_a_nan_batch():
     # One clean step on 5 rows (one batch of 5); then a second fit from that state meets a NaN
     # in its first batch: the loss is NaN, so the second fit must hand the first state back.
-    params, batch, loss_fn = _mlp_problem()
+    params, batch, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     step = fg.make_train_step(loss_fn, tx)
     x, y = np.asarray(batch["x"]), np.asarray(batch["y"])

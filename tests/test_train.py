@@ -10,26 +10,12 @@ import optax
 import pytest
 
 import funcgrad as fg
-
-
-def half_squared_norm(params, batch):
-    # L = ||p||^2 / 2  ->  dL/dp = p
-    del batch
-    return 0.5 * jnp.sum(params["p"] ** 2)
-
-
-def _mlp_problem():
-    params = fg.mlp_init(jax.random.key(0), (6, 8, 3))
-    batch = {"x": jax.random.normal(jax.random.key(1), (5, 6)), "y": jnp.array([0, 1, 2, 1, 0])}
-
-    def loss_fn(p, b):
-        return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
-    return params, batch, loss_fn
+from _problems import half_squared_norm, mlp_problem
 
 
 def test_step_equals_hand_written_step():
     # Second method: the plain jit(value_and_grad + optax update) loop users write by hand.
-    params, batch, loss_fn = _mlp_problem()
+    params, batch, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     step = fg.make_train_step(loss_fn, tx)
     state = fg.init_train_state(params, tx)
@@ -86,7 +72,7 @@ def test_optimizers_by_name():
 
 
 def test_step_errors_are_clear():
-    params, batch, loss_fn = _mlp_problem()
+    params, batch, loss_fn = mlp_problem()
     with pytest.raises(ValueError, match="clip_norm must be a positive"):
         fg.make_train_step(loss_fn, optax.sgd(0.1), clip_norm=0.0)
     per_example = fg.make_train_step(lambda p, b: fg.mlp_apply(p, b["x"]).sum(axis=1), optax.sgd(0.1))
@@ -160,7 +146,7 @@ def test_nonfinite_raise_makes_fit_raise():
 def test_trainable_mask_in_the_step_freezes_exactly():
     # Layer 0 frozen: after 10 Adam steps it is bit-identical, and layer 1 equals a hand-written
     # loop that trains layer 1 alone (second method) with layer 0 held as a constant.
-    params, batch, loss_fn = _mlp_problem()
+    params, batch, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     mask = fg.trainable_mask(params, freeze="0/*")
     step = fg.make_train_step(loss_fn, tx, trainable=mask)
