@@ -178,8 +178,9 @@ class MonitorMetrics:
       step: (), the index of the step (0-based). loss: () (nan when none was given).
       grad_norm: () global L2 norm. baseline: () the baseline this step was compared with:
       the mean of the first ``warmup`` finite, non-exploding global norms, or of those before
-      this step while there are fewer; nan at the first step. leaf_norm, leaf_mean, leaf_std: (leaves,) L2 norm, mean
-      and population standard deviation (ddof=0) of each leaf, in ``jax.tree.leaves`` order.
+      this step while there are fewer; nan at the first step. leaf_norm, leaf_mean, leaf_std:
+      (leaves,) L2 norm, mean and population standard deviation (ddof=0) of each leaf, in
+      ``jax.tree.leaves`` order.
       layer_norm: (layers,). dead_fraction: (sites,), dimensionless (`with_dead_relu`).
       explosion, nonfinite: () bool; vanishing: (layers,) bool, True on the step a layer's
       streak reaches ``vanish_steps``; below_floor: (layers,) int, each layer's streak (-1:
@@ -454,8 +455,7 @@ class GradMonitor:
         baseline = jnp.where(baseline_steps > 0,
                              baseline_total / jnp.maximum(baseline_steps, 1), jnp.nan)
         exploding = sumsq > (self.explode_factor * baseline) ** 2  # False while baseline is NaN
-        # sqrt(x) is finite exactly when x >= 0 is
-        add = ~ready & jnp.isfinite(sumsq) & ~exploding
+        add = ~ready & jnp.isfinite(sumsq) & ~exploding  # sqrt(sumsq) is finite iff sumsq is
         streak = jnp.where(below_floor < 0, -1,
                            jnp.where(layer_norm < self.vanish_floor, below_floor + 1, 0))
         count = jax.lax.bitcast_convert_type(
