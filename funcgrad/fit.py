@@ -156,6 +156,10 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
       ValueError: if `epochs` or `batch_size` is not a positive int.
       FloatingPointError: at a skipped step, when `step` was made with ``nonfinite="raise"``;
         the message is the `NonFiniteReport`.
+      TypeError: if the first call of `step` returns something other than
+        ``(TrainState, metrics)`` (e.g. `step` is the loss function). An exception raised by
+        that first call of a step not made by `make_train_step` gets a note saying what `fit`
+        expects.
     """
     from tqdm.auto import tqdm
 
