@@ -18,21 +18,29 @@ import numpy as np
 STATUSES = ("ok", "fail", "nondifferentiable_point", "stop_gradient")
 
 
-def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol, eps) -> dict[str, Any]:
+def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol, eps,
+                      smooth=None) -> dict[str, Any]:
     """Element-wise verdicts; every argument is a float64 vector of the same length (or None).
 
     A kink is told from curvature by the gap between the one-sided differences: for a smooth
     function it is eps·|f''|, so a gap above sqrt(eps)·(1 + |numeric|) means |f''| > 1/sqrt(eps)
     (1,000 in float64) or a jump in the derivative; a gap that large is reported as a kink even
     when the central difference happens to match JAX's value (maximum(x, 0) at 0: both 0.5).
+    `smooth` (bool, optional) marks elements a second, smaller step showed to be curvature (the
+    gap shrank with the step, which a jump's does not): never kinks. A NaN or inf derivative
+    (analytic or numeric) that the other does not equal fails: ``err > tol`` alone is False
+    for NaN.
     """
     tol = atol_abs + rtol * np.abs(numeric)
-    err = np.abs(grad - numeric)
-    fail = err > tol
+    with np.errstate(invalid="ignore"):
+        err = np.abs(grad - numeric)
+        fail = ~((err <= tol) | (grad == numeric))
     lo, hi = np.minimum(left, right), np.maximum(left, right)
     gap = np.abs(right - left)
     kink = ((gap > np.maximum(tol, np.sqrt(eps) * (1 + np.abs(numeric))))
             & (grad >= lo - tol) & (grad <= hi + tol))
+    if smooth is not None:
+        kink &= ~smooth
     if see_through is None:
         sg = np.zeros_like(fail)
     else:
@@ -96,6 +104,13 @@ class LeafCheck:
         if rev_checked:
             considered = ~excused
             failed = bool((c["fail"][s] & considered).any())
+            bad = considered & ~(np.isfinite(grad) & np.isfinite(num)) & c["fail"][s]
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                notes.append(f"{int(bad.sum())} element(s) have a non-finite derivative; at "
+                             f"{tuple(int(j) for j in np.unravel_index(i, shape))} JAX gives "
+                             f"{grad[i]:.6g} and the central difference {num[i]:.6g} (a NaN "
+                             "is never a pass)")
             if considered.any():
                 ratio = np.where(considered, err / tol, -1.0)
                 w = int(np.argmax(ratio))
@@ -108,11 +123,12 @@ class LeafCheck:
             f_tol = atol_abs + rtol * np.abs(projected)
             abs_err = max(abs_err, float(f_err.max()))
             rel_err = max(rel_err, float(_rel(f_err, jvps, projected).max()))
-            if (f_err > f_tol).any():
+            f_bad = ~(f_err <= f_tol)  # NaN fails too
+            if f_bad.any():
                 failed = True
                 notes.append(f"fwd: jvp disagrees with the numerical gradient along "
-                             f"{int((f_err > f_tol).sum())} of {len(f_err)} random tangents "
-                             f"(max error {f_err.max():.3g})")
+                             f"{int(f_bad.sum())} of {len(f_err)} random tangents "
+                             f"(max error {float(np.max(f_err)):.3g})")
         kinks = tuple(
             (tuple(int(j) for j in np.unravel_index(i, shape)), float(c["left"][s][i]),
              float(c["right"][s][i]), float(grad[i]),

@@ -303,3 +303,33 @@ def test_audit_picks_full_or_directional():
     assert report.mode == "directional" and report.ok
     assert [r.path for r in report.rows] == ["params[0]['b']", "params[0]['w']",
                                              "params[1]['b']", "params[1]['w']"]
+
+
+def test_a_nan_derivative_never_passes():
+    # d/dx where(x > 0, sqrt(x), 0) at x = -1 is 0, but JAX's is NaN: sqrt'(-1) = NaN times
+    # the 0 cotangent of the untaken branch (the double-where problem). NaN > tol is False, so
+    # a NaN must be failed explicitly; the element and both values are named.
+    report = fg.check_grads(lambda x: jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0)),
+                            jnp.array([-1.0, 4.0]))
+    assert not report.ok
+    [row] = report.rows
+    assert row.status == "fail" and row.worst_index == (0,) and np.isnan(row.analytic)
+    assert row.numeric == 0.0 and any("non-finite derivative" in n for n in row.notes)
+
+
+def test_high_curvature_is_not_a_kink_that_excuses_a_wrong_gradient():
+    # f(w) = k/2 (w - 1)^2 with k = 5000 at w = 1 + 1e-7: smooth, f' = k (w - 1) = 5e-4, but
+    # the one-sided differences at eps = 1e-6 differ by eps k = 5e-3 > sqrt(eps), which alone
+    # looks like a kink. The planted bwd adds 1e-3 (1e4 x atol). A second step eps/8 shrinks
+    # the gap 8-fold (curvature; a kink's would not), so it is a plain failure.
+    k = 5000.0
+
+    @jax.custom_vjp
+    def f(w):
+        return 0.5 * k * (w - 1.0) ** 2
+
+    f.defvjp(lambda w: (f(w), w), lambda w, g: (g * (k * (w - 1.0) + 1e-3),))
+    report = fg.check_grads(lambda w: jnp.sum(f(w)), jnp.array([1.0 + 1e-7, 2.0]))
+    [row] = report.rows
+    assert row.status == "fail" and row.worst_index == (0,) and row.kinks == ()
+    assert row.analytic - row.numeric == pytest.approx(1e-3, rel=1e-3)
