@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -279,16 +279,55 @@ def _rev_kernel(spec, theta, leaves, cotangents):
     return jax.grad(lambda t: obj.objective(spec, t, leaves, cotangents))(theta)
 
 
+class _Tangents(NamedTuple):
+    """Unit tangents described, not stored: tangent t is ``raw[row[t]]`` restricted to
+    ``[lo[t], hi[t])`` and divided by ``norm[t]``. A dense (tangents x n) matrix would take
+    k·(leaves+1)·n floats: 6 GB for 300 leaves and 625k parameters."""
+    raw: np.ndarray   # (k, n) standard-normal draws
+    lo: np.ndarray    # (T,) int
+    hi: np.ndarray    # (T,) int
+    row: np.ndarray   # (T,) int, which draw
+    norm: np.ndarray  # (T,) float
+
+    def dot(self, g: np.ndarray) -> np.ndarray:
+        """``tangents @ g`` (T,), on the host, one segment at a time."""
+        return np.array([self.raw[j, a:b] @ g[a:b] / m
+                         for a, b, j, m in zip(self.lo, self.hi, self.row, self.norm)])
+
+    def rows(self, sel: slice) -> np.ndarray:
+        """The dense tangents ``sel`` (a few, e.g. one leaf's k), (len, n)."""
+        out = np.zeros((len(self.lo[sel]), self.raw.shape[1]))
+        for r, (a, b, j, m) in enumerate(zip(self.lo[sel], self.hi[sel], self.row[sel],
+                                             self.norm[sel])):
+            out[r, a:b] = self.raw[j, a:b] / m
+        return out
+
+
+def _tangent(plan, t, n):
+    """Tangent t of a `_Tangents` plan (device arrays), built inside a kernel: shape (n,)."""
+    raw, lo, hi, row, norm = plan
+    index = jnp.arange(n)
+    return jnp.where((index >= lo[t]) & (index < hi[t]), raw[row[t]], 0.0) / norm[t]
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _jvp_kernel(spec, theta, leaves, cotangents, tangents):
+def _jvp_kernel(spec, theta, leaves, cotangents, plan):
     phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-    return jax.lax.map(lambda v: jax.jvp(phi, (theta,), (v,))[1], tangents)
+    n = theta.shape[0]
+    return jax.lax.map(lambda t: jax.jvp(phi, (theta,), (_tangent(plan, t, n),))[1],
+                       jnp.arange(plan[1].shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "eps"))
-def _directional_kernel(spec, theta, leaves, cotangents, tangents, *, eps):
+def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps):
     phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-    f_plus, f_minus = jax.lax.map(lambda v: (phi(theta + eps * v), phi(theta - eps * v)), tangents)
+    n = theta.shape[0]
+
+    def plus_minus(t):
+        v = _tangent(plan, t, n)
+        return phi(theta + eps * v), phi(theta - eps * v)
+
+    f_plus, f_minus = jax.lax.map(plus_minus, jnp.arange(plan[1].shape[0]))
     return (phi(theta), f_plus, f_minus, jax.grad(phi)(theta),
             obj.output_vector(spec, theta, leaves))
 
@@ -344,10 +383,22 @@ def _random_tangents(seed, n, segments, k):
     return np.stack(out), raw
 
 
-def _jvps(spec, theta, leaves, cotangents, tangents):
-    """jvp of phi along each tangent, or (None, note) when fn has a custom_vjp."""
+def _tangent_plan(seed, n, segments, k) -> _Tangents:
+    """The tangents of `_random_tangents` (same draws, same order), described lazily."""
+    raw = np.random.default_rng([seed, 1]).standard_normal((k, n))
+    bounds = [*segments, (0, n)]
+    lo = np.repeat([a for a, _ in bounds], k)
+    hi = np.repeat([b for _, b in bounds], k)
+    row = np.tile(np.arange(k), len(bounds))
+    norm = np.array([np.linalg.norm(raw[j, a:b]) for a, b, j in zip(lo, hi, row)])
+    return _Tangents(raw, lo, hi, row, norm)
+
+
+def _jvps(spec, theta, leaves, cotangents, plan):
+    """jvp of phi along each tangent of `plan` (device arrays), or (None, note) when fn has a
+    custom_vjp."""
     try:
-        return np.asarray(_jvp_kernel(spec, theta, leaves, cotangents, tangents)), None
+        return np.asarray(_jvp_kernel(spec, theta, leaves, cotangents, plan)), None
     except TypeError as e:
         if "custom_vjp" in str(e):
             return None, _NO_FWD_NOTE
@@ -437,18 +488,20 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
     eps, rtol, atol = tol
     n = theta.shape[0]
     segments = _segments(prob)
-    tangents, raw = _random_tangents(seed, n, segments, k)
+    plan = _tangent_plan(seed, n, segments, k)
+    raw = plan.raw
+    on_device = tuple(jnp.asarray(a) for a in plan)
     f0, fp, fm, grad, out = (np.asarray(a) for a in _directional_kernel(
-        spec, theta, leaves, cots, tangents, eps=eps))
+        spec, theta, leaves, cots, on_device, eps=eps))
     _check_finite_output(prob, out)
     scale = max(1.0, abs(float(f0)))
     numeric = (fp - fm) / (2 * eps)
     analytic = {}
     if "rev" in modes:
-        analytic["rev"] = np.asarray(tangents) @ grad
+        analytic["rev"] = plan.dot(grad)
     notes = []
     if "fwd" in modes:
-        jvps, note = _jvps(spec, theta, leaves, cots, tangents)
+        jvps, note = _jvps(spec, theta, leaves, cots, on_device)
         if jvps is not None:
             analytic["fwd"] = jvps
         else:
@@ -461,12 +514,11 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
     rows = []
     for li, (lo, hi) in enumerate(segments):
         sel = slice(li * k, (li + 1) * k)
-        t = np.asarray(tangents[sel])
         row = LeafCheck.from_directions(
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
-            (f0 - fm[sel]) / eps, None if g_st is None else t @ g_st, atol * scale, rtol, eps,
-            respect_sg)
+            (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
+            atol * scale, rtol, eps, respect_sg)
         if row.status == "fail" and "rev" in analytic:
             j = int(np.argmax(np.abs(analytic["rev"][sel] - numeric[sel])))
             i, a, num, evaluations = _bisect(prob, tol, grad, raw[j], lo, hi)

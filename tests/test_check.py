@@ -333,3 +333,17 @@ def test_high_curvature_is_not_a_kink_that_excuses_a_wrong_gradient():
     [row] = report.rows
     assert row.status == "fail" and row.worst_index == (0,) and row.kinks == ()
     assert row.analytic - row.numeric == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_directional_tangents_are_described_not_stored():
+    # Second method: the dense tangents of the full mode's fwd check. The directional mode's
+    # plan (draw rows, segment bounds and norms) must describe exactly the same unit tangents
+    # in the same order, and its host dot products must equal the dense ones.
+    from funcgrad.check import _random_tangents, _tangent_plan
+    segments, n, k = [(0, 3), (3, 10), (10, 11)], 11, 2
+    dense, _ = _random_tangents(5, n, segments, k)
+    plan = _tangent_plan(5, n, segments, k)
+    np.testing.assert_allclose(plan.rows(slice(None)), dense, rtol=1e-15)
+    g = np.arange(n, dtype=np.float64)
+    np.testing.assert_allclose(plan.dot(g), dense @ g, rtol=1e-13)
+    assert plan.raw.shape == (k, n)            # what is stored: the draws, not (8, 11)
