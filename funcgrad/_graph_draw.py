@@ -91,6 +91,10 @@ def render(graph: Graph, path: str | os.PathLike, format: str | None,
     fmt = format or (suffix if suffix in ("svg", "png", "pdf") else "svg")
     if fmt not in ("svg", "png", "pdf"):
         raise ValueError(f"render: format must be 'svg', 'png' or 'pdf', got {fmt!r}.")
+    if format is None and suffix and suffix != fmt:
+        raise ValueError(f"render: cannot write a .{suffix} file; use a .svg, .png or .pdf "
+                         f"path, or pass format= (the suffix {suffix!r} would not match the "
+                         "content).")
     if shutil.which("dot") is None:
         raise RuntimeError(_NO_DOT.format(fmt=fmt))
     import graphviz

@@ -100,6 +100,17 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         raise ValueError(f"check_grads: modes must be a non-empty subset of ('rev', 'fwd'), got {modes!r}.")
     if order not in (1, 2):
         raise ValueError(f"check_grads: order must be 1 or 2, got {order!r}.")
+    if isinstance(num_directions, bool) or not isinstance(num_directions, int) or num_directions < 1:
+        raise ValueError(f"check_grads: num_directions must be a positive int, got "
+                         f"{num_directions!r}.")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"check_grads: chunk_size must be a positive int or None, got "
+                         f"{chunk_size!r}.")
+    if isinstance(argnums, bool) or (not isinstance(argnums, int) and any(
+            isinstance(a, bool) for a in argnums)):
+        raise TypeError(f"check_grads: argnums must be an int or ints (argument positions), got "
+                        f"{argnums!r}.")
     argnums_t = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     names = arg_names(fn, len(args))
     with jax.enable_x64(True):

@@ -88,16 +88,19 @@ def batches(x: np.ndarray, y: np.ndarray, *, batch_size: int, seed: int = 0, epo
       shuffle: if False, batches are taken in order.
       drop_last: if True, a final batch smaller than `batch_size` is not yielded (so every
         batch has one shape and a jitted step compiles once).
-    Raises:
-      ValueError: if the lengths differ or `batch_size` is not a positive int.
+    Raises (at the call, not at the first batch):
+      ValueError: if the lengths differ, `batch_size` is not a positive int, or `seed` or
+        `epoch` is negative.
     """
     n = len(x)
     if len(y) != n:
         raise ValueError(f"batches: x has {n} rows but y has {len(y)}; they must match.")
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batches: batch_size must be a positive int, got {batch_size!r}.")
+    for name, value in (("seed", seed), ("epoch", epoch)):
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"batches: {name} must be an int >= 0, got {value!r}.")
     order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
     stop = n - n % batch_size if drop_last else n
-    for start in range(0, stop, batch_size):
-        idx = order[start:start + batch_size]
-        yield {"x": x[idx], "y": y[idx]}
+    return ({"x": x[idx], "y": y[idx]}
+            for idx in (order[start:start + batch_size] for start in range(0, stop, batch_size)))

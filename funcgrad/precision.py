@@ -192,7 +192,11 @@ def cast_floating(tree: PyTree, dtype: jax.typing.DTypeLike) -> PyTree:
     Args:
       tree: a pytree of arrays or array-likes (NumPy arrays are converted).
       dtype: a floating dtype, e.g. ``jnp.float16``, ``jnp.bfloat16``.
+    Raises:
+      TypeError: if `dtype` is not floating (an integer dtype would truncate the values).
     """
+    dtype = _floating_dtype(dtype, "cast_floating", "dtype")
+
     def cast(leaf):
         leaf = jnp.asarray(leaf)
         return leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
@@ -258,13 +262,13 @@ def scaled_value_and_grad(loss_fn: Callable[[PyTree, Batch], jax.Array], *,
     return unscaled_value_and_grad
 
 
-def _floating_dtype(dtype, where: str) -> np.dtype:
+def _floating_dtype(dtype, where: str, name: str = "compute_dtype") -> np.dtype:
     try:
         parsed = jnp.dtype(dtype)
     except TypeError:
         parsed = None
     if parsed is None or not jnp.issubdtype(parsed, jnp.floating):
-        raise TypeError(f"{where}: compute_dtype must be a floating dtype such as jnp.float16 or "
+        raise TypeError(f"{where}: {name} must be a floating dtype such as jnp.float16 or "
                         f"jnp.bfloat16, got {dtype!r}.")
     return parsed
 

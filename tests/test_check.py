@@ -347,3 +347,13 @@ def test_directional_tangents_are_described_not_stored():
     g = np.arange(n, dtype=np.float64)
     np.testing.assert_allclose(plan.dot(g), dense @ g, rtol=1e-13)
     assert plan.raw.shape == (k, n)            # what is stored: the draws, not (8, 11)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"num_directions": 0}, ValueError, "num_directions must be a positive int, got 0"),
+    ({"chunk_size": -2}, ValueError, "chunk_size must be a positive int or None, got -2"),
+    ({"argnums": True}, TypeError, "argnums must be an int or ints"),
+], ids=["no_directions", "negative_chunk", "bool_argnums"])
+def test_bad_settings_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2), **kwargs)

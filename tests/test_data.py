@@ -59,10 +59,13 @@ def test_batches_cover_each_example_once_per_epoch():
 
 
 def test_bad_arguments():
+    # Raised at the call, before any batch is asked for.
     with pytest.raises(ValueError, match="x has 3 rows but y has 2"):
-        next(fg.batches(np.zeros((3, 1)), np.zeros(2), batch_size=1))
+        fg.batches(np.zeros((3, 1)), np.zeros(2), batch_size=1)
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
-        next(fg.batches(np.zeros((3, 1)), np.zeros(3), batch_size=0))
+        fg.batches(np.zeros((3, 1)), np.zeros(3), batch_size=0)
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        fg.batches(np.zeros((3, 1)), np.zeros(3), batch_size=1, seed=-1)
     with pytest.raises(ValueError, match="test_size must be in"):
         fg.load_digits(test_size=1.5)
 

@@ -292,6 +292,13 @@ def test_render_without_dot_says_how_to_install(tmp_path, monkeypatch):
     assert g.to_dot().startswith("digraph")  # DOT text needs no `dot`
 
 
+def test_render_refuses_a_suffix_it_cannot_write(tmp_path):
+    # A .jpg path would get SVG bytes under a .jpg name: refused before `dot` is needed.
+    with pytest.raises(ValueError, match=r"cannot write a \.jpg file"):
+        trace(affine, 1.0, 2.0, 3.0).render(tmp_path / "g.jpg")
+    assert not (tmp_path / "g.jpg").exists()
+
+
 def test_to_dot_without_the_graphviz_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "graphviz", None)  # makes `import graphviz` fail
     with pytest.raises(ImportError, match="pip install 'graphviz"):

@@ -375,3 +375,9 @@ def test_errors_name_what_is_wrong():
                                   loss_scale=ls)
     with pytest.raises(ValueError, match="loss_fn must return a scalar"):
         vector_loss(init_train_state(params, tx, loss_scale=ls), batch)
+
+
+def test_cast_floating_refuses_an_integer_dtype():
+    # float -> int32 would truncate 2.7 to 2 silently.
+    with pytest.raises(TypeError, match="cast_floating: dtype must be a floating dtype"):
+        P.cast_floating({"x": jnp.array([2.7])}, jnp.int32)
