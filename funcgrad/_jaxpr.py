@@ -6,6 +6,7 @@ the jaxprs nested in an equation's parameters (jit, custom_jvp/vjp, scan, cond, 
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
@@ -38,6 +40,32 @@ def leaf_paths(args: tuple, names: list[str]) -> list[str]:
     the argument's name followed by the leaf's key path, e.g. ``params[0]['w']``."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
     return [names[path[0].idx] + jax.tree_util.keystr(path[1:]) for path, _ in flat]
+
+
+def check_array_args(where: str, args: tuple, names: list[str]) -> None:
+    """TypeError naming the first leaf of `args` that is not an array or a number: funcgrad
+    traces every argument as an array, so a str, a callable or an object must be closed over
+    (``functools.partial(fn, mode="sq")``) rather than passed."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]:
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+            continue
+        name = names[path[0].idx] + jax.tree_util.keystr(path[1:])
+        raise TypeError(f"{where}: argument {name} is a {type(leaf).__name__}, not an array or "
+                        "a number; every argument is traced as an array. Close over it "
+                        "instead, e.g. functools.partial(fn, name=value), and pass the arrays.")
+
+
+@contextlib.contextmanager
+def static_argument_hint(where: str) -> Iterator[None]:
+    """Adds a note to JAX's error when an argument is used as a Python value (``range(n)``,
+    ``if flag:``) while funcgrad traces it as an array."""
+    try:
+        yield
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as error:
+        error.add_note(f"{where} traces every argument as an array. An argument used as a "
+                       "Python value (range(n), if flag:, a shape) must be closed over: pass "
+                       "functools.partial(fn, n=3) and only the arrays.")
+        raise
 
 
 def source_line(eqn: Any) -> str:

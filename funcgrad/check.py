@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad import _objective as obj
-from funcgrad._jaxpr import arg_names
+from funcgrad._jaxpr import arg_names, check_array_args, static_argument_hint
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
 
 #: dtype the function computed in -> (eps, rtol, atol). An element passes when
@@ -113,7 +113,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                         f"{argnums!r}.")
     argnums_t = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     names = arg_names(fn, len(args))
-    with jax.enable_x64(True):
+    check_array_args("check_grads", args, names)
+    with jax.enable_x64(True), static_argument_hint("check_grads"):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = _run_full if mode == "full" else _run_directional

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from funcgrad._jaxpr import arg_names, interpret, leaf_paths, source_line
+from funcgrad._jaxpr import (arg_names, check_array_args, interpret, leaf_paths, source_line,
+                             static_argument_hint)
 from funcgrad._jaxpr import closed_parts as _closed
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
@@ -231,9 +232,11 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     if not callable(loss_fn):
         raise TypeError(f"explain_grads needs a callable loss_fn, got {type(loss_fn).__name__}.")
     names = arg_names(loss_fn, 1 + len(args))
+    check_array_args("explain_grads", (params, *args), names)
     paths = leaf_paths((params,), names[:1])
     p_leaves, p_tree = jax.tree.flatten(params)
-    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
+    with static_argument_hint("explain_grads"):
+        closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
     loss_shape = out_shape[0] if has_aux else out_shape
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()
             and jnp.issubdtype(loss_shape.dtype, jnp.floating)):

@@ -357,3 +357,21 @@ def test_directional_tangents_are_described_not_stored():
 def test_bad_settings_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2), **kwargs)
+
+
+def test_non_array_and_static_arguments_get_the_partial_fix():
+    def by_mode(x, mode):
+        return jnp.sum(x ** 2) if mode == "sq" else jnp.sum(x)
+
+    with pytest.raises(TypeError, match=r"argument mode is a str, not an array.*functools\.partial"):
+        fg.check_grads(by_mode, jnp.ones(3), "sq")
+
+    def first_n(x, n):                      # n used as a Python int: range(n)
+        return sum(x[i] for i in range(n))
+
+    with pytest.raises(jax.errors.TracerIntegerConversionError) as error:
+        fg.check_grads(first_n, jnp.ones(3), 2)
+    assert any("functools.partial(fn, n=3)" in note for note in error.value.__notes__)
+    # The fix the message gives works: d/dx_i sum_{i<2} x_i = (1, 1, 0).
+    report = fg.check_grads(functools.partial(first_n, n=2), jnp.ones(3))
+    assert report.ok

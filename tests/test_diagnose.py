@@ -171,3 +171,8 @@ def test_integer_leaves_and_bad_losses():
         explain_grads(lambda p: jnp.sum(p * 2), jnp.arange(3))
     r = explain_grads(lambda p: (jnp.sum(p["w"]), {"aux": 1}), {"w": jnp.ones(2)}, has_aux=True)
     assert r.status("p['w']") == "connected"
+
+
+def test_a_string_argument_is_named_with_the_partial_fix():
+    with pytest.raises(TypeError, match=r"explain_grads: argument mode is a str"):
+        explain_grads(lambda p, mode: jnp.sum(p ** 2), jnp.ones(2), "sq")
