@@ -41,6 +41,9 @@ def _describe(tree: PyTree) -> str:
 
 def _check_outputs(out: PyTree) -> None:
     flat, _ = jax.tree_util.tree_flatten_with_path(out)
+    if not flat:
+        raise ValueError(f"backward: fn returned {out!r}, which holds no array: there is "
+                         "nothing to differentiate. Return the output array (or pytree).")
     for path, leaf in flat:
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.inexact):
@@ -55,6 +58,10 @@ def _as_cotangent(cotangent: PyTree, out: PyTree) -> PyTree:
     """`cotangent` checked against `out` leaf by leaf; Python scalars take the output's dtype."""
     if cotangent is None:
         single = jax.tree.structure(out).num_nodes == 1  # one array, not a container
+        if single and jnp.shape(out) == () and jnp.iscomplexobj(out):
+            raise TypeError("backward: the output is a complex scalar; as with jax.grad, its "
+                            "gradient needs a choice: pass cotangent= (1.0 gives the real "
+                            "part's), or differentiate jnp.real(out).")
         if single and jnp.shape(out) == ():
             return jnp.ones((), jnp.result_type(out))
         raise ValueError(

@@ -83,8 +83,11 @@ def test_has_aux_and_jit(strict_dtypes):
      r"cotangent's pytree structure PyTreeDef\(\*\) does not match the output's"),
     (lambda x: {"a": x}, {"a": "one"}, TypeError, r"cotangent for output\['a'\] is a str"),
     (lambda x: jnp.argsort(x), jnp.ones(3), TypeError, r"output has dtype int32, which has no"),
+    (lambda x: (), None, ValueError, r"fn returned \(\), which holds no array"),
+    (lambda x: jnp.sum(x) * (1 + 1j), None, TypeError,
+     r"output is a complex scalar.*pass cotangent="),
 ], ids=["missing", "wrong_shape", "wrong_dtype", "bfloat16", "pytree_missing",
-        "wrong_structure", "not_an_array", "integer_output"])
+        "wrong_structure", "not_an_array", "integer_output", "empty_output", "complex_scalar"])
 def test_errors_name_the_output_and_the_fix(fn, cotangent, error, match):
     with pytest.raises(error, match=f"(?s)^backward: .*{match}"):
         backward(fn, jnp.array([1.0, 2.0, 3.0]), cotangent=cotangent)
