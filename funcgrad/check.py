@@ -30,9 +30,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from funcgrad import _objective as obj
-from funcgrad._jaxpr import arg_names, check_array_args, static_argument_hint
+from funcgrad._jaxpr import arg_names, check_array_args, static_argument_hint, sub_jaxprs
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
 
 #: dtype the function computed in -> (eps, rtol, atol). An element passes when
@@ -200,7 +201,12 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     spec = probe._replace(order=order, scalar_output=out.size == 1)
     rng = np.random.default_rng(seed)  # NumPy draws: nothing to compile
     cotangents = (rng.standard_normal(out.shape), rng.standard_normal(theta.shape))
-    dtype_used = str(out.dtype)
+    # The narrowest float the function computes in, not only the one it returns: a float32
+    # cast inside a function that returns float64 rounds like float32.
+    inner = _narrowest_float(jax.make_jaxpr(
+        lambda t, lv: obj.output_vector(probe, t, lv))(theta, leaves).jaxpr)
+    dtype_used = min([str(out.dtype), *([inner] if inner else [])],
+                     key=lambda d: jnp.finfo(d).bits)
     notes = []
     if dtype_used != "float64":
         notes.append(f"fn computes in {dtype_used} even with float64 inputs; eps and tolerances "
@@ -244,6 +250,36 @@ def _describe(a):
     if len(leaves) == 1 and leaves[0] is a:
         return f"{jnp.result_type(a)}{list(np.shape(a))}"
     return f"pytree of {len(leaves)} leaves"
+
+
+def _narrowest_float(jaxpr) -> str | None:
+    """The narrowest real floating dtype produced by an equation of `jaxpr` that depends on its
+    first input (theta, the differentiated vector; nested jaxprs of such an equation count
+    whole), as a name; None if none does. Work on constants (data prepared in float32 inside
+    fn) does not round the differentiated path and is left out."""
+    found = set()
+
+    def note(v):
+        dtype = getattr(v.aval, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            found.add(str(dtype))
+
+    def walk_all(j):
+        for eqn in j.eqns:
+            for v in eqn.outvars:
+                note(v)
+            for _, sub, _ in sub_jaxprs(eqn):
+                walk_all(sub)
+
+    live = {jaxpr.invars[0]}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, jex_core.Literal) and v in live for v in eqn.invars):
+            live.update(eqn.outvars)
+            for v in eqn.outvars:
+                note(v)
+            for _, sub, _ in sub_jaxprs(eqn):
+                walk_all(sub)
+    return min(found, key=lambda d: jnp.finfo(d).bits) if found else None
 
 
 def _tolerances(dtype_used, eps, rtol, atol):

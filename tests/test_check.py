@@ -375,3 +375,17 @@ def test_non_array_and_static_arguments_get_the_partial_fix():
     # The fix the message gives works: d/dx_i sum_{i<2} x_i = (1, 1, 0).
     report = fg.check_grads(functools.partial(first_n, n=2), jnp.ones(3))
     assert report.ok
+
+
+def test_tolerances_follow_a_float32_cast_inside_a_float64_function():
+    # softmax computed in float32 inside a function that returns float64: its rounding
+    # (~6e-8 relative, amplified by eps = 1e-6 central differences to ~1e-1) is float32's, so
+    # float64 tolerances would fail a correct gradient. The check must use float32's.
+    x = jax.random.normal(jax.random.key(0), (5,))
+
+    def f(h):
+        return jnp.sum(jax.nn.softmax(h.astype(jnp.float32)).astype(h.dtype) * x)
+
+    report = fg.check_grads(f, jax.random.normal(jax.random.key(1), (5,)))
+    assert report.ok and report.dtype_used == "float32"
+    assert any("computes in float32" in n for n in report.notes)
