@@ -240,7 +240,8 @@ def _check_finite_output(prob, out):
         point = ", ".join(f"{n}: {_describe(a)}" for n, a in zip(prob["names"], prob["args"]))
         raise ValueError(
             f"check_grads: the function's output is not finite at the primal point: "
-            f"{int(bad.sum())} non-finite element(s), the first at {where}{list(index)} = "
+            f"{int(bad.sum())} non-finite element(s), the first at "
+            f"{where}{list(index) if index else ''} = "
             f"{out[first]}. Finite differences need a finite output there; move the point or "
             f"fix the function. Point: {point}.")
 

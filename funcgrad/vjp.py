@@ -129,9 +129,10 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
       >>> backward(lambda x: x ** 2, jnp.array([1.0, 2.0]), cotangent=jnp.array([1.0, -1.0]))
       Array([ 2., -4.], dtype=float32)
     """
-    single = isinstance(argnums, int)
-    nums = (argnums,) if single else tuple(argnums)
-    if not nums or any(not isinstance(i, int) or not -len(args) <= i < len(args) for i in nums):
+    single = isinstance(argnums, int) and not isinstance(argnums, bool)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or any(isinstance(i, bool) or not isinstance(i, int)
+                       or not -len(args) <= i < len(args) for i in nums):
         raise ValueError(f"backward: argnums={argnums!r} must name positions of the "
                          f"{len(args)} argument(s) given to fn (0 to {len(args) - 1}).")
     nums = tuple(i % len(args) for i in nums)
@@ -143,6 +144,13 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
         return fn(*full)
 
     primals = tuple(args[i] for i in nums)
+    for i, x in zip(nums, primals):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+                raise TypeError(
+                    f"backward: argument {i}{jax.tree_util.keystr(path)} (argnums) has dtype "
+                    f"{jnp.result_type(leaf)}, which has no gradient. Differentiate floating "
+                    "arguments only (argnums), or cast it: x.astype(jnp.float32).")
     if has_aux:
         out, pullback, aux = jax.vjp(of_differentiated, *primals, has_aux=True)
     else:

@@ -105,3 +105,11 @@ def test_jax_alone_gives_a_different_error():
 def test_argnums_out_of_range(argnums):
     with pytest.raises(ValueError, match=r"argnums=.* must name positions of the 2 argument"):
         backward(lambda x, w: jnp.sum(x * w), jnp.ones(2), jnp.ones(2), argnums=argnums)
+
+
+def test_an_integer_or_bool_argnum_is_refused():
+    # jax.vjp would return a float0 "gradient" for the int argument; funcgrad says why not.
+    with pytest.raises(TypeError, match=r"argument 1 \(argnums\) has dtype int32, which has no"):
+        backward(lambda x, n: jnp.sum(x) * n, jnp.ones(2), 3, argnums=1)
+    with pytest.raises(ValueError, match=r"argnums=True must name positions"):
+        backward(lambda x: jnp.sum(x), jnp.ones(2), argnums=True)
