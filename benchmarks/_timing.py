@@ -4,6 +4,7 @@ On a small shared machine whichever variant runs first in a round is measurably 
 load comes and goes, so every variant runs once per round in an order shuffled each round
 (seeded), and results are medians over rounds — of times, or of ratios taken within a round.
 """
+import argparse
 import json
 import os
 import platform
@@ -13,6 +14,16 @@ import time
 from collections.abc import Callable
 
 import jax
+
+
+def step_args(doc: str, *, steps: int, repeats: int, out: str) -> argparse.Namespace:
+    """The command line shared by the step benchmarks: --steps, --repeats, --out."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help="timed rounds (medians reported)")
+    parser.add_argument("--out", default=out)
+    return parser.parse_args()
 
 
 def step_runner(step: Callable, state: object, *args: object) -> Callable[[int], object]:

@@ -14,13 +14,11 @@ both times of a round share it).
 
     $ python benchmarks/monitor.py [--steps 25] [--repeats 161] [--out FILE.json]
 """
-import argparse
-
 import jax
 import optax
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, rounds, step_runner, write_results
+from _timing import step_args, medians, paired_ratio, rounds, step_runner, write_results
 from funcgrad.monitor import grad_monitor
 
 LIMIT = 1.10
@@ -31,11 +29,8 @@ def _loss_fn(params, batch):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=25, help="steps per timed repeat")
-    parser.add_argument("--repeats", type=int, default=161, help="timed rounds (medians reported)")
-    parser.add_argument("--out", default="benchmarks/results/monitor.json")
-    args = parser.parse_args()
+    args = step_args(__doc__, steps=25, repeats=161,
+                     out="benchmarks/results/monitor.json")
 
     data = fg.load_digits(seed=0)
     monitor = grad_monitor()

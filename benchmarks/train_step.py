@@ -20,14 +20,12 @@ writes JSON.
 
     $ python benchmarks/train_step.py [--steps 50] [--repeats 101] [--out benchmarks/results/train_step.json]
 """
-import argparse
-
 import jax
 import jax.numpy as jnp
 import optax
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, ratio_quartiles, rounds, step_runner, write_results
+from _timing import step_args, medians, paired_ratio, ratio_quartiles, rounds, step_runner, write_results
 
 LIMIT = 1.05
 
@@ -65,11 +63,8 @@ def _hand_same_step(tx):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50, help="steps per timed repeat")
-    parser.add_argument("--repeats", type=int, default=101, help="timed rounds (medians reported)")
-    parser.add_argument("--out", default="benchmarks/results/train_step.json")
-    args = parser.parse_args()
+    args = step_args(__doc__, steps=50, repeats=101,
+                     out="benchmarks/results/train_step.json")
 
     data = fg.load_digits(seed=0)
     rows = []
