@@ -195,7 +195,9 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     for path, o in jax.tree_util.tree_flatten_with_path(out_tree)[0]:
         out_layout.append((jax.tree_util.keystr(path), tuple(o.shape), start))
         start += math.prod(o.shape)
-    out = jax.eval_shape(lambda t, lv: obj.output_vector(probe, t, lv), theta, leaves)
+    # One trace gives the output's shape and the jaxpr whose dtypes set the tolerances below.
+    traced, out = jax.make_jaxpr(lambda t, lv: obj.output_vector(probe, t, lv),
+                                 return_shape=True)(theta, leaves)
     if not jnp.issubdtype(out.dtype, jnp.floating):
         raise ValueError(f"check_grads: fn returned dtype {out.dtype}; it must return floating values.")
     spec = probe._replace(order=order, scalar_output=out.size == 1)
@@ -203,8 +205,7 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     cotangents = (rng.standard_normal(out.shape), rng.standard_normal(theta.shape))
     # The narrowest float the function computes in, not only the one it returns: a float32
     # cast inside a function that returns float64 rounds like float32.
-    inner = _narrowest_float(jax.make_jaxpr(
-        lambda t, lv: obj.output_vector(probe, t, lv))(theta, leaves).jaxpr)
+    inner = _narrowest_float(traced.jaxpr)
     dtype_used = min([str(out.dtype), *([inner] if inner else [])],
                      key=lambda d: jnp.finfo(d).bits)
     notes = []
