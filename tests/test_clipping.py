@@ -23,6 +23,22 @@ def test_global_norm_matches_optax_on_random_trees():
     np.testing.assert_allclose(global_norm(tree), optax.tree.norm(tree), rtol=1e-6)
 
 
+def test_global_norm_large_leaves_are_reduced_without_a_copy():
+    # Leaves past the concatenation limit (2**15 elements) are reduced one by one: the jaxpr
+    # holds no concatenate as large as the tree (a 1.1M-element concatenate took 26 ms on CPU
+    # against 0.2 ms for per-leaf sums). Second method for the value: optax.tree.norm.
+    from funcgrad.clipping import _CONCAT_LIMIT
+    keys = jax.random.split(jax.random.key(1), 4)
+    tree = {"big": jax.random.normal(keys[0], (300, 400)), "mid": jax.random.normal(keys[1], (90, 300)),
+            "small": [jax.random.normal(keys[2], (128,)), jax.random.normal(keys[3], (10, 3))]}
+    np.testing.assert_allclose(global_norm(tree), optax.tree.norm(tree), rtol=1e-6)
+    jaxpr = jax.make_jaxpr(global_norm)(tree)
+    concatenated = [e.outvars[0].aval.size for e in jaxpr.eqns if e.primitive.name == "concatenate"]
+    assert concatenated and max(concatenated) <= _CONCAT_LIMIT, concatenated
+    # Hand: a NaN in the largest leaf still makes the norm NaN.
+    assert np.isnan(global_norm({**tree, "big": tree["big"].at[7, 7].set(jnp.nan)}))
+
+
 def test_global_norm_mixed_dtypes_and_half_precision_in_float32():
     # Hand: 300 bfloat16 ones and one float32 element 10 -> sqrt(300 + 100) = 20. Summed in
     # bfloat16 (8 significant bits) 300 ones would stall at 256; the float32 sum is exact.
