@@ -287,33 +287,50 @@ def _values_dtype(leaves: Sequence[Any]):
 
 #: Elements per row of the padded matrix that `_sums` reduces in one pass.
 _CHUNK = 512
-#: Largest (sums x rows) 0/1 matrix `_sums` adds rows with; beyond it, one reduction per vector.
-_FUSED_LIMIT = 2**20
+#: Most elements (zero padding included) of that matrix; leaves beyond it are reduced alone.
+_MATRIX_LIMIT = 2**16
 
 
 def _sums(flat: Sequence[jax.Array], groups: np.ndarray) -> jax.Array:
     """``[sum, sum of squares]`` of each group of the 1-D arrays `flat`: shape (groups, 2).
 
     ``groups[i, k] = 1`` puts ``flat[i]`` into group k. A few kernels whatever the number of
-    arrays (two reductions per gradient leaf made the monitor cost ~35% of a small CPU step):
-    each array is zero-padded to whole rows of `_CHUNK` elements (zeros change neither sum),
-    all rows are reduced at once, and the 0/1 matrix adds the row sums up per group. When
-    that matrix would pass `_FUSED_LIMIT` entries (large models, where a kernel's launch cost
-    is negligible), each array is reduced on its own instead.
+    small arrays (two reductions per gradient leaf made the monitor cost ~35% of a small CPU
+    step): the smallest arrays, up to `_MATRIX_LIMIT` elements after padding, are zero-padded
+    to whole rows of `_CHUNK` elements (zeros change neither sum) and all their rows reduced
+    at once; each larger array is reduced on its own. A 0/1 matrix then adds the row sums up
+    per group. Past ~40k elements XLA:CPU splits a concatenate across threads and it becomes
+    far slower than per-array reductions (a 1.1M-element model: 1.2 ms against 0.24 ms for
+    the monitor's update), hence the limit; on any backend it also bounds the copy.
     """
-    rows = [-(-f.size // _CHUNK) for f in flat]
     dtype = jnp.result_type(*flat)
-    if sum(rows) * groups.shape[1] > _FUSED_LIMIT:
-        each = jnp.stack([jnp.stack([jnp.sum(f), jnp.sum(f * f)]) for f in flat])
-        return jnp.matmul(jnp.asarray(groups.T, dtype), each,
-                          precision=jax.lax.Precision.HIGHEST)
-    # The padded rows, written by one fused kernel, then two row reductions. (A matrix with
-    # each row of squares stacked beside its row of values, reduced once, took ~10 us more
-    # kernel time per step in a CPU profile: that concatenate is slow elementwise code.)
-    matrix = jnp.concatenate([jnp.pad(f, (0, n * _CHUNK - f.size)).reshape(n, _CHUNK)
-                              for f, n in zip(flat, rows)])  # (rows, C)
-    row_sums = jnp.stack([jnp.sum(matrix, axis=1), jnp.sum(matrix * matrix, axis=1)], axis=1)
-    to_groups = np.repeat(groups, rows, axis=0).T  # (groups, rows): row r is in group k
+    order = sorted(range(len(flat)), key=lambda i: flat[i].size)
+    rows = [-(-f.size // _CHUNK) for f in flat]
+    small, padded = [], 0
+    for i in order:
+        if padded + rows[i] * _CHUNK > _MATRIX_LIMIT:
+            break
+        small.append(i)
+        padded += rows[i] * _CHUNK
+    small.sort()
+    large = [i for i in range(len(flat)) if i not in set(small)]
+    parts, owner = [], []  # blocks of (sum, sum of squares) rows; the array of each row
+    if small:
+        # The padded rows, written by one fused kernel, then two row reductions. (A matrix with
+        # each row of squares stacked beside its row of values, reduced once, took ~10 us more
+        # kernel time per step in a CPU profile: that concatenate is slow elementwise code.)
+        matrix = jnp.concatenate([
+            jnp.pad(flat[i], (0, rows[i] * _CHUNK - flat[i].size)).reshape(rows[i], _CHUNK)
+            for i in small])
+        parts.append(jnp.stack([jnp.sum(matrix, axis=1), jnp.sum(matrix * matrix, axis=1)],
+                               axis=1))
+        owner += [i for i in small for _ in range(rows[i])]
+    if large:
+        parts.append(jnp.stack([jnp.stack([jnp.sum(flat[i]), jnp.sum(flat[i] * flat[i])])
+                                for i in large]))
+        owner += large
+    row_sums = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    to_groups = groups[owner].T  # (groups, rows): row r belongs to the groups of its array
     return jnp.matmul(jnp.asarray(to_groups, dtype), row_sums,
                       precision=jax.lax.Precision.HIGHEST)
 

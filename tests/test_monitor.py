@@ -40,14 +40,17 @@ def _alerts(metrics_seq):
 
 # --- statistics -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one_kernel", "per_leaf"])
-def test_leaf_and_layer_statistics_equal_numpy_on_the_gradients(fused, monkeypatch):
+@pytest.mark.parametrize("matrix_limit", [None, 0, 2048], ids=["one_matrix", "per_leaf", "mixed"])
+def test_leaf_and_layer_statistics_equal_numpy_on_the_gradients(matrix_limit, monkeypatch):
     # Second method: NumPy in float64 on the gradients jax.grad returns. float32 sums of up to
     # 8192 terms carry relative error ~ n*eps ~ 1e-3 in the worst case and ~sqrt(n)*eps ~ 1e-5
     # in practice (pairwise/blocked summation); the one-pass std adds eps*E[g^2]/(2 var),
     # negligible here because every leaf's mean is small against its std. Hence rtol 1e-5.
-    if not fused:
-        monkeypatch.setattr(monitor_module, "_FUSED_LIMIT", 0)
+    # The limit of the padded matrix decides which leaves are reduced together: all four
+    # (default), none (0), or the two biases (2048 elements: one 512-element row each) while
+    # the weights are reduced alone.
+    if matrix_limit is not None:
+        monkeypatch.setattr(monitor_module, "_MATRIX_LIMIT", matrix_limit)
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
     batch = _digits_batch()
     grads = jax.grad(_mlp_loss)(params, batch)
