@@ -13,7 +13,12 @@ zeros for a parameter behind ``stop_gradient``, behind ``round``, or behind a de
   ``numerically_zero``               connected through differentiable ops, but the gradient is
                                      exactly zero for this input (dead ReLU units, saturation, a
                                      ``where`` branch no example took);
+  ``nonfinite``                      the gradient holds a NaN or inf (`funcgrad.find_nonfinite`
+                                     locates the primitive and line that made it);
   ``not_differentiable``             an integer or boolean leaf (it has no gradient).
+
+Complex leaves are differentiated like real ones (JAX's convention for a real loss of a
+complex parameter, ``jax.grad``'s output).
 
 The structural questions are answered from the program, not from the numbers:
   * *does the loss depend on the leaf at all* — a dependence analysis of the jaxpr of the loss
@@ -27,9 +32,11 @@ The structural questions are answered from the program, not from the numbers:
   * *what blocks it* — the dependence analysis again, now tracking for each leaf the best
     kind of path (differentiable > through stop_gradient > through a zero-derivative op) and
     where the path was cut (primitive and source line).
-Only the last status needs the numbers: the gradient itself, and the ReLU units' activations
-(a unit is *dead for this batch* when its pre-activation is <= 0 for every example, so its
-derivative, relu'(z) = 0 for z <= 0 in JAX, is zero for every example).
+Only ``numerically_zero`` and ``nonfinite`` need the numbers: the gradient itself, and the
+ReLU units' activations (a unit is *dead for this batch* when its pre-activation is <= 0 for
+every example, so its derivative, relu'(z) = 0 for z <= 0 in JAX, is zero for every example;
+inside ``scan`` a unit is dead when that holds at every iteration, inside ``cond`` the branch
+taken is the one looked at).
 """
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ from funcgrad._jaxpr import (arg_names, check_array_args, interpret, leaf_paths,
 from funcgrad._jaxpr import closed_parts as _closed
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
-            "numerically_zero", "not_differentiable")
+            "numerically_zero", "nonfinite", "not_differentiable")
 
 #: Primitives with a floating output whose derivative is zero wherever it is defined. Any
 #: primitive with an integer or boolean output (comparisons, argmax, casts to int, ...) cuts the
@@ -226,8 +233,10 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
       status (see the module docstring), gradient norm and the reason; plus every ReLU found
       in the program with its dead units for this input.
     Raises:
-      TypeError: if `loss_fn` is not callable.
-      ValueError: if the loss is not a real scalar.
+      TypeError: if `loss_fn` is not callable, or an argument is not an array or a number.
+      ValueError: if the loss is not a real scalar, or its gradient cannot be taken in reverse
+        mode (a ``lax.while_loop``, or ``fori_loop`` with traced bounds, that depends on
+        `params`; the message says so).
     """
     if not callable(loss_fn):
         raise TypeError(f"explain_grads needs a callable loss_fn, got {type(loss_fn).__name__}.")
@@ -253,7 +262,7 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
         raise ValueError(f"explain_grads needs loss_fn to return a real scalar loss"
                          f"{' as the first element of (loss, aux)' if has_aux else ''}; got "
                          f"{got}. {fix}")
-    floating = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in p_leaves]
+    floating = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in p_leaves]
     n_all = len(closed.jaxpr.invars)
     in_deps = [({i: _Path(_DIFF, "")} if i < len(p_leaves) and floating[i] else {})
                for i in range(n_all)]
@@ -272,7 +281,16 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     loss, linear = jax.linearize(of_floats, float_leaves)
     lin = jax.make_jaxpr(linear)(float_leaves)
     reach = _flow(lin.jaxpr, [{j: _Path(_DIFF, "")} for j in range(len(diff_idx))])[0]
-    grads = jax.grad(of_floats)(float_leaves)
+    try:
+        grads = jax.grad(of_floats)(float_leaves)
+    except ValueError as error:
+        if "while_loop" not in str(error):
+            raise
+        raise ValueError(
+            "explain_grads takes the gradient in reverse mode (jax.grad), and loss_fn runs a "
+            "lax.while_loop (or a fori_loop with traced bounds) that depends on params, which "
+            "JAX cannot differentiate in reverse mode. Write the loop as lax.scan, or as "
+            "fori_loop with Python int bounds (it then lowers to scan).") from error
     relus = _relu_sites(closed, params, args)
 
     rows = []
@@ -280,12 +298,20 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
         shape, dtype = tuple(jnp.shape(leaf)), str(jnp.result_type(leaf))
         if not floating[i]:
             rows.append(LeafExplanation(path, shape, dtype, "not_differentiable", 0.0,
-                                        f"{dtype} leaf: integer and boolean leaves have no gradient"))
+                                        f"{dtype} leaf: integer and boolean leaves have no "
+                                        "gradient"))
             continue
         j = diff_idx.index(i)
         g = np.asarray(grads[j])
-        norm = float(np.sqrt(np.sum(np.square(g.astype(np.float64)))))
-        if i not in primal:
+        norm = float(np.sqrt(np.sum(np.square(np.abs(g).astype(np.float64)))))
+        bad = ~np.isfinite(g)
+        if np.any(bad):
+            first = tuple(int(k) for k in np.argwhere(bad)[0])
+            status, detail = "nonfinite", (
+                f"{int(bad.sum())} of {g.size} gradient elements are NaN or inf (the first at "
+                f"index {list(first)}: {g[first]}); funcgrad.find_nonfinite(loss_fn, params, "
+                "...) locates the primitive and line that made it")
+        elif i not in primal:
             status, detail = "unused", "the loss does not depend on this leaf (PyTorch: grad None)"
         elif j in reach:
             if np.any(g != 0):
@@ -317,27 +343,61 @@ def _numeric_detail(relus: list[ReluSite]) -> str:
 # --- ReLU sites: evaluate the program once and look at every max(x, 0) -------------------
 
 def _relu_sites(closed, params, args) -> list[ReluSite]:
-    sites: list[ReluSite] = []
-    _record(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), sites, "")
-    return sites
+    found: dict[tuple, list] = {}  # call path -> [where, units, alive mask]
+    _record(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), found, "", ())
+    return [ReluSite(where, units, int(units - alive.sum()))
+            for where, units, alive in found.values()]
 
 
 def _is_zero_literal(v) -> bool:
     return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
 
 
-def _record(jaxpr, consts, args, sites, where):
+def _record(jaxpr, consts, args, found, where, path):
+    """Evaluates `jaxpr` and ORs into ``found[key][2]`` which units of each ReLU were alive.
+
+    A ReLU is keyed by its call path (the ids of the equations that lead to it), so the same
+    jitted helper called by two layers gives two sites, and one ReLU in a scan body gives one
+    site over all iterations."""
     def rule(eqn, ins):
         name = eqn.primitive.name
         here = source_line(eqn) or where
+        key = (*path, id(eqn))
         if name in _CALLS and _CALLS[name] in eqn.params:
             sub, sub_consts = _closed(eqn.params[_CALLS[name]])
-            return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], sites, here)
+            return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], found, here, key)
+        if name == "scan":
+            return _record_scan(eqn, ins, found, here, key)
+        if name == "cond":
+            branch = eqn.params["branches"][int(np.clip(ins[0], 0,
+                                                        len(eqn.params["branches"]) - 1))]
+            return _record(branch.jaxpr, branch.consts, ins[1:], found, here, key)
         if name == "max" and len(eqn.invars) == 2 and any(map(_is_zero_literal, eqn.invars)):
             x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
             if x.ndim:
                 units = x.shape[-1]
                 alive = np.any(x.reshape(-1, units) > 0, axis=0)
-                sites.append(ReluSite(here, units, int(units - alive.sum())))
+                site = found.setdefault(key, [here, units, np.zeros(units, bool)])
+                site[2] |= alive
         return None
     return interpret(jaxpr, consts, args, rule)
+
+
+def _record_scan(eqn, ins, found, where, key):
+    """A scan, one iteration at a time, so that the ReLUs of its body are seen."""
+    p = eqn.params
+    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    body, body_consts = _closed(p["jaxpr"])
+    consts, carry, xs = ins[:nc], list(ins[nc:nc + nk]), ins[nc + nk:]
+    ys = []
+    for t in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
+        outs = _record(body, body_consts, [*consts, *carry, *(x[t] for x in xs)], found,
+                       where, key)
+        carry, y = outs[:nk], outs[nk:]
+        ys.append(y)
+    if p["reverse"]:
+        ys.reverse()
+    stacked = [jnp.stack([y[k] for y in ys]) if ys else
+               jnp.zeros((0, *v.aval.shape), v.aval.dtype)
+               for k, v in enumerate(body.outvars[nk:])]
+    return [*carry, *stacked]

@@ -176,3 +176,82 @@ def test_integer_leaves_and_bad_losses():
 def test_a_string_argument_is_named_with_the_partial_fix():
     with pytest.raises(TypeError, match=r"explain_grads: argument mode is a str"):
         explain_grads(lambda p, mode: jnp.sum(p ** 2), jnp.ones(2), "sq")
+
+
+def test_a_nan_or_inf_gradient_is_nonfinite_not_connected():
+    # Hand: d/dw sqrt(w * x) = x / (2 sqrt(w x)): inf at w = 0 (element 0), 0.5 at w = x = 1.
+    r = explain_grads(lambda p, x: jnp.sum(jnp.sqrt(p["w"] * x)), {"w": jnp.array([0.0, 1.0])},
+                      jnp.ones(2))
+    row = r["p['w']"]
+    assert row.status == "nonfinite" and np.isinf(row.grad_norm)
+    assert "1 of 2 gradient elements are NaN or inf (the first at index [0]: inf)" in row.detail
+    assert "find_nonfinite" in row.detail
+    # Hand: the gradient of ||w|| at w = 0 is w / ||w|| = 0 / 0 = NaN (JAX's convention).
+    r = explain_grads(lambda p: jnp.linalg.norm(p["w"]) + jnp.sum(p["v"]),
+                      {"w": jnp.zeros(3), "v": jnp.ones(2)})
+    assert r.status("p['w']") == "nonfinite" and "3 of 3" in r["p['w']"].detail
+    assert r.status("p['v']") == "connected"
+
+
+def test_complex_leaves_are_differentiated():
+    # JAX's gradient of the real loss |z|^2 is 2 conj(z) (second method: jax.grad below), so
+    # for z = [1+2i, 3i] the norm is 2 sqrt(5 + 9). A complex leaf the loss never reads is
+    # unused, as a real one would be.
+    params = {"z": jnp.array([1 + 2j, 3j], jnp.complex64), "u": jnp.ones(2, jnp.complex64)}
+    loss = lambda p: jnp.sum(jnp.abs(p["z"]) ** 2)
+    r = explain_grads(loss, params)
+    assert r.status("p['z']") == "connected" and r.status("p['u']") == "unused"
+    np.testing.assert_allclose(r["p['z']"].grad_norm, 2 * np.sqrt(14.0), rtol=1e-6)
+    np.testing.assert_allclose(r["p['z']"].grad_norm,
+                               np.linalg.norm(jax.grad(loss)(params)["z"]), rtol=1e-6)
+
+
+def _relu_rnn(p, xs):
+    def body(h, x):
+        h = jax.nn.relu(h @ p["w"] + x)
+        return h, h
+    h, hs = jax.lax.scan(body, jnp.zeros(4), xs)
+    return jnp.sum(h) + jnp.sum(hs)
+
+
+def test_relus_inside_scan_are_dead_only_if_dead_at_every_iteration():
+    # Hand: W = -I, h0 = 0 and every x_t = -1, so every pre-activation h @ W + x is -1 at every
+    # iteration: 4/4 units dead, and the gradient is exactly zero.
+    xs = -jnp.ones((3, 4))
+    r = explain_grads(_relu_rnn, {"w": -jnp.eye(4)}, xs)
+    assert [(s.units, s.dead) for s in r.relus] == [(4, 4)]
+    assert "_relu_rnn" in r.relus[0].where
+    assert r.status("p['w']") == "numerically_zero" and "4/4 at" in r["p['w']"].detail
+    # x_1[2] = +1: unit 2 is alive at iteration 1 only, so 3 of 4 units are dead over the scan.
+    r = explain_grads(_relu_rnn, {"w": -jnp.eye(4)}, xs.at[1, 2].set(1.0))
+    assert [(s.units, s.dead) for s in r.relus] == [(4, 3)]
+    # reverse=True visits the iterations the other way; the outputs are the same as JAX's.
+    rev = lambda p, xs: jnp.sum(jax.lax.scan(lambda h, x: (jax.nn.relu(h * p + x),) * 2,
+                                             jnp.zeros(2), xs, reverse=True)[1])
+    xs2 = jnp.array([[1.0, -1.0], [-1.0, -1.0]])
+    r = explain_grads(rev, jnp.float32(0.5), xs2)
+    np.testing.assert_allclose(r.loss, rev(jnp.float32(0.5), xs2), rtol=1e-6)
+    assert [(s.units, s.dead) for s in r.relus] == [(2, 1)]  # unit 0 alive at t = 0
+
+
+def test_relus_in_the_taken_cond_branch_and_two_calls_of_one_jitted_helper():
+    # Hand: the branch taken (index 1) has a ReLU of x - 5 over x = [0, 1, 2]: all 3 dead.
+    # The other branch is not evaluated, so its ReLU is not listed.
+    def loss(p, x):
+        return jax.lax.cond(p > 0, lambda: jnp.sum(jax.nn.relu(p * x - 5.0)),
+                            lambda: jnp.sum(jax.nn.relu(-x)))
+    r = explain_grads(loss, jnp.float32(1.0), jnp.arange(3.0))
+    assert [(s.units, s.dead) for s in r.relus] == [(3, 3)]
+    # jax.nn.relu is one jitted function; called by two layers it is two sites.
+    two = lambda p, x: jnp.sum(jax.nn.relu(jax.nn.relu(x * p) - 1.5))
+    r = explain_grads(two, jnp.float32(1.0), jnp.array([-1.0, 1.0, 2.0]))
+    # Hand: relu(x) = [0, 1, 2] (1 dead); relu([0, 1, 2] - 1.5) = [0, 0, 0.5] (2 dead).
+    assert [(s.units, s.dead) for s in r.relus] == [(3, 1), (3, 2)]
+
+
+def test_a_param_dependent_while_loop_gets_a_clear_error():
+    def loss(p, x):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * p),
+                                  (0, x))[1].sum()
+    with pytest.raises(ValueError, match="reverse mode.*lax.while_loop.*Write the loop as lax.scan"):
+        explain_grads(loss, jnp.float32(2.0), jnp.ones(2))
