@@ -85,11 +85,13 @@ def _reduce_grad(phi, u):
 # --- stop_gradient made transparent -------------------------------------------------------
 # Finite differences see through stop_gradient; to tell "zero because of stop_gradient" from a
 # wrong gradient, the check can differentiate the same program with stop_gradient replaced by
-# the identity. Calls (jit) are entered; other higher-order primitives (scan, cond, custom
-# rules) are bound as they are, so a stop_gradient inside them stays in force.
+# the identity. Calls (jit) and remat are entered, and scan, cond and while_loop are rebuilt
+# around bodies evaluated the same way; custom_jvp/custom_vjp rules are bound as they are, so
+# a stop_gradient inside a custom rule stays in force (the rule is what gets checked).
 
 _CALL_PRIMITIVES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-                    "core_call": "call_jaxpr"}
+                    "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+                    "remat2": "jaxpr"}
 
 
 def has_stop_gradient(jaxpr) -> bool:
@@ -125,5 +127,42 @@ def _eval(jaxpr, consts, *args):
             return ins
         if name in _CALL_PRIMITIVES and _CALL_PRIMITIVES[name] in eqn.params:
             return _eval(*closed_parts(eqn.params[_CALL_PRIMITIVES[name]]), *ins)
+        if name in _LOOPS:
+            return _LOOPS[name](eqn.params, ins)
         return None
     return interpret(jaxpr, consts, args, rule)
+
+
+def _closed_fn(closed):
+    """A Python function evaluating a ClosedJaxpr with stop_gradient made transparent."""
+    jaxpr, consts = closed_parts(closed)
+    return lambda *args: _eval(jaxpr, consts, *args)
+
+
+def _scan(p, ins):
+    nc, nk = p["num_consts"], p["num_carry"]
+    body = _closed_fn(p["jaxpr"])
+    consts = ins[:nc]
+
+    def step(carry, xs):
+        outs = body(*consts, *carry, *xs)
+        return outs[:nk], outs[nk:]
+    carry, ys = jax.lax.scan(step, list(ins[nc:nc + nk]), list(ins[nc + nk:]),
+                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
+
+
+def _cond(p, ins):
+    branches = [_closed_fn(b) for b in p["branches"]]
+    return jax.lax.switch(ins[0], branches, *ins[1:])
+
+
+def _while(p, ins):
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cond, body = _closed_fn(p["cond_jaxpr"]), _closed_fn(p["body_jaxpr"])
+    cond_consts, body_consts = ins[:cn], ins[cn:cn + bn]
+    return jax.lax.while_loop(lambda c: cond(*cond_consts, *c)[0],
+                              lambda c: body(*body_consts, *c), list(ins[cn + bn:]))
+
+
+_LOOPS = {"scan": _scan, "cond": _cond, "while": _while}

@@ -72,7 +72,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         them are skipped and listed in the report.
       mode: "full" (every element) or "directional" (random tangents; for large models).
       modes: which analytic derivatives to check: "rev" (``grad``/``vjp``), "fwd" (``jvp``).
-        "fwd" is skipped with a note when `fn` uses ``custom_vjp``.
+        "fwd" is skipped with a note when `fn` uses ``custom_vjp``. In full mode "fwd" checks
+        jvps along random tangents per leaf next to rev, and every element's jvp on its own
+        when it is the only mode (a ``while_loop`` that only forward mode can differentiate).
       order: 1 checks the gradient; 2 checks the gradient of <u, gradient> (Hessian-vector
         products).
       eps, rtol, atol: override `TOLERANCES` for the dtype used.
@@ -89,8 +91,10 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
       ``.raise_if_failed()``, ``.to_dict()``; ``print(report)`` shows the table.
     Raises:
       ValueError: for an unknown mode, an argnum out of range, a selected argument that is an
-        integer or boolean array, nothing floating to differentiate, or a non-finite output at
-        the primal point (the message names the output leaf and the argument shapes).
+        integer or boolean array, nothing floating to differentiate, a non-finite output at
+        the primal point (the message names the output leaf and the argument shapes), "rev"
+        with a ``while_loop`` that depends on the arguments (JAX cannot reverse it), or
+        ``modes=("fwd",)`` with a ``custom_vjp`` (JAX cannot forward-differentiate it).
       TypeError: if `fn` is not callable.
     """
     if not callable(fn):
@@ -119,8 +123,17 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = _run_full if mode == "full" else _run_directional
-        rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size,
-                          respect_stop_gradient)
+        try:
+            rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size,
+                              respect_stop_gradient)
+        except ValueError as error:
+            if "rev" not in modes or "while_loop" not in str(error):
+                raise
+            raise ValueError(
+                "check_grads: fn runs a lax.while_loop (or a fori_loop with traced bounds) that "
+                "depends on the differentiated arguments, and JAX has no reverse-mode derivative "
+                "for it. Check the forward mode alone with modes=('fwd',), or write the loop "
+                "as lax.scan.") from error
     notes = prob["notes"] + notes
     checked = tuple(m for m in modes if not (m == "fwd" and _NO_FWD_NOTE in notes))
     return GradCheckReport(rows=rows, mode=mode, modes=checked or tuple(modes), order=order,
@@ -297,9 +310,10 @@ def _segments(prob):
 
 # --- compiled kernels (cached on the static spec) -----------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("spec", "eps", "chunk"))
-def _full_kernel(spec, theta, leaves, cotangents, tangents, *, eps, chunk):
-    """One compiled call: phi(theta); phi(theta ± eps·e_i) for every i; grad phi(theta); the
+@functools.partial(jax.jit, static_argnames=("spec", "eps", "chunk", "rev"))
+def _full_kernel(spec, theta, leaves, cotangents, tangents, *, eps, chunk, rev=True):
+    """One compiled call: phi(theta); phi(theta ± eps·e_i) for every i; grad phi(theta) (with
+    `rev`; without it, the jvp of phi along every e_i, the same vector in forward mode); the
     output at theta; and, if `tangents` is not None, the jvp of phi along each of them.
 
     The perturbations e_i run over the flat parameter vector in vmapped chunks of `chunk`
@@ -315,13 +329,17 @@ def _full_kernel(spec, theta, leaves, cotangents, tangents, *, eps, chunk):
 
     def plus_minus(i):
         e = jnp.where(index == i, eps, 0.0)
-        return phi(theta + e), phi(theta - e)
+        out = phi(theta + e), phi(theta - e)
+        if rev:
+            return out
+        return (*out, jax.jvp(phi, (theta,), (jnp.where(index == i, 1.0, 0.0),))[1])
 
     batched = jax.vmap(plus_minus)
-    f_plus, f_minus = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
+    cols = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
+    f_plus, f_minus = (jnp.ravel(c)[:n] for c in cols[:2])
+    grad = jax.grad(phi)(theta) if rev else jnp.ravel(cols[2])[:n]
     jvps = None if tangents is None else jax.vmap(lambda v: jax.jvp(phi, (theta,), (v,))[1])(tangents)
-    return (phi(theta), jnp.ravel(f_plus)[:n], jnp.ravel(f_minus)[:n], jax.grad(phi)(theta),
-            obj.output_vector(spec, theta, leaves), jvps)
+    return phi(theta), f_plus, f_minus, grad, obj.output_vector(spec, theta, leaves), jvps
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -368,8 +386,10 @@ def _jvp_kernel(spec, theta, leaves, cotangents, plan):
                        jnp.arange(plan[1].shape[0]))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "eps"))
-def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps):
+@functools.partial(jax.jit, static_argnames=("spec", "eps", "rev"))
+def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps, rev=True):
+    """phi(theta), phi(theta ± eps·t) for every tangent t of `plan`, grad phi(theta) (zeros
+    without `rev`: a fwd-only check does not take it) and the output at theta."""
     phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
     n = theta.shape[0]
 
@@ -378,7 +398,7 @@ def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps):
         return phi(theta + eps * v), phi(theta - eps * v)
 
     f_plus, f_minus = jax.lax.map(plus_minus, jnp.arange(plan[1].shape[0]))
-    return (phi(theta), f_plus, f_minus, jax.grad(phi)(theta),
+    return (phi(theta), f_plus, f_minus, jax.grad(phi)(theta) if rev else jnp.zeros_like(theta),
             obj.output_vector(spec, theta, leaves))
 
 
@@ -459,6 +479,11 @@ _NO_FWD_NOTE = ("fwd skipped: fn uses a custom_vjp function, which cannot be "
                 "forward-differentiated (jvp, jacfwd); rev checked only.")
 
 
+_FWD_ONLY_CUSTOM_VJP = ("check_grads: modes=('fwd',) but fn uses a custom_vjp function, which "
+                        "cannot be forward-differentiated (jvp, jacfwd): nothing is left to "
+                        "check. Use modes=('rev',) (the default checks rev and notes the skip).")
+
+
 _SG_NOTE = {
     True: "fn contains stop_gradient, which finite differences see through; leaves whose "
           "gradient it cuts are marked 'stop_gradient', not failed (respect_stop_gradient=True).",
@@ -490,11 +515,14 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
     segments = _segments(prob)
     tangents = None
     notes = []
-    if "fwd" in modes:
+    rev = "rev" in modes
+    if "fwd" in modes and rev:  # without rev every element is checked by a jvp of its own
         tangents, _ = _random_tangents(seed, n, segments, k)
     try:
-        result = _full_kernel(spec, theta, leaves, cots, tangents, eps=eps, chunk=chunk)
+        result = _full_kernel(spec, theta, leaves, cots, tangents, eps=eps, chunk=chunk, rev=rev)
     except TypeError as e:
+        if not rev and "custom_vjp" in str(e):
+            raise ValueError(_FWD_ONLY_CUSTOM_VJP) from e
         if tangents is None or "custom_vjp" not in str(e):
             raise
         notes.append(_NO_FWD_NOTE)
@@ -528,7 +556,7 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
             fwd_err = (fwd[1][sel], fwd[2][sel])
         rows.append(LeafCheck.from_elements(
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"], cls, lo, hi,
-            "rev" in modes, fwd_err, atol * scale, rtol, respect_sg))
+            fwd_err, atol * scale, rtol, respect_sg))
     return rows, notes
 
 
@@ -542,7 +570,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
     raw = plan.raw
     on_device = tuple(jnp.asarray(a) for a in plan)
     f0, fp, fm, grad, out = (np.asarray(a) for a in _directional_kernel(
-        spec, theta, leaves, cots, on_device, eps=eps))
+        spec, theta, leaves, cots, on_device, eps=eps, rev="rev" in modes))
     _check_finite_output(prob, out)
     scale = max(1.0, abs(float(f0)))
     numeric = (fp - fm) / (2 * eps)
@@ -554,6 +582,8 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
         jvps, note = _jvps(spec, theta, leaves, cots, on_device)
         if jvps is not None:
             analytic["fwd"] = jvps
+        elif not analytic:
+            raise ValueError(_FWD_ONLY_CUSTOM_VJP)
         else:
             notes.append(note)
     mismatch = any((np.abs(a - numeric) > atol * scale + rtol * np.abs(numeric)).any()

@@ -203,6 +203,87 @@ def test_stop_gradient_is_marked_not_failed():
     assert [r.path for r in strict.failures] == ["p['a']"]
 
 
+def _sg_in_remat(p):
+    return jax.checkpoint(lambda q: jnp.sum(jax.lax.stop_gradient(q["a"]) * q["b"]))(p)
+
+
+def _sg_in_scan(p):
+    step = lambda c, _: (c + jnp.sum(jax.lax.stop_gradient(p["a"]) * p["b"]), None)
+    return jax.lax.scan(step, 0.0, None, length=2)[0]
+
+
+def _sg_in_cond(p):
+    return jax.lax.cond(p["b"][0] > 0, lambda: jnp.sum(jax.lax.stop_gradient(p["a"]) * p["b"]),
+                        lambda: jnp.sum(p["b"]))
+
+
+@pytest.mark.parametrize("f", [_sg_in_remat, _sg_in_scan, _sg_in_cond],
+                         ids=["checkpoint", "scan", "cond"])
+@pytest.mark.parametrize("mode", ["full", "directional"])
+def test_stop_gradient_inside_remat_scan_and_cond_is_marked_not_failed(f, mode):
+    # Same function as above, inside checkpoint, scan (counted twice) and the taken cond
+    # branch: JAX's d/da is 0 where the central difference sees b (or 2b), so only the
+    # see-through gradient, rebuilt through these primitives, explains the difference.
+    p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
+    report = fg.check_grads(f, p, mode=mode)
+    assert report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"], str(report)
+
+
+def test_see_through_does_not_excuse_a_wrong_rule_inside_scan():
+    # A custom_jvp with a wrong derivative (3x where the truth is 2x) inside scan next to a
+    # stop_gradient: the see-through gradient keeps the custom rule, so p['b'] still fails.
+    @jax.custom_jvp
+    def square(x):
+        return x * x
+    square.defjvp(lambda primals, tangents: (square(primals[0]), 3 * primals[0] * tangents[0]))
+
+    def f(p):
+        step = lambda c, _: (c + jnp.sum(jax.lax.stop_gradient(p["a"]) * square(p["b"])), None)
+        return jax.lax.scan(step, 0.0, None, length=2)[0]
+    report = fg.check_grads(f, {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])})
+    assert [r.status for r in report.rows] == ["stop_gradient", "fail"]
+
+
+def _cube_by_while(p):
+    # p multiplied into 1.0 three times: p**3, by a loop JAX can only forward-differentiate.
+    return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * p),
+                              (0, jnp.ones_like(p)))[1].sum()
+
+
+@pytest.mark.parametrize("mode", ["full", "directional"])
+def test_a_while_loop_is_checked_in_forward_mode_alone(mode):
+    # Hand: d/dp sum(p**3) = 3 p**2 = [6.75, 0.75] at p = [1.5, -0.5]; fwd alone checks it.
+    p = jnp.array([1.5, -0.5])
+    report = fg.check_grads(_cube_by_while, p, modes=("fwd",), mode=mode)
+    assert report.ok and report.modes == ("fwd",)
+    if mode == "full":  # the worst element's jvp is 3 p**2 there
+        i = report.rows[0].worst_index[0]
+        np.testing.assert_allclose(report.rows[0].analytic, 3 * float(p[i]) ** 2, rtol=1e-9)
+    with pytest.raises(ValueError, match=r"while_loop.*modes=\('fwd',\)"):
+        fg.check_grads(_cube_by_while, p)
+
+
+def test_forward_mode_alone_checks_every_element_and_catches_a_wrong_jvp():
+    # A custom_jvp whose derivative is wrong in element 1 only (x -> x**2 with tangent 2x,
+    # except 3x at index 1): fwd alone, element by element, names that element.
+    @jax.custom_jvp
+    def square(x):
+        return x * x
+    square.defjvp(lambda pr, t: (square(pr[0]),
+                                 2 * pr[0] * t[0] * jnp.array([1.0, 1.5, 1.0])))
+    report = fg.check_grads(lambda x: jnp.sum(square(x)), jnp.array([1.0, 2.0, -1.0]),
+                            modes=("fwd",))
+    assert not report.ok and report.rows[0].worst_index == (1,)
+    # Hand: analytic 3 * 2 = 6 where the central difference gives 2 * 2 = 4.
+    np.testing.assert_allclose([report.rows[0].analytic, report.rows[0].numeric], [6.0, 4.0],
+                               rtol=1e-6)
+
+
+def test_forward_mode_alone_with_a_custom_vjp_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"modes=\('fwd',\) but fn uses a custom_vjp"):
+        fg.check_grads(lambda p: mlp_loss(p, *_mlp()[1:]), _mlp()[0], modes=("fwd",))
+
+
 # --- second order -----------------------------------------------------------------------
 
 SECOND_ORDER = {
