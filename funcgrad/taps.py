@@ -14,19 +14,26 @@ Where taps may sit, and what shape their gradients have:
   * at top level, inside ``jax.jit`` (nested calls are evaluated inline) and inside
     ``jax.checkpoint`` (kept, with its policy): the tapped value's shape;
   * inside ``jax.vmap``: the batched shape, one row per mapped example (the jaxpr sees the
-    batched value);
+    batched value, with the batch axis where vmap put it: first, unless ``in_axes`` moved
+    it). A tapped value that does not depend on the mapped input is not batched: it is one
+    value shared by every example, and its gradient is the sum over the examples;
   * inside ``lax.scan`` (nested scans too): stacked over iterations, shape
-    ``(length, *value_shape)``;
+    ``(length, *value_shape)``; under ``vmap`` around the scan, ``(length, batch, ...)``:
+    the scan's axis comes first, as the vmapped program runs it;
   * inside ``lax.cond`` / ``lax.switch`` branches: the branch's value; zero when the branch
-    was not taken;
+    was not taken. One name may sit in several branches (only one runs) when its shape and
+    dtype are the same in each: the gradient is that of the branch taken;
   * not inside ``while_loop`` (it cannot be reverse-differentiated) or inside a
     ``custom_jvp`` / ``custom_vjp`` function (their rules cannot see the perturbation):
     both raise ValueError.
 Names must be unique within one call of the function: a repeated name raises ValueError naming
-both sites (a tap inside a scan body is one site and gives one value per iteration).
+both sites (a tap inside a scan body is one site and gives one value per iteration; one tap
+line traced twice, as ``lax.map(f, xs, batch_size=b)`` does when b does not divide the length,
+is two sites). Keyword arguments are passed through and not differentiated, as in ``jax.grad``.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -105,11 +112,7 @@ def _find_sites(jaxpr, prefix: tuple[int, ...], sites: dict[str, _Site]) -> None
             aval = eqn.invars[0].aval
             site = _Site(tap_name, prefix + tuple(aval.shape), aval.dtype, source_line(eqn))
             if tap_name in sites:
-                raise ValueError(
-                    f"tap name {tap_name!r} is used twice in one call: at "
-                    f"{sites[tap_name].where or '?'} and at {site.where or '?'}. Names must be "
-                    f"unique; use distinct names (e.g. f'{tap_name}{{i}}'). A tap inside a "
-                    "lax.scan body is one site and already gives one value per iteration.")
+                _twice(sites[tap_name], site)
             sites[tap_name] = site
         elif name in _INLINE and _INLINE[name] in eqn.params:
             _find_sites(_closed(eqn.params[_INLINE[name]])[0], prefix, sites)
@@ -117,13 +120,41 @@ def _find_sites(jaxpr, prefix: tuple[int, ...], sites: dict[str, _Site]) -> None
             _find_sites(_closed(eqn.params["jaxpr"])[0], prefix, sites)
         elif name == "scan":
             _find_sites(eqn.params["jaxpr"].jaxpr, prefix + (eqn.params["length"],), sites)
-        elif name == "cond":
+        elif name == "cond":  # one branch runs: a name may recur across branches
+            merged: dict[str, _Site] = {}
             for branch in eqn.params["branches"]:
-                _find_sites(branch.jaxpr, prefix, sites)
+                local: dict[str, _Site] = {}
+                _find_sites(branch.jaxpr, prefix, local)
+                for tap_name, site in local.items():
+                    if tap_name in sites:
+                        _twice(sites[tap_name], site)
+                    first = merged.setdefault(tap_name, site)
+                    if (first.shape, first.dtype) != (site.shape, site.dtype):
+                        raise ValueError(
+                            f"tap name {tap_name!r} sits in two branches of one cond with "
+                            f"different values: shape {first.shape} {first.dtype} at "
+                            f"{first.where or '?'} and {site.shape} {site.dtype} at "
+                            f"{site.where or '?'}. One name needs one shape and dtype; use "
+                            "distinct names.")
+            sites.update(merged)
         elif name in _OPAQUE and any(_has_tap(_closed(s)[0]) for s in _subs(eqn)):
             raise ValueError(
                 f"a tap sits inside {_OPAQUE[name]} (at {source_line(eqn) or '?'}); "
                 "intermediate_grads cannot reach it there. Move the tap outside that function.")
+
+
+def _twice(first: _Site, second: _Site) -> None:
+    """ValueError for a tap name used by two sites that can both run in one call."""
+    same_line = first.where and first.where == second.where
+    why = (" The same line was traced twice: a function called twice, or lax.map with a "
+           "batch_size that leaves a remainder (which runs the last examples separately); "
+           "pass a batch_size that divides the length, or tap outside lax.map."
+           if same_line else " A tap inside a lax.scan body is one site and already gives one "
+           "value per iteration.")
+    raise ValueError(
+        f"tap name {second.name!r} is used twice in one call: at {first.where or '?'} (shape "
+        f"{first.shape}) and at {second.where or '?'} (shape {second.shape}). Names must be "
+        f"unique; use distinct names (e.g. f'{second.name}{{i}}').{why}")
 
 
 def _subs(eqn):
@@ -196,14 +227,15 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
       argnums: which positional arguments to differentiate, as in ``jax.grad``.
       has_aux: whether `fn` returns ``(value, aux)``.
     Returns:
-      A function of the same arguments returning ``(value, grads, tap_grads)`` (value is
+      A function of the same arguments (keyword arguments are passed to `fn` and not
+      differentiated) returning ``(value, grads, tap_grads)`` (value is
       ``(value, aux)`` with `has_aux`): `grads` as ``jax.grad(fn, argnums)`` gives them;
       `tap_grads` a dict from tap name to an array of the tapped value's dtype and shape, with
       the batch axis where the tap sits under vmap and a leading ``length`` axis per enclosing
       scan (see the module docstring). The function can itself be jitted or vmapped.
     Raises:
-      ValueError: when called, if a tap name is used twice, or a tap sits inside a while_loop
-        or a custom_jvp/custom_vjp function. ``jax.grad``'s own TypeError if the output is not
+      ValueError: when called, if a tap name is used twice (but for cond branches with the
+        same shape), or a tap sits inside a while_loop or a custom_jvp/custom_vjp function. ``jax.grad``'s own TypeError if the output is not
         a real scalar.
     """
     if not callable(fn):
@@ -211,8 +243,9 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
     single = isinstance(argnums, int)
     nums = (argnums,) if single else tuple(argnums)
 
-    def transformed(*args):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    def transformed(*args, **kwargs):
+        bound = functools.partial(fn, **kwargs) if kwargs else fn
+        closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)
         sites: dict[str, _Site] = {}
         _find_sites(closed.jaxpr, (), sites)
         out_tree = jax.tree.structure(out_shape)

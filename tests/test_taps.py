@@ -96,6 +96,40 @@ def test_inside_cond_the_untaken_branch_gets_zero():
     np.testing.assert_array_equal(intermediate_grads(loss)(W, X, False)[2]["z"], np.zeros((2, 2)))
 
 
+def test_one_name_in_two_cond_branches_is_the_branch_taken():
+    # h = p x (branch 0, x[0] > 0) or 2 p x (branch 1); loss = scale * sum(h^2), scale a
+    # keyword argument: dloss/dh = 2 scale h. Hand: p = 1.5, x = [1, 2], scale 3: h = [1.5, 3],
+    # dh = [9, 18], dp = sum(dh * x) = 45. x = [-1, 2], scale 1: h = [-3, 6], dh = [-6, 12],
+    # dp = sum(dh * 2x) = 60.
+    def loss(p, x, scale=1.0):
+        h = jax.lax.cond(x[0] > 0, lambda: tap("h", p * x), lambda: tap("h", p * x * 2.0))
+        return jnp.sum(h ** 2) * scale
+
+    value, dp, taps = intermediate_grads(loss)(jnp.float32(1.5), jnp.array([1.0, 2.0]), scale=3.0)
+    np.testing.assert_allclose([value, dp], [33.75, 45.0], rtol=1e-6)
+    np.testing.assert_allclose(taps["h"], [9.0, 18.0], rtol=1e-6)
+    value, dp, taps = intermediate_grads(loss)(jnp.float32(1.5), jnp.array([-1.0, 2.0]))
+    np.testing.assert_allclose([value, dp], [45.0, 60.0], rtol=1e-6)
+    np.testing.assert_allclose(taps["h"], [-6.0, 12.0], rtol=1e-6)
+    # Different shapes under one name cannot share a gradient.
+    bad = lambda p, x: jax.lax.cond(x[0] > 0, lambda: jnp.sum(tap("h", p * x)),
+                                    lambda: jnp.sum(tap("h", p * x[:1])))
+    with pytest.raises(ValueError, match=r"'h' sits in two branches of one cond with different"):
+        intermediate_grads(bad)(jnp.float32(1.5), jnp.array([1.0, 2.0]))
+
+
+def test_a_tap_in_lax_map_with_a_remainder_names_the_cause():
+    # batch_size 2 over 5 rows: two full batches in a scan, the last row on its own, so the
+    # one tap line is traced twice.
+    loss = lambda p, xs: jnp.sum(jax.lax.map(lambda x: jnp.sum(tap("h", p * x)), xs,
+                                             batch_size=2))
+    with pytest.raises(ValueError, match=r"same line was traced twice.*batch_size that divides"):
+        intermediate_grads(loss)(jnp.float32(1.0), jnp.ones((5, 3)))
+    # A batch_size that divides the length: one site, (batches, batch_size, 3); dloss/dh = 1.
+    _, _, taps = intermediate_grads(loss)(jnp.float32(1.0), jnp.ones((4, 3)))
+    np.testing.assert_array_equal(taps["h"], np.ones((2, 2, 3)))
+
+
 def test_inside_checkpoint_and_with_aux_and_argnums():
     # Same hand values as test_tap_gradients_by_hand; d/dx through z = x @ w is dz @ w^T.
     f = jax.checkpoint(lambda w, x: (sq_tanh(w, x), {"n": x.shape[0]}))
