@@ -120,11 +120,16 @@ def clip_by_global_norm(grads: PyTree, max_norm: float, *, zero_nonfinite: bool 
                         grad_norm: jax.Array | None = None) -> tuple[PyTree, ClipInfo]:
     """Scales `grads` so that their global norm is at most `max_norm`, and says what it did.
 
-    The scaling is ``optax.clip_by_global_norm(max_norm)`` (article A §3.4, B §4.3): gradients
-    whose norm ``n`` exceeds `max_norm` are multiplied by ``max_norm / n``, which keeps their
-    direction; otherwise they are unchanged. Unlike optax alone it returns the pre-clip norm
-    and the coefficient, and can zero the leaves that hold a NaN or inf first — optax would
-    divide every leaf by a nan norm and turn the whole tree into NaN.
+    The scaling of ``optax.clip_by_global_norm(max_norm)`` and PyTorch's
+    ``clip_grad_norm_`` (article A §3.4, B §4.3; Pascanu et al. 2013): gradients whose norm
+    ``n`` exceeds `max_norm` are multiplied by ``max_norm / n``, which keeps their direction;
+    otherwise they are unchanged (multiplied by exactly 1). Written out here, as PyTorch
+    writes it (one coefficient times every leaf; optax divides each element by n, equal up to
+    rounding), so that it reuses the norm already computed and fuses into the optimizer: with
+    optax's transformation the clipped step of a 1.1M-parameter MLP took longer on CPU (a
+    second pass for the norm and a kernel per leaf for the divide). Unlike optax alone it
+    returns the pre-clip norm and the coefficient, and can zero the leaves that hold a NaN or
+    inf first — optax would divide every leaf by a nan norm and turn the whole tree into NaN.
 
     Args:
       grads: a pytree of floating-point arrays.
@@ -148,7 +153,12 @@ def clip_by_global_norm(grads: PyTree, max_norm: float, *, zero_nonfinite: bool 
         count = sum((~jnp.all(jnp.isfinite(x))).astype(jnp.int32) for x in jax.tree.leaves(grads))
         count = jnp.asarray(count, jnp.int32)
         clipped_norm = norm
-    clipper = optax.clip_by_global_norm(max_norm)
-    clipped, _ = clipper.update(grads, clipper.init(grads))
+    # One scalar coefficient, multiplied into every leaf on the norm already taken (optax's
+    # transformation would take the norm again: one more pass over every gradient). A multiply
+    # by a scalar fuses into each consumer of the gradient (the optimizer's moments and the
+    # update); optax's per-element divide, (g / n) * max_norm, is one more kernel per leaf
+    # that writes the clipped gradient out (XLA does not duplicate a divide into several
+    # consumers): together ~3-8% of a 1.1M-parameter CPU step, in noisy measurements.
     coef = jnp.where(clipped_norm < max_norm, 1.0, max_norm / clipped_norm)
+    clipped = jax.tree.map(lambda t: t * coef.astype(t.dtype), grads)
     return clipped, ClipInfo(norm, coef.astype(jnp.result_type(norm)), count)

@@ -98,6 +98,21 @@ def test_clip_equals_optax_on_random_trees():
     np.testing.assert_allclose(info.clip_coef, 2.0 / optax.tree.norm(grads), rtol=1e-6)
 
 
+def test_a_given_norm_is_not_taken_again():
+    # With grad_norm given, clipping is one coefficient times every leaf: the jaxpr of the
+    # clipped tree holds no reduction over the gradients (optax's transformation takes the norm
+    # again), and the result matches optax's. Hand: norm 5 -> coefficient 1/5.
+    grads = {"a": jnp.array([3.0]), "b": jnp.array([[0.0, 4.0]])}
+    jaxpr = jax.make_jaxpr(lambda g, n: clip_by_global_norm(g, 1.0, grad_norm=n)[0])(
+        grads, jnp.float32(5.0))
+    names = {e.primitive.name for e in jaxpr.eqns}
+    assert not names & {"reduce_sum", "dot_general", "sqrt"}, names
+    clipped, info = clip_by_global_norm(grads, 1.0, grad_norm=jnp.float32(5.0))
+    chex.assert_trees_all_close(clipped, {"a": jnp.array([0.6]), "b": jnp.array([[0.0, 0.8]])})
+    ref, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    chex.assert_trees_all_close(clipped, ref, rtol=1e-6)
+
+
 def test_one_nan_leaf_poisons_optax_but_not_zero_nonfinite():
     # optax divides every leaf by the nan norm: all NaN. Zeroing the bad leaf first keeps the
     # other: a = 3, remaining norm 3 > 1 -> a' = 1, coefficient 1/3; b' = 0; one leaf zeroed.
