@@ -127,8 +127,15 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
             rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size,
                               respect_stop_gradient)
         except ValueError as error:
-            if "rev" not in modes or "while_loop" not in str(error):
+            if "while_loop" not in str(error) or not ("rev" in modes or order == 2):
                 raise
+            if order == 2:
+                raise ValueError(
+                    "check_grads: order=2 checks the gradient of <u, gradient>, which takes a "
+                    "reverse-mode gradient, and fn runs a lax.while_loop (or a fori_loop with "
+                    "traced bounds) that depends on the differentiated arguments, which JAX "
+                    "cannot reverse. Check order=1 with modes=('fwd',), or write the loop as "
+                    "lax.scan.") from error
             raise ValueError(
                 "check_grads: fn runs a lax.while_loop (or a fori_loop with traced bounds) that "
                 "depends on the differentiated arguments, and JAX has no reverse-mode derivative "
@@ -189,7 +196,9 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
         name = names[arg] + jax.tree_util.keystr(path[1:])
         dtype = jnp.result_type(leaf)
         if arg in argnums:
-            if jnp.issubdtype(dtype, jnp.floating):
+            if jnp.issubdtype(dtype, jnp.floating) and np.size(leaf) == 0:
+                skipped.append(f"{name} (shape {tuple(np.shape(leaf))}: empty, nothing to check)")
+            elif jnp.issubdtype(dtype, jnp.floating):
                 diff.append(pos), paths.append(name)
             elif jnp.issubdtype(dtype, jnp.complexfloating):
                 raise ValueError(f"check_grads: {name} is complex; complex leaves are not supported.")
@@ -198,7 +207,8 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     if not diff:
         raise ValueError(
             f"check_grads: no floating leaf to differentiate in argnums={argnums} "
-            f"({', '.join(names[a] for a in argnums)}).")
+            f"({', '.join(names[a] for a in argnums)})"
+            + (f"; skipped: {', '.join(skipped)}." if skipped else "."))
     leaves = tuple(_promote(leaf) for _, leaf in flat)
     shapes = tuple(tuple(leaves[p].shape) for p in diff)
     theta = np.concatenate([np.ravel(leaves[p]) for p in diff])
@@ -330,9 +340,7 @@ def _full_kernel(spec, theta, leaves, cotangents, tangents, *, eps, chunk, rev=T
     def plus_minus(i):
         e = jnp.where(index == i, eps, 0.0)
         out = phi(theta + e), phi(theta - e)
-        if rev:
-            return out
-        return (*out, jax.jvp(phi, (theta,), (jnp.where(index == i, 1.0, 0.0),))[1])
+        return out if rev else (*out, _basis_jvp(phi, theta, index, i))
 
     batched = jax.vmap(plus_minus)
     cols = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
@@ -342,9 +350,27 @@ def _full_kernel(spec, theta, leaves, cotangents, tangents, *, eps, chunk, rev=T
     return phi(theta), f_plus, f_minus, grad, obj.output_vector(spec, theta, leaves), jvps
 
 
+def _basis_jvp(phi, theta, index, i):
+    """d phi / d theta_i, by a jvp along the i-th unit vector (0 for a padded i >= n)."""
+    return jax.jvp(phi, (theta,), (jnp.where(index == i, 1.0, 0.0),))[1]
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _rev_kernel(spec, theta, leaves, cotangents):
     return jax.grad(lambda t: obj.objective(spec, t, leaves, cotangents))(theta)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "chunk"))
+def _fwd_grad_kernel(spec, theta, leaves, cotangents, *, chunk):
+    """The gradient of phi in forward mode: one jvp per element, vmapped in chunks."""
+    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
+    n = theta.shape[0]
+    c = min(chunk, n)
+    ids = jnp.arange(-(-n // c) * c).reshape(-1, c)
+    index = jnp.arange(n)
+    column = jax.vmap(lambda i: _basis_jvp(phi, theta, index, i))
+    out = column(ids[0]) if ids.shape[0] == 1 else jax.lax.map(column, ids)
+    return jnp.ravel(out)[:n]
 
 
 class _Tangents(NamedTuple):
@@ -402,14 +428,16 @@ def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps, rev=True)
             obj.output_vector(spec, theta, leaves))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "eps"))
-def _masked_kernel(spec, theta, leaves, cotangents, direction, lo, hi, *, eps):
-    """Central/one-sided differences along `direction` restricted to [lo, hi), unit-normalised."""
+@functools.partial(jax.jit, static_argnames=("spec", "eps", "jvp"))
+def _masked_kernel(spec, theta, leaves, cotangents, direction, lo, hi, *, eps, jvp=False):
+    """Central/one-sided differences along `direction` restricted to [lo, hi), unit-normalised;
+    with `jvp`, also the jvp of phi along it (the analytic value a fwd-only check compares)."""
     phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
     index = jnp.arange(theta.shape[0])
     v = jnp.where((index >= lo) & (index < hi), direction, 0.0)
     v = v / jnp.linalg.norm(v)
-    return v, phi(theta + eps * v), phi(theta - eps * v)
+    out = v, phi(theta + eps * v), phi(theta - eps * v)
+    return (*out, jax.jvp(phi, (theta,), (v,))[1]) if jvp else out
 
 
 #: At most this many kink candidates get the second, smaller step (one compiled call each).
@@ -494,15 +522,26 @@ _SG_NOTE = {
 
 # --- the two modes ------------------------------------------------------------------------
 
-def _see_through_grad(prob):
-    """Gradient with stop_gradient made transparent, or None if the program has none."""
+def _see_through_grad(prob, modes):
+    """Gradient with stop_gradient made transparent, or None if the program has none.
+
+    In reverse mode, or in forward mode (one jvp per element) when only "fwd" is checked or
+    reverse mode fails: with stop_gradient gone, a while_loop may come to depend on theta,
+    and only forward mode differentiates it."""
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     jaxpr = jax.make_jaxpr(lambda t: obj.objective(spec, t, leaves, cots))(theta)
     if not obj.has_stop_gradient(jaxpr):
         return None
+    see_through = spec._replace(see_through_stop_gradient=True)
+    if "rev" in modes:
+        try:
+            return np.asarray(_rev_kernel(see_through, theta, leaves, cots))
+        except Exception:  # noqa: BLE001 - e.g. a while_loop: try forward mode
+            pass
+    n = theta.shape[0]
     try:
-        return np.asarray(_rev_kernel(spec._replace(see_through_stop_gradient=True), theta,
-                                      leaves, cots))
+        return np.asarray(_fwd_grad_kernel(see_through, theta, leaves, cots,
+                                           chunk=max(1, min(n, _CHUNK_ELEMENTS // max(n, 1)))))
     except Exception:  # noqa: BLE001 - a primitive we cannot re-bind: no stop_gradient verdicts
         return None
 
@@ -538,7 +577,7 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
     if smooth is not None:
         cls = classify_elements(grad, numeric, right, left, None, atol * scale, rtol, eps, smooth)
     if (cls["fail"] & ~cls["kink"]).any():  # only then ask whether stop_gradient explains it
-        g_st = _see_through_grad(prob)
+        g_st = _see_through_grad(prob, modes)
         if g_st is not None:
             cls = classify_elements(grad, numeric, right, left, g_st, atol * scale, rtol, eps,
                                     smooth)
@@ -588,7 +627,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             notes.append(note)
     mismatch = any((np.abs(a - numeric) > atol * scale + rtol * np.abs(numeric)).any()
                    for a in analytic.values())
-    g_st = _see_through_grad(prob) if mismatch else None
+    g_st = _see_through_grad(prob, modes) if mismatch else None
     if g_st is not None:
         notes.append(_SG_NOTE[respect_sg])
     rows = []
@@ -599,24 +638,34 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
             atol * scale, rtol, eps, respect_sg)
-        if row.status == "fail" and "rev" in analytic:
-            j = int(np.argmax(np.abs(analytic["rev"][sel] - numeric[sel])))
-            i, a, num, evaluations = _bisect(prob, tol, grad, raw[j], lo, hi)
+        if row.status == "fail":
+            m = "rev" if "rev" in analytic else "fwd"
+            j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))
+            i, a, num, evaluations = _bisect(prob, tol, grad if m == "rev" else None, raw[j],
+                                             lo, hi)
             row = row.located(i - lo, a, num, evaluations)
         rows.append(row)
     return rows, notes
 
 
 def _bisect(prob, tol, grad, direction, lo, hi):
-    """Halves [lo, hi) towards the larger rev-vs-numeric discrepancy; returns the element found."""
+    """Halves [lo, hi) towards the larger analytic-vs-numeric discrepancy; returns the element
+    found. The analytic side is ``grad · v`` (rev), or without `grad` a jvp along v (fwd)."""
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps = tol[0]
+    fwd = grad is None
+
+    def analytic_and_numeric(direction, a, b):
+        out = _masked_kernel(spec, theta, leaves, cots, direction, a, b, eps=eps, jvp=fwd)
+        v, f_plus, f_minus = out[:3]
+        value = float(out[3]) if fwd else float(jnp.dot(grad_on_device, v))
+        return value, (float(f_plus) - float(f_minus)) / (2 * eps)
 
     grad_on_device, direction = jax.device_put((grad, direction))  # once, not per evaluation
 
     def discrepancy(a, b):
-        v, f_plus, f_minus = _masked_kernel(spec, theta, leaves, cots, direction, a, b, eps=eps)
-        return abs(float(jnp.dot(grad_on_device, v)) - (float(f_plus) - float(f_minus)) / (2 * eps))
+        value, numeric = analytic_and_numeric(direction, a, b)
+        return abs(value - numeric)
 
     evaluations = 0
     while hi - lo > 1:
@@ -626,7 +675,5 @@ def _bisect(prob, tol, grad, direction, lo, hi):
         lo, hi = (lo, mid) if left >= right else (mid, hi)
     one_hot = np.zeros(theta.shape[0])
     one_hot[lo] = 1.0
-    _, f_plus, f_minus = _masked_kernel(spec, theta, leaves, cots, jnp.asarray(one_hot), lo,
-                                        lo + 1, eps=eps)
-    numeric = (float(f_plus) - float(f_minus)) / (2 * eps)
-    return lo, float(grad[lo]), numeric, evaluations + 1
+    value, numeric = analytic_and_numeric(jnp.asarray(one_hot), lo, lo + 1)
+    return lo, value, numeric, evaluations + 1

@@ -279,6 +279,58 @@ def test_forward_mode_alone_checks_every_element_and_catches_a_wrong_jvp():
                                rtol=1e-6)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"modes": ("fwd",)}, {"modes": ("rev",)},
+                                    {"mode": "directional"}], ids=["both", "fwd", "rev", "dir"])
+def test_stop_gradient_inside_a_while_loop_is_marked_not_failed(kwargs):
+    # f(a) = sum over 3 iterations of sg(a)**2, plus sum(a): JAX's gradient is 1 per element,
+    # the central difference 6a + 1. Without stop_gradient the loop depends on a, so the
+    # see-through gradient can only be taken in forward mode.
+    sg = jax.lax.stop_gradient
+
+    def f(a):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + sg(a) ** 2),
+                                  (0, jnp.zeros(3)))[1].sum() + a.sum()
+    report = fg.check_grads(f, jnp.array([1.0, 2.0, 3.0]), **kwargs)
+    assert report.ok and [r.status for r in report.rows] == ["stop_gradient"], str(report)
+
+
+def test_second_order_through_a_while_loop_is_a_clear_error():
+    wl = lambda a: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1])),
+                                      (0, a))[1].sum()
+    with pytest.raises(ValueError, match=r"order=2 checks the gradient.*modes=\('fwd',\)"):
+        fg.check_grads(wl, jnp.ones(3), modes=("fwd",), order=2)
+
+
+def test_empty_leaves_are_skipped_not_failed():
+    # A (0,) leaf has no element to check: listed as skipped (it was a NaN failure, an
+    # IndexError in directional mode, and a ZeroDivisionError when alone).
+    f = lambda p: jnp.sum(p["a"] ** 2) + jnp.sum(p["e"])
+    p = {"a": jnp.ones(2), "e": jnp.zeros((0,))}
+    for mode in ("full", "directional"):
+        report = fg.check_grads(f, p, mode=mode)
+        assert report.ok and [r.path for r in report.rows] == ["p['a']"]
+        assert any("p['e']" in s and "empty" in s for s in report.skipped)
+    with pytest.raises(ValueError, match=r"no floating leaf to differentiate.*skipped: e \(shape"):
+        fg.check_grads(lambda e: jnp.sum(e), jnp.zeros((0,)))
+
+
+def test_forward_mode_alone_in_directional_mode_locates_the_element():
+    # x**2 with a jvp that is 1.5x too large at index 37 of 64: bisection on jvps finds it.
+    # Hand: analytic 2 * 1.5 * x = 3x there, the central difference 2x.
+    scale = jnp.ones(64).at[37].set(1.5)
+
+    @jax.custom_jvp
+    def square(x):
+        return x * x
+    square.defjvp(lambda pr, t: (square(pr[0]), 2 * pr[0] * t[0] * scale))
+    x = jnp.linspace(0.5, 2.0, 64)
+    report = fg.check_grads(lambda x: jnp.sum(square(x)), x, modes=("fwd",), mode="directional")
+    row = report.rows[0]
+    assert not report.ok and row.worst_index == (37,)
+    np.testing.assert_allclose([row.analytic, row.numeric], [3 * float(x[37]), 2 * float(x[37])],
+                               rtol=1e-6)
+
+
 def test_forward_mode_alone_with_a_custom_vjp_is_a_clear_error():
     with pytest.raises(ValueError, match=r"modes=\('fwd',\) but fn uses a custom_vjp"):
         fg.check_grads(lambda p: mlp_loss(p, *_mlp()[1:]), _mlp()[0], modes=("fwd",))
