@@ -148,11 +148,15 @@ class ReluSite:
     Attributes:
       where: the source line of the ReLU (``file.py:LINE (function)``).
       units: number of units (the size of the last axis of its input).
-      dead: units whose pre-activation is <= 0 for every example of the batch.
+      dead: units whose pre-activation is <= 0 for every example of the batch (inside
+        ``scan``: at every iteration).
+      dead_per_iteration: inside ``scan``, the dead units of each iteration, in the order run
+        (a scan over stacked layers runs one layer per iteration); () outside scan.
     """
     where: str
     units: int
     dead: int
+    dead_per_iteration: tuple[int, ...] = ()
 
     @property
     def dead_fraction(self) -> float:
@@ -213,8 +217,12 @@ class GradExplanation:
             lines.append(f"  {r.path:<{w}}  {str(list(r.shape)):<12}{r.status:<31}"
                          f"{r.grad_norm:>11.3g}  {r.detail}")
         for s in self.relus:
-            lines.append(f"  ReLU at {s.where or '?'}: {s.dead}/{s.units} units dead for this "
-                         f"batch ({100 * s.dead_fraction:.0f}%)")
+            line = (f"  ReLU at {s.where or '?'}: {s.dead}/{s.units} units dead for this "
+                    f"batch ({100 * s.dead_fraction:.0f}%)")
+            if s.dead_per_iteration:
+                line += (f" at every one of {len(s.dead_per_iteration)} scan iterations; dead "
+                         f"per iteration: {_counts(s.dead_per_iteration)}")
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -333,20 +341,29 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
 def _numeric_detail(relus: list[ReluSite]) -> str:
     text = ("differentiable path exists, but the gradient is exactly zero for this input "
             "(dead ReLU units, saturation, or a branch no example took)")
-    dead = [s for s in relus if s.dead]
+    dead = [s for s in relus if s.dead or any(s.dead_per_iteration)]
     if dead:
         text += "; dead ReLU units: " + ", ".join(
-            f"{s.dead}/{s.units} at {s.where or '?'}" for s in dead)
+            f"{s.dead}/{s.units} at {s.where or '?'}" + (
+                f" (per scan iteration: {_counts(s.dead_per_iteration)})"
+                if s.dead_per_iteration else "") for s in dead)
     return text
+
+
+def _counts(values: tuple[int, ...], most: int = 12) -> str:
+    shown = ", ".join(map(str, values[:most]))
+    return shown + (f", ... ({len(values)} in all)" if len(values) > most else "")
 
 
 # --- ReLU sites: evaluate the program once and look at every max(x, 0) -------------------
 
 def _relu_sites(closed, params, args) -> list[ReluSite]:
-    found: dict[tuple, list] = {}  # call path -> [where, units, alive mask]
+    # call path -> [where, units, alive in any evaluation, dead count of each evaluation]
+    found: dict[tuple, list] = {}
     _record(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), found, "", ())
-    return [ReluSite(where, units, int(units - alive.sum()))
-            for where, units, alive in found.values()]
+    return [ReluSite(where, units, int(units - alive.sum()),
+                     tuple(per) if len(per) > 1 else ())
+            for where, units, alive, per in found.values()]
 
 
 def _is_zero_literal(v) -> bool:
@@ -354,7 +371,8 @@ def _is_zero_literal(v) -> bool:
 
 
 def _record(jaxpr, consts, args, found, where, path):
-    """Evaluates `jaxpr` and ORs into ``found[key][2]`` which units of each ReLU were alive.
+    """Evaluates `jaxpr`; for each ReLU, ORs into ``found[key][2]`` which units were alive and
+    appends to ``found[key][3]`` how many were dead in this evaluation.
 
     A ReLU is keyed by its call path (the ids of the equations that lead to it), so the same
     jitted helper called by two layers gives two sites, and one ReLU in a scan body gives one
@@ -372,13 +390,15 @@ def _record(jaxpr, consts, args, found, where, path):
             branch = eqn.params["branches"][int(np.clip(ins[0], 0,
                                                         len(eqn.params["branches"]) - 1))]
             return _record(branch.jaxpr, branch.consts, ins[1:], found, here, key)
-        if name == "max" and len(eqn.invars) == 2 and any(map(_is_zero_literal, eqn.invars)):
+        if (name == "max" and len(eqn.invars) == 2 and any(map(_is_zero_literal, eqn.invars))
+                and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):  # not int clamps
             x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
             if x.ndim:
                 units = x.shape[-1]
                 alive = np.any(x.reshape(-1, units) > 0, axis=0)
-                site = found.setdefault(key, [here, units, np.zeros(units, bool)])
+                site = found.setdefault(key, [here, units, np.zeros(units, bool), []])
                 site[2] |= alive
+                site[3].append(int(units - alive.sum()))
         return None
     return interpret(jaxpr, consts, args, rule)
 

@@ -418,8 +418,13 @@ class GradMonitor:
 
         `trainable` (a mask from `funcgrad.trainable_mask`, the structure of `params` or a
         prefix of it) excludes layers whose leaves are all frozen from the vanishing check.
+        Raises ValueError if `params` has no leaves.
         """
         leaf_names, layer_names, layer_of = _layers(params)
+        if not leaf_names:
+            raise ValueError(f"grad_monitor: params has no array leaves (got {params!r}), so "
+                             "there is no gradient to monitor. Pass the params the train step "
+                             "differentiates.")
         watched = np.zeros(len(layer_names), bool)
         flags = [True] * len(layer_of) if trainable is None else jax.tree.leaves(jax.tree.map(
             lambda m, sub: jax.tree.map(lambda _: bool(m), sub), trainable, params))

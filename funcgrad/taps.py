@@ -151,6 +151,10 @@ def _twice(first: _Site, second: _Site) -> None:
            "pass a batch_size that divides the length, or tap outside lax.map."
            if same_line else " A tap inside a lax.scan body is one site and already gives one "
            "value per iteration.")
+    why += (" Under jax.vmap, a lax.cond whose predicate differs between examples runs both "
+            "branches (vmap turns it into a select), so one name in both branches is two "
+            "sites: use two names and add their gradients, or put vmap outside "
+            "intermediate_grads.")
     raise ValueError(
         f"tap name {second.name!r} is used twice in one call: at {first.where or '?'} (shape "
         f"{first.shape}) and at {second.where or '?'} (shape {second.shape}). Names must be "
@@ -253,6 +257,8 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
 
         def with_perts(perts, *args):
             outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), perts)
+            # An output the jaxpr holds as a literal (a constant aux) comes back as an array.
+            outs = [o if isinstance(o, jax.Array) else jnp.asarray(o) for o in outs]
             return jax.tree.unflatten(out_tree, outs)
 
         value, grads = jax.value_and_grad(with_perts, argnums=(0, *(n + 1 for n in nums)),

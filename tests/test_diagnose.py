@@ -219,7 +219,7 @@ def test_relus_inside_scan_are_dead_only_if_dead_at_every_iteration():
     # iteration: 4/4 units dead, and the gradient is exactly zero.
     xs = -jnp.ones((3, 4))
     r = explain_grads(_relu_rnn, {"w": -jnp.eye(4)}, xs)
-    assert [(s.units, s.dead) for s in r.relus] == [(4, 4)]
+    assert [(s.units, s.dead, s.dead_per_iteration) for s in r.relus] == [(4, 4, (4, 4, 4))]
     assert "_relu_rnn" in r.relus[0].where
     assert r.status("p['w']") == "numerically_zero" and "4/4 at" in r["p['w']"].detail
     # x_1[2] = +1: unit 2 is alive at iteration 1 only, so 3 of 4 units are dead over the scan.
@@ -232,6 +232,27 @@ def test_relus_inside_scan_are_dead_only_if_dead_at_every_iteration():
     r = explain_grads(rev, jnp.float32(0.5), xs2)
     np.testing.assert_allclose(r.loss, rev(jnp.float32(0.5), xs2), rtol=1e-6)
     assert [(s.units, s.dead) for s in r.relus] == [(2, 1)]  # unit 0 alive at t = 0
+
+
+def test_a_scan_over_stacked_layers_reports_dead_units_per_iteration():
+    # Hand: x = ones, layers I, -I, I: iteration 0 gives relu(1) = 1 (0 dead), iteration 1
+    # relu(-1) = 0 (3 dead), iteration 2 relu(0) = 0 (3 dead). No unit is dead at every
+    # iteration, but the per-iteration counts say which layer killed the gradient.
+    def loss(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, p["ws"])
+        return (h @ p["out"]).sum()
+    params = {"ws": jnp.stack([jnp.eye(3), -jnp.eye(3), jnp.eye(3)]), "out": jnp.ones((3, 1))}
+    r = explain_grads(loss, params, jnp.ones((2, 3)))
+    assert [(s.units, s.dead, s.dead_per_iteration) for s in r.relus] == [(3, 0, (0, 3, 3))]
+    assert r.status("p['ws']") == "numerically_zero"
+    assert "per scan iteration: 0, 3, 3" in r["p['ws']"].detail
+    assert "dead per iteration: 0, 3, 3" in str(r)
+
+
+def test_an_integer_clamp_is_not_a_relu():
+    # jnp.maximum(i, 0) on integers is a clamp, not an activation: no ReLU site.
+    r = explain_grads(lambda p, i: jnp.sum(p * jnp.maximum(i, 0)), jnp.ones(2), jnp.array([-1, 2]))
+    assert r.relus == () and r.status("p") == "connected"
 
 
 def test_relus_in_the_taken_cond_branch_and_two_calls_of_one_jitted_helper():

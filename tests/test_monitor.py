@@ -446,3 +446,8 @@ def test_a_frozen_layer_is_not_vanishing_and_accumulation_reports_per_update():
     assert result.history.alerts == []
     assert [row[0] for row in result.history.step_layer_norm] == [0.0] * 4
     assert int(result.state.monitor.step) == 4
+
+
+def test_params_without_leaves_get_a_clear_error():
+    with pytest.raises(ValueError, match="params has no array leaves"):
+        grad_monitor().init({})

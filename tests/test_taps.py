@@ -130,6 +130,23 @@ def test_a_tap_in_lax_map_with_a_remainder_names_the_cause():
     np.testing.assert_array_equal(taps["h"], np.ones((2, 2, 3)))
 
 
+def test_one_name_in_both_branches_of_a_vmapped_cond_names_the_select():
+    # Under vmap a cond with a per-example predicate runs both branches: two sites.
+    def loss(w, xs):
+        return jax.vmap(lambda e: jax.lax.cond(e > 1.5, lambda: jnp.sum(tap("h", w * e) ** 2),
+                                               lambda: jnp.sum(tap("h", w * e))))(xs).sum()
+    with pytest.raises(ValueError, match=r"runs both branches \(vmap turns it into a select\)"):
+        intermediate_grads(loss)(jnp.ones(3), jnp.array([1.0, 2.0]))
+
+
+def test_a_constant_aux_comes_back_as_an_array():
+    # Hand: sum(w^2) at w = [1, 1] is 2, its gradient 2w; the aux 3.0 is a literal in the jaxpr.
+    (value, aux), grads, taps = intermediate_grads(
+        lambda w: (jnp.sum(tap("a", w) ** 2), 3.0), has_aux=True)(jnp.ones(2))
+    assert isinstance(aux, jax.Array) and float(aux) == 3.0 and float(value) == 2.0
+    np.testing.assert_array_equal(taps["a"], [2.0, 2.0])
+
+
 def test_inside_checkpoint_and_with_aux_and_argnums():
     # Same hand values as test_tap_gradients_by_hand; d/dx through z = x @ w is dz @ w^T.
     f = jax.checkpoint(lambda w, x: (sq_tanh(w, x), {"n": x.shape[0]}))
