@@ -522,12 +522,16 @@ _SG_NOTE = {
 
 # --- the two modes ------------------------------------------------------------------------
 
+#: Most elements whose see-through gradient is taken in forward mode (one jvp each).
+_FWD_SEE_THROUGH_LIMIT = 1 << 16
+
+
 def _see_through_grad(prob, modes):
     """Gradient with stop_gradient made transparent, or None if the program has none.
 
-    In reverse mode, or in forward mode (one jvp per element) when only "fwd" is checked or
-    reverse mode fails: with stop_gradient gone, a while_loop may come to depend on theta,
-    and only forward mode differentiates it."""
+    In reverse mode, or in forward mode (one jvp per element, up to `_FWD_SEE_THROUGH_LIMIT`
+    elements) when only "fwd" is checked or reverse mode fails: with stop_gradient gone, a
+    while_loop may come to depend on theta, and only forward mode differentiates it."""
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     jaxpr = jax.make_jaxpr(lambda t: obj.objective(spec, t, leaves, cots))(theta)
     if not obj.has_stop_gradient(jaxpr):
@@ -539,6 +543,8 @@ def _see_through_grad(prob, modes):
         except Exception:  # noqa: BLE001 - e.g. a while_loop: try forward mode
             pass
     n = theta.shape[0]
+    if n > _FWD_SEE_THROUGH_LIMIT:  # one jvp per element would take too long: no verdicts
+        return None
     try:
         return np.asarray(_fwd_grad_kernel(see_through, theta, leaves, cots,
                                            chunk=max(1, min(n, _CHUNK_ELEMENTS // max(n, 1)))))
