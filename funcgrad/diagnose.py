@@ -151,7 +151,8 @@ class ReluSite:
       dead: units whose pre-activation is <= 0 for every example of the batch (inside
         ``scan``: at every iteration).
       dead_per_iteration: inside ``scan``, the dead units of each iteration, in the order run
-        (a scan over stacked layers runs one layer per iteration); () outside scan.
+        (a scan over stacked layers runs one layer per iteration); () outside scan and for a
+        scan of one iteration.
     """
     where: str
     units: int
