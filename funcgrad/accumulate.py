@@ -35,7 +35,7 @@ the loss function returns **per-example** losses:
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -380,8 +380,16 @@ def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
       (fewer for the last group).
     Raises:
       ValueError: if `accumulate` is not a positive int, or as `stack_microbatches`.
+      TypeError: if `microbatches` is one batch (a dict or an array), not an iterable of them.
     """
     k = _positive_int(accumulate, "group_microbatches: accumulate")  # checked at the call
+    if isinstance(microbatches, Mapping) or hasattr(microbatches, "shape"):
+        raise TypeError(
+            "group_microbatches takes an iterable of micro-batches (e.g. a list of dicts, or "
+            "funcgrad.data.batches(x, y, batch_size=m)), got one "
+            f"{type(microbatches).__name__}; iterating it would give its "
+            f"{'keys' if isinstance(microbatches, Mapping) else 'rows'}. Split the batch "
+            "first, or pass [batch].")
 
     def groups(size):
         group: list[PyTree] = []

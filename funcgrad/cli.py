@@ -94,6 +94,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="when a step's loss or gradient goes NaN/inf, name the primitive, the pass "
                         "(forward/backward) and the source line that produced it (one host read "
                         "per step)")
+    parser.train_parser = t  # flag errors found after parsing use its "funcgrad train" prefix
     return parser
 
 
@@ -102,8 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "train" and args.momentum is not None and args.optimizer != "momentum":
-        parser.error(f"argument --momentum: applies to --optimizer momentum only (got "
-                     f"--optimizer {args.optimizer}); drop it or add --optimizer momentum")
+        parser.train_parser.error(
+            f"argument --momentum: applies to --optimizer momentum only (got --optimizer "
+            f"{args.optimizer}); drop it or add --optimizer momentum")
+    if args.command == "train" and os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
+                                  "pass a folder path (it is created if missing)")
     if args.command == "train":
         try:
             return _train(args)

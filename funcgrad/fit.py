@@ -52,11 +52,18 @@ class NonFiniteReport(NamedTuple):
     def __str__(self) -> str:
         where = (f"batch {self.batch}" if self.batches == 1 else
                  f"batches {self.batch}-{self.batch + self.batches - 1}, accumulated")
+        these = 'that batch' if self.batches == 1 else 'those batches'
+        if not math.isfinite(self.loss) and math.isfinite(self.grad_norm):
+            # The gradient is fine, so no update blew up: the loss itself made the NaN/inf.
+            hint = (f"The gradient norm is finite, so the loss itself is not: check the "
+                    f"targets and inputs of {these} (e.g. a label outside [0, classes) in "
+                    "softmax_cross_entropy) rather than the learning rate.")
+        else:
+            hint = f"Try a lower learning rate, clip_norm, or check the inputs of {these}."
         text = (f"non-finite value at step {self.step} (epoch {self.epoch}, {where}): "
                 f"loss={self.loss}, grad_norm={self.grad_norm}. Training stopped; the returned "
                 "state is the last one with finite loss and gradients (this step was not "
-                "applied). Try a lower learning rate, clip_norm, or check the inputs of "
-                f"{'that batch' if self.batches == 1 else 'those batches'}.")
+                f"applied). {hint}")
         return text if self.anomaly is None else f"{text}\n{self.anomaly}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,7 +148,8 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     Args:
       step: a step from `make_train_step`.
       state: the starting `TrainState`.
-      x, y: training inputs ``(n, ...)`` and targets ``(n, ...)``, NumPy or JAX arrays.
+      x, y: training inputs ``(n, ...)`` and targets ``(n, ...)``, NumPy or JAX arrays
+        (nested Python lists are converted with ``np.asarray``).
       epochs: number of passes, a positive int.
       batch_size: examples per step, a positive int (the last batch of an epoch may be smaller).
       seed: seed of the batch order.
@@ -153,7 +161,9 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     Returns:
       a `FitResult`.
     Raises:
-      ValueError: if `epochs` or `batch_size` is not a positive int.
+      ValueError: if `epochs` or `batch_size` is not a positive int, `x` is empty, or an
+        accumulating step with ``tail="drop"`` would drop every group (fewer batches per
+        epoch than `accumulate`).
       FloatingPointError: at a skipped step, when `step` was made with ``nonfinite="raise"``;
         the message is the `NonFiniteReport`.
       TypeError: if the first call of `step` returns something other than
@@ -167,12 +177,22 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
         raise ValueError(f"fit: epochs must be a positive int, got {epochs!r}.")
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"fit: batch_size must be a positive int, got {batch_size!r}.")
-    history = History()
-    accumulate = getattr(step, "accumulate", None) or 1
-    steps_per_epoch = math.ceil(math.ceil(len(x) / batch_size) / accumulate)
-    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step", leave=False)
+    if isinstance(x, (list, tuple)) or isinstance(y, (list, tuple)):
+        x, y = np.asarray(x), np.asarray(y)  # Python lists, as from a CSV reader
     if len(x) == 0:
         raise ValueError("fit: x is empty; there is nothing to train on.")
+    history = History()
+    accumulate = getattr(step, "accumulate", None) or 1
+    n_batches = math.ceil(len(x) / batch_size)
+    if accumulate > 1 and getattr(step, "tail", None) == "drop" and n_batches < accumulate:
+        raise ValueError(
+            f"fit: {len(x)} examples in batches of {batch_size} make {n_batches} micro-batch"
+            f"{'es' if n_batches > 1 else ''} per epoch, fewer than one group of "
+            f"accumulate={accumulate}, and the step drops a partial group (tail='drop'): no "
+            "update would ever be applied. Use a smaller batch_size or accumulate, or "
+            "tail='apply'.")
+    steps_per_epoch = math.ceil(n_batches / accumulate)
+    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step", leave=False)
 
     def say(line):
         if log is not None:

@@ -112,7 +112,8 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     Args:
       logits: shape ``(batch, classes)``, floating.
       labels: shape ``(batch,)``, integer class indices in ``[0, classes)``. A label outside
-        that range gives NaN (it cannot raise inside jit); `funcgrad.find_nonfinite` locates it.
+        that range, negative ones included, makes the loss NaN (it cannot raise inside jit;
+        the train step then skips the update); `funcgrad.find_nonfinite` locates it.
     Returns:
       a scalar (shape ``()``) in nats, the dtype of `logits`.
     Raises:
@@ -132,7 +133,11 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
             f"softmax_cross_entropy: labels of shape {labels_shape} do not match logits of "
             f"shape {logits_shape}: expected one label per row, shape {logits_shape[:-1]}. "
             "Check that x and y of the batch hold the same examples.")
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    # A negative label would index from the end (-1: the last class) and give a finite, wrong
+    # loss; one past the end gives NaN. Both are NaN here, so the guard skips the step.
+    valid = (labels >= 0) & (labels < logits_shape[-1])
+    return jnp.where(valid, per_example, jnp.nan).mean()
 
 
 def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:

@@ -70,6 +70,12 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
     """
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
+    if isinstance(optimizer, optax.MultiSteps):
+        raise TypeError(
+            "optimizer is an optax.MultiSteps, which is not a GradientTransformation itself. "
+            "For accumulation equal to the full-batch gradient use make_train_step(..., "
+            "accumulate=K) with the inner optimizer; to keep MultiSteps' semantics pass "
+            "multi_steps.gradient_transformation().")
     if not isinstance(optimizer, str):
         raise TypeError(
             f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or an optax "
@@ -231,7 +237,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       ``"skipped": () int32`` (1 when the update was not applied) with ``nonfinite="zero"``
       or a `loss_scale`, where ``"nonfinite_leaves": () int32`` or "loss_scale" and
       "skipped_total" come too. "grad_norm" is the pre-clip global norm in the gradients'
-      units. Without "skipped", a step was skipped exactly when its loss or grad_norm is not
+      units (with ``nonfinite="zero"``, of the gradient after its non-finite leaves were
+      zeroed: the norm of what the update used; "nonfinite_leaves" counts the zeroed leaves,
+      and a monitor still sees the raw gradient and raises its nonfinite alert). Without "skipped", a step was skipped exactly when its loss or grad_norm is not
       finite (`step_was_skipped`). The step has attributes ``nonfinite`` (the policy) and ``accumulate``.
     Raises:
       TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
@@ -285,14 +293,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             metrics = {"loss": loss, "grad_norm": grad_norm,
                        "monitor": report if accumulate is not None else report._detached()}
         zero = nonfinite == "zero"
-        if clip_norm is not None:
-            grads, info = clip_by_global_norm(grads, clip_norm, zero_nonfinite=zero,
-                                              grad_norm=grad_norm)
-            metrics["clip_coef"] = info.clip_coef
-            if zero:
-                metrics["nonfinite_leaves"] = info.nonfinite_leaves
-        elif zero:
+        if zero:  # the norm reported and clipped against is that of the gradient applied
             grads, metrics["nonfinite_leaves"] = zero_nonfinite_leaves(grads)
+            grad_norm = metrics["grad_norm"] = global_norm(grads)
+        if clip_norm is not None:
+            grads, info = clip_by_global_norm(grads, clip_norm, grad_norm=grad_norm)
+            metrics["clip_coef"] = info.clip_coef
         ok = jnp.isfinite(loss) & (jnp.bool_(True) if zero else jnp.isfinite(grad_norm))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params, opt_state = jax.tree.map(
@@ -347,6 +353,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                                                          compute_dtype))
     out.nonfinite = nonfinite
     out.accumulate = accumulate
+    out.tail = tail if accumulate is not None else None
     return out
 
 
@@ -522,6 +529,17 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
         raise ValueError("this step has a gradient monitor but the TrainState has no monitor "
                          "state. Create it with init_train_state(params, optimizer, "
                          "monitor=monitor), the monitor given to make_train_step.")
+    # The other way round the step would carry the state along unchanged: a monitor that
+    # never updates, a loss scale that never moves. Almost surely two different steps mixed.
+    if loss_scale is None and state.loss_scale is not None:
+        raise ValueError("the TrainState has a loss-scale state but this step scales no loss: "
+                         "it would never update. Pass the same loss_scale to make_train_step "
+                         "as to init_train_state, or create the state without one.")
+    if monitor is None and state.monitor is not None:
+        raise ValueError("the TrainState has a gradient-monitor state but this step has no "
+                         "monitor: it would never update. Pass the same monitor to "
+                         "make_train_step as to init_train_state, or create the state without "
+                         "one.")
     shapes = lambda tree: jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), tree)
     expected = jax.eval_shape(optimizer.init, state.params)
     got = state.opt_state

@@ -505,6 +505,14 @@ def test_helper_errors(call, match):
         call()
 
 
+def test_group_microbatches_refuses_one_batch():
+    # Iterating a dict gives its keys: one batch is not an iterable of micro-batches.
+    with pytest.raises(TypeError, match=r"got one dict; iterating it would give its keys"):
+        group_microbatches({"x": np.zeros((8, 2))}, 4)
+    with pytest.raises(TypeError, match=r"would give its rows"):
+        group_microbatches(np.zeros((8, 2)), 4)
+
+
 def test_a_mean_loss_is_refused_with_the_fix():
     params, batch = _params(), _examples(8)
     stacked = {k: v.reshape(2, 4, *v.shape[1:]) for k, v in batch.items()}

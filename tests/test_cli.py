@@ -88,11 +88,13 @@ def test_accumulate_with_float16_and_dynamic_loss_scaling(tmp_path, capsys):
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["train", "--accumulate", "0"], "argument --accumulate: expected a positive int, got '0'"),
-    (["train", "--momentum", "0.5"], "argument --momentum: applies to --optimizer momentum only"),
+    (["train", "--momentum", "0.5"],
+     "funcgrad train: error: argument --momentum: applies to --optimizer momentum only"),
+    (["train", "--out", __file__], "funcgrad train: error: argument --out: "),
     ([], "the following arguments are required: command"),
 ], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
         "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype", "accumulate",
-        "momentum_without_momentum_optimizer", "no_command"])
+        "momentum_without_momentum_optimizer", "out_is_a_file", "no_command"])
 def test_bad_flags_give_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "funcgrad", *argv], capture_output=True,
                           text=True, timeout=60)

@@ -117,6 +117,51 @@ def test_fit_with_accumulation_counts_updates_and_the_tail(tail, updates, droppe
     assert result.state.opt_state[0].count == updates       # Adam ran once per update
 
 
+def test_fit_refuses_a_run_whose_every_group_would_be_dropped():
+    # 50 examples in batches of 32 make 2 micro-batches per epoch, fewer than one group of 4:
+    # with tail="drop" no update would ever be applied.
+    tx = optax.sgd(0.1)
+    per_example = lambda p, b: jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=-1)
+    step = fg.make_train_step(per_example, tx, accumulate=4, tail="drop")
+    x, y = np.ones((50, 3), np.float32), np.zeros((50, 1), np.float32)
+    state = fg.init_train_state({"w": jnp.zeros((3, 1))}, tx)
+    with pytest.raises(ValueError, match=r"make 2 micro-batches per epoch, fewer than one group "
+                                         r"of accumulate=4.*no update would ever be applied"):
+        fg.fit(step, state, x, y, epochs=1, batch_size=32, progress=False)
+    # tail="apply" trains on them: one update per epoch. Hand: the gradient of the mean of
+    # (x·w - y)^2 at w = 0, y = 0 is 0, so w stays 0 and the loss is 0.
+    step = fg.make_train_step(per_example, tx, accumulate=4)
+    result = fg.fit(step, state, x, y, epochs=1, batch_size=32, progress=False)
+    assert int(result.state.step) == 1 and result.history.step_loss == [0.0]
+
+
+def test_a_nan_loss_with_a_finite_gradient_points_at_the_targets():
+    # Label 10 of 10 classes in batch 0: the loss is NaN, the gradient finite (the example's
+    # term drops out of it), so the report blames the targets, not the learning rate.
+    data = fg.load_digits(seed=0)
+    y = data.y_train[:64].copy()
+    y[3] = 10
+    tx = optax.adam(1e-3)
+    loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
+    state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 8, 10)), tx)
+    with pytest.warns(RuntimeWarning):
+        result = fg.fit(fg.make_train_step(loss, tx), state, data.x_train[:64], y, epochs=1,
+                        batch_size=64, progress=False)
+    report = result.nonfinite
+    assert math.isnan(report.loss) and math.isfinite(report.grad_norm)
+    assert "label outside [0, classes)" in str(report) and "Try a lower learning" not in str(report)
+
+
+def test_fit_takes_python_lists():
+    # Hand: one SGD step (lr 0.5) on mean((w x - y)^2) from w = 0 with x = y = [1, 1]:
+    # gradient -2 mean(x (y - w x)) = -2, so w = 1 and the next loss is 0.
+    tx = optax.sgd(0.5)
+    loss = lambda p, b: jnp.mean((b["x"] * p - b["y"]) ** 2)
+    result = fg.fit(fg.make_train_step(loss, tx), fg.init_train_state(jnp.float32(0.0), tx),
+                    [1.0, 1.0], [1.0, 1.0], epochs=1, batch_size=2, progress=False)
+    np.testing.assert_allclose(result.state.params, 1.0)
+
+
 def test_fit_names_a_loss_function_passed_as_the_step():
     data = fg.load_digits(seed=0)
     params, tx = fg.mlp_init(jax.random.key(0), (64, 10)), optax.sgd(0.1)

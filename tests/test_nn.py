@@ -69,3 +69,14 @@ def test_cross_entropy_label_errors():
     with pytest.raises(TypeError, match=r"labels must be integer class indices of shape \(4,\), "
                                         r"got dtype float32 .* pass labels\.argmax\(-1\)"):
         fg.softmax_cross_entropy(logits, jax.nn.one_hot(jnp.arange(4), 10))
+
+
+def test_out_of_range_labels_make_the_loss_nan_both_ways():
+    # Hand: uniform logits over 4 classes give log(4) per valid example. A label of -1 would
+    # index the last class and 4 is past the end: both make the mean NaN, so the train step's
+    # guard skips the update instead of training on a wrong target.
+    logits = jnp.zeros((2, 4))
+    np.testing.assert_allclose(fg.softmax_cross_entropy(logits, jnp.array([0, 3])), np.log(4.0),
+                               rtol=1e-6)
+    assert np.isnan(fg.softmax_cross_entropy(logits, jnp.array([-1, 3])))
+    assert np.isnan(fg.softmax_cross_entropy(logits, jnp.array([0, 4])))

@@ -127,8 +127,25 @@ def test_nonfinite_zero_applies_the_finite_leaves(clip_norm):
     np.testing.assert_array_equal(new.params["v"], SQRT_PARAMS["v"])
     assert int(metrics["skipped"]) == 0 and int(metrics["nonfinite_leaves"]) == 1
     assert int(new.step) == 1
+    # grad_norm is that of the gradient applied: ||(2, -4)|| = sqrt(20), the v leaf zeroed.
+    np.testing.assert_allclose(metrics["grad_norm"], np.sqrt(20.0), rtol=1e-6)
     if clip_norm is not None:
         assert float(metrics["clip_coef"]) == 1.0
+
+
+def test_a_state_and_a_step_made_with_different_extras_are_refused():
+    # A state carrying a monitor or a loss scale given to a step without one would carry them
+    # along unchanged; a MultiSteps optimizer is pointed to accumulate=.
+    tx = optax.sgd(0.1)
+    params = {"w": jnp.ones(2)}
+    loss = lambda p, b: jnp.sum(p["w"] ** 2)
+    plain = fg.make_train_step(loss, tx)
+    with pytest.raises(ValueError, match="has a gradient-monitor state but this step has no"):
+        plain(fg.init_train_state(params, tx, monitor=fg.grad_monitor()), {})
+    with pytest.raises(ValueError, match="has a loss-scale state but this step scales no loss"):
+        plain(fg.init_train_state(params, tx, loss_scale=fg.dynamic_loss_scale()), {})
+    with pytest.raises(TypeError, match=r"MultiSteps.*accumulate=K.*gradient_transformation\(\)"):
+        fg.make_train_step(loss, optax.MultiSteps(tx, 4))
 
 
 def test_nonfinite_raise_makes_fit_raise():
