@@ -136,8 +136,10 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     # A negative label would index from the end (-1: the last class) and give a finite, wrong
     # loss; one past the end gives NaN. Both are NaN here, so the guard skips the step.
+    # Added, not selected: the NaN term does not depend on the logits, so the backward pass
+    # keeps no mask for it (no residual bytes).
     valid = (labels >= 0) & (labels < logits_shape[-1])
-    return jnp.where(valid, per_example, jnp.nan).mean()
+    return (per_example + jnp.where(valid, 0.0, jnp.nan).astype(per_example.dtype)).mean()
 
 
 def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
