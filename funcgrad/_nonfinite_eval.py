@@ -2,7 +2,12 @@
 
 `_Evaluator.forward` runs a jaxpr equation by equation on concrete values, entering nested
 jaxprs, and gives each non-finite value its `_Origin`: the first equation on its path that made
-a non-finite value from finite operands. `_Evaluator.backward` then pulls the loss's cotangent
+a non-finite value from finite operands. The forward pass tracks that per element (`_V.ids`):
+elementwise primitives keep each element's own origin, and primitives that only move elements
+(slice, gather, reshape, select_n, ...) move the origins with them, so a masked inf elsewhere
+in an array does not take the blame for a new one. An origin made from a non-finite literal or
+constant (``jnp.where(mask, s, -jnp.inf)``) is a *sentinel*: where a reduction or matmul mixes
+elements, a computed origin outranks it. `_Evaluator.backward` then pulls the loss's cotangent
 back through the recorded `_Step`s, one ``jax.vjp`` per equation. The approach, and why it was
 chosen, is described in `funcgrad.anomaly`; the reports are built there.
 """
@@ -100,6 +105,7 @@ class _Origin:
     forward_out: list = dataclasses.field(default_factory=list)  # backward: forward outputs
     own_transpose: bool = False   # inside a derivative that fn computes itself
     into: _Origin | None = None   # the origin this one merged into downstream
+    sentinel: bool = False        # made from a non-finite literal or constant (a -inf mask)
 
     def reaches(self, reached: set) -> bool:
         o = self
@@ -108,13 +114,19 @@ class _Origin:
         return o is not None
 
 
+def _rank(origin: _Origin) -> tuple[bool, int]:
+    """Which origin takes the blame where several meet: a computed one before a sentinel, then
+    the first created."""
+    return origin.sentinel, origin.seq
+
+
 def _earliest(*origins):
-    """The first-created of `origins` (None if all are None). The others are marked as merged
-    into it, so that they do not count as masked when it reaches the output."""
+    """The first-ranked of `origins` (`_rank`; None if all are None). The others are marked as
+    merged into it, so that they do not count as masked when it reaches the output."""
     present = [o for o in origins if o is not None]
     if not present:
         return None
-    first = min(present, key=lambda o: o.seq)
+    first = min(present, key=_rank)
     for o in present:
         if o is not first:
             o.into = first
@@ -126,6 +138,8 @@ class _V(NamedTuple):
     x: Any                  # the array
     org: _Origin | None     # where it became non-finite (None while it is finite)
     act: bool               # depends on a differentiated argument
+    ids: Any = None         # forward pass: the seq of each element's origin, -1 where finite
+                            # (None: no per-element record; then every element has `org`)
 
 
 class _Frame(NamedTuple):
@@ -167,10 +181,12 @@ class _Evaluator:
     def __init__(self):
         self._seq = itertools.count()
         self.forward_origins: list[_Origin] = []
+        self.by_seq: list[_Origin] = []  # every origin, at the index of its seq
 
     def new(self, phase, primitive, frame, operands, produced, produced_name, **kw) -> _Origin:
         origin = _Origin(next(self._seq), phase, primitive, frame.loc, frame.context,
                          list(operands), produced, produced_name, **kw)
+        self.by_seq.append(origin)
         if phase != "backward" or origin.own_transpose:
             self.forward_origins.append(origin)
         return origin
@@ -223,22 +239,89 @@ class _Evaluator:
                                         frame.enter(_at(_label(eqn), frame.loc)), False)
                 orgs = [v.org for v in inner]
             else:
-                orgs = self._origins(eqn, ins, values, frame)
+                orgs = None
+                outs = self._elementwise_origins(eqn, ins, values, frame)
             active = any(v.act for v in ins) and name != "stop_gradient"
-            outs = [_V(x, o, active and _is_float(x)) for x, o in zip(values, orgs)]
+            if orgs is not None:
+                outs = [_V(x, o, False) for x, o in zip(values, orgs)]
+            outs = [v._replace(act=active and _is_float(v.x)) for v in outs]
         step.outs = [v.x for v in outs]
         return outs, step
 
-    def _origins(self, eqn, ins, values, frame):
+    def _elementwise_origins(self, eqn, ins, values, frame) -> list[_V]:
+        """The outputs of a primitive with the origin of each non-finite element (`_V.ids`)."""
         bad = [not _finite(x) for x in values]
         if not any(bad):
-            return [None] * len(values)
-        first = bad.index(True)
-        origin = _earliest(*(v.org for v in ins)) or self.new(
-            "backward" if frame.own_transpose else "forward", eqn.primitive.name, frame,
-            [(_operand_name(var, i), v.x) for i, (var, v) in enumerate(zip(eqn.invars, ins))],
-            values[first], f"output {first}", own_transpose=frame.own_transpose)
-        return [origin if b else None for b in bad]
+            return [_V(x, None, False) for x in values]
+        made: list[_Origin] = []  # this equation's own origin, made at most once
+
+        def mine(k):
+            if not made:
+                # Made from a non-finite literal or constant (no origin of its own): a sentinel.
+                sentinel = any(v.org is None and not _finite(v.x) for v in ins)
+                made.append(self.new(
+                    "backward" if frame.own_transpose else "forward", eqn.primitive.name, frame,
+                    [(_operand_name(var, i), v.x) for i, (var, v) in
+                     enumerate(zip(eqn.invars, ins))],
+                    values[k], f"output {k}", own_transpose=frame.own_transpose,
+                    sentinel=sentinel))
+            return made[0]
+
+        outs = []
+        for k, (x, b) in enumerate(zip(values, bad)):
+            if not b:
+                outs.append(_V(x, None, False))
+                continue
+            ids = self._ids(eqn, ins, x, len(values))
+            if (ids == _NEW).any():
+                ids = np.where(ids == _NEW, mine(k).seq, ids)
+            found = [self.by_seq[i] for i in np.unique(ids[ids >= 0])]
+            outs.append(_V(x, _earliest(*found), False, ids))
+        return outs
+
+    def _ids(self, eqn, ins, out, n_out: int) -> np.ndarray:
+        """The origin seq of each element of the non-finite output `out`: -1 where it is finite,
+        `_NEW` where this equation made it non-finite."""
+        bad = ~np.isfinite(np.asarray(out))
+        name = eqn.primitive.name
+        ids = None
+        if name in _MOVES and n_out == 1:
+            try:
+                moved = _bind(eqn, [self._id_array(v) if _is_float(v.x) else v.x for v in ins])[0]
+                ids = np.asarray(moved).astype(np.int64)
+            except Exception:  # noqa: BLE001 - a parameter that wants the float dtype
+                ids = None
+        elif name in _ELEMENTWISE:
+            shape = np.shape(out)
+            per = [np.broadcast_to(self._id_array(v), shape) for v in ins
+                   if _is_float(v.x) and np.shape(v.x) in (shape, ())]
+            if per:
+                ids = self._best(np.stack(per))
+        if ids is None:  # mixes elements (a reduction, a matmul): the best origin among its inputs
+            best = _earliest(*(v.org for v in ins))
+            ids = np.full(np.shape(out), _NEW if best is None else best.seq, np.int64)
+        if ids.shape != np.shape(out):
+            ids = np.broadcast_to(ids, np.shape(out))
+        known = (ids >= 0) & (ids < len(self.by_seq))
+        return np.where(bad, np.where(known, ids, _NEW), -1)
+
+    def _id_array(self, v: _V) -> np.ndarray:
+        """`v`'s element origins as int32: its `ids`, or `org` on every non-finite element."""
+        if v.ids is not None:
+            return np.asarray(v.ids, np.int32)
+        bad = ~np.isfinite(np.asarray(v.x))
+        seq = -1 if v.org is None else v.org.seq
+        return np.where(bad, seq, -1).astype(np.int32)
+
+    def _best(self, stacked: np.ndarray) -> np.ndarray:
+        """Per element, the best-ranked origin (`_rank`) over the first axis; -1 if none."""
+        sentinel = np.array([o.sentinel for o in self.by_seq] or [False])
+        safe = np.clip(stacked, 0, None)
+        key = np.where(stacked >= 0, safe + sentinel[safe] * (len(self.by_seq) + 1), np.iinfo(
+            np.int64).max)
+        pick = np.argmin(key, axis=0)
+        best = np.take_along_axis(stacked, pick[None], axis=0)[0]
+        return np.where(np.min(key, axis=0) == np.iinfo(np.int64).max, -1, best)
 
     def _scan(self, eqn, ins, frame, record):
         p = eqn.params
@@ -246,7 +329,8 @@ class _Evaluator:
         consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
         ys, iterations = {}, []
         for t in (reversed(range(length)) if p["reverse"] else range(length)):
-            xs_t = [_V(v.x[t], v.org if not _finite(v.x[t]) else None, v.act) for v in xs]
+            xs_t = [_V(v.x[t], v.org if not _finite(v.x[t]) else None, v.act,
+                       None if v.ids is None else v.ids[t]) for v in xs]
             outs, tape = self.forward(
                 body.jaxpr, body.consts, [*consts, *carry, *xs_t],
                 frame.enter(_at("scan", frame.loc) + f", iteration {t} (0-based) of {length}"),
@@ -255,7 +339,9 @@ class _Evaluator:
             iterations.append((t, tape))
         stacked = [_V(jnp.stack([ys[t][j].x for t in range(length)]),
                       _earliest(*(ys[t][j].org for t in range(length))),
-                      any(ys[t][j].act for t in range(length)))
+                      any(ys[t][j].act for t in range(length)),
+                      None if all(ys[t][j].ids is None for t in range(length)) else
+                      np.stack([self._id_array(ys[t][j]) for t in range(length)]))
                    for j in range(len(ys[0]))]
         return [*carry, *stacked], (body, iterations)
 
@@ -367,6 +453,24 @@ class _Evaluator:
             stacked.append(_V(jnp.stack([zero if c is None else c.x for c in parts]),
                               _earliest(*(c.org for c in parts if c is not None)), True))
         return [*consts, *carry, *stacked]
+
+
+#: Primitives that only move, copy or choose elements: applied to the origin seqs (int32 in
+#: place of each float operand), they say where each output element came from.
+_MOVES = frozenset({
+    "slice", "dynamic_slice", "gather", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+    "expand_dims", "rev", "concatenate", "pad", "dynamic_update_slice", "select_n", "copy",
+    "copy_p"})
+#: Primitives whose output element i depends on element i of each operand only.
+_ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt",
+    "cbrt", "pow", "integer_pow", "square", "sin", "cos", "tan", "asin", "acos", "atan",
+    "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "logistic", "abs", "sign",
+    "floor", "ceil", "round", "max", "min", "convert_element_type", "erf", "erfc", "erf_inv",
+    "lgamma", "digamma", "rem", "clamp", "nextafter", "real", "imag", "conj",
+    "reduce_precision", "stop_gradient", "add_any"})
+#: In `_Evaluator._ids`: an element this equation made non-finite.
+_NEW = -2
 
 
 def _sum(a: _V | None, b: _V | None) -> _V | None:

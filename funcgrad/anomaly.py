@@ -53,7 +53,8 @@ import numpy as np
 from jax.extend import source_info_util
 
 from funcgrad._jaxpr import arg_names, leaf_paths
-from funcgrad._nonfinite_eval import _Evaluator, _finite, _Frame, _is_float, _Loc, _Origin, _V
+from funcgrad._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_float, _Loc, _Origin,
+                                     _rank, _V)
 
 # Lines of this file are never "the user's line".
 source_info_util.register_exclusion(__file__)
@@ -275,7 +276,7 @@ def _locate(fn, args, *, argnums, grad, has_aux):
 
 
 def _first(bad: list) -> _Origin:
-    return min((o for o, _ in bad), key=lambda o: o.seq)
+    return min((o for o, _ in bad), key=_rank)
 
 
 def _argnums(argnums, nargs: int, grad: bool) -> tuple[int, ...]:
@@ -376,7 +377,8 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats)
     if origin.phase == "forward":
         if any(s.nonfinite for s in inputs):
             return (f"an operand of {name} is a non-finite constant (a literal inf or NaN, e.g. "
-                    "-jnp.inf used as a mask), and it reached the output.")
+                    "-jnp.inf used as a mask), and it reached the output. If it is a mask, a "
+                    "row may be masked entirely: the softmax of a row of -inf is NaN.")
         if name in _FORWARD_HINTS:
             return _FORWARD_HINTS[name].format(
                 dtype=produced.dtype, exp_limit=float(np.log(float(jnp.finfo(produced.dtype).max))),

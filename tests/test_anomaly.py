@@ -350,3 +350,47 @@ def test_bad_input_gets_a_clear_error():
         find_nonfinite(lambda a, *rest: jnp.sum(a), x, "text")
     # grad=False: any outputs, no argnums check.
     assert find_nonfinite(lambda a: a * 2.0, x, grad=False).ok
+
+
+# --- per-element origins: a masked inf elsewhere in an array does not take the blame --------
+
+def masked_overflow_then_division(x, d):
+    u = jnp.exp(x)            # exp(1000) = inf in element 0, which the output never uses
+    v = u / d                 # <- late_div
+    return v[1]               # element 1: e / 0 = inf, made by the division
+
+
+def test_a_masked_inf_in_the_same_array_does_not_take_the_blame():
+    # Hand: u = [inf, e]; v = u / [1, 0] = [inf, inf]; the output v[1] is inf because of the
+    # division by 0 (its operands e and 0 are finite), not because of exp's inf in element 0.
+    report = find_nonfinite(masked_overflow_then_division, jnp.array([1000.0, 1.0]),
+                            jnp.array([1.0, 0.0]), grad=False)
+    assert_located(report, "forward", "div", "late_div")
+    assert any(m.startswith("exp at") for m in report.masked)
+
+
+def masked_attention(s, mask, t):
+    logits = jnp.where(mask, s, -jnp.inf)   # <- attention_mask
+    z = logits / t                          # <- temperature
+    return jax.nn.softmax(z).sum()
+
+
+def test_a_minus_inf_mask_is_outranked_by_a_computed_inf():
+    # Hand: t = 0 divides the finite logits [1, 3] to +inf (new, made by div) and the masked
+    # -inf stays -inf; softmax's max over the row mixes both, and the computed inf is blamed.
+    report = find_nonfinite(masked_attention, jnp.array([1.0, 2.0, 3.0]),
+                            jnp.array([True, False, True]), jnp.float32(0.0), grad=False)
+    assert_located(report, "forward", "div", "temperature")
+
+
+def test_a_fully_masked_row_names_the_mask():
+    # Hand: every logit is -inf, so softmax computes -inf - (-inf) = NaN: only the mask's -inf
+    # reached the output, and the report names the jnp.where line with the mask hint.
+    report = find_nonfinite(masked_attention, jnp.array([1.0, 2.0, 3.0]),
+                            jnp.array([False, False, False]), jnp.float32(1.0), grad=False)
+    assert report.line == line_of("attention_mask")
+    assert "masked entirely" in report.hint
+    # With a valid row the -inf stays hidden: finite, and the mask is listed as masked.
+    report = find_nonfinite(masked_attention, jnp.array([1.0, 2.0, 3.0]),
+                            jnp.array([True, False, True]), jnp.float32(1.0))
+    assert report.ok and report.masked
