@@ -61,7 +61,12 @@ def static_argument_hint(where: str) -> Iterator[None]:
     ``if flag:``) while funcgrad traces it as an array."""
     try:
         yield
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as error:
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+            TypeError) as error:
+        concrete = isinstance(error, (jax.errors.ConcretizationTypeError,
+                                      jax.errors.TracerIntegerConversionError))
+        if not concrete and "concrete value" not in str(error):  # e.g. jnp.ones(n), n traced
+            raise
         error.add_note(f"{where} traces every argument as an array. An argument used as a "
                        "Python value (range(n), if flag:, a shape) must be closed over: pass "
                        "functools.partial(fn, n=3) and only the arrays.")

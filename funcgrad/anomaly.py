@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 
-from funcgrad._jaxpr import arg_names, leaf_paths
+from funcgrad._jaxpr import arg_names, leaf_paths, static_argument_hint
 from funcgrad._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_float, _Loc, _Origin,
                                      _rank, _V)
 
@@ -231,22 +231,23 @@ def _locate(fn, args, *, argnums, grad, has_aux):
             raise TypeError(f"find_nonfinite: the differentiated leaf {path} has dtype "
                             f"{jnp.result_type(leaf)}; only real floating leaves have a gradient. "
                             "Pass it in an argument that is not in argnums.")
-    for path, leaf in zip(paths, leaves):
-        if not _finite(leaf):
-            report = AnomalyReport("input", where=path, output=_stats(path, leaf),
-                                   nonfinite=(path,), checked="inputs",
-                                   hint="an argument is NaN or inf before fn runs: check the data "
-                                        "batch, or the update that produced these params.")
-            return report, None, None
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    for path, leaf, a in zip(paths, leaves, active):
+        if a and not _finite(leaf):  # differentiated: params gone bad before fn runs
+            return _input_report(path, leaf), None, None
+    with static_argument_hint("find_nonfinite"):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_paths = ["output" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     if grad:
         _check_loss(out_shape, has_aux)
     ev = _Evaluator()
-    outs, tape = ev.forward(closed.jaxpr, closed.consts,
-                            [_V(x, None, a) for x, a in zip(leaves, active)],
-                            _Frame(_Loc(), (), False), record=grad)
+    top = _Frame(_Loc(), (), False)
+    # Any other non-finite argument (an additive -inf attention mask, a NaN in the data) is a
+    # sentinel origin of its own: reported only if it reaches the output, listed if masked.
+    inputs = [_V(x, None if _finite(x) else ev.new("input", f"argument {path}", top, (), x,
+                                                    path, sentinel=True), a)
+              for x, a, path in zip(leaves, active, paths)]
+    outs, tape = ev.forward(closed.jaxpr, closed.consts, inputs, top, record=grad)
     values = [v.x for v in outs]
     scalar = len(values) >= 1 and np.ndim(values[0]) == 0 and _is_float(values[0])
     value = float(values[0]) if scalar and (grad or len(values) == 1) else None
@@ -258,13 +259,25 @@ def _locate(fn, args, *, argnums, grad, has_aux):
     bad = [(v.org, p) for v, p in zip(outs, out_paths) if v.org is not None]
     if bad:
         origin = _first(bad)
+        if origin.phase == "input":
+            return _input_report(origin.produced_name, origin.produced), values, None
         return (_report(origin, tuple(p for _, p in bad), value, checked,
                         _masked(ev, {o for o, _ in bad})), values, None)
     masked = _masked(ev, set())
     if not grad:
         return AnomalyReport(None, value=value, checked=checked, masked=masked), values, None
     seed = _V(jnp.ones((), jnp.result_type(values[0])), None, True)
-    cts = ev.backward(closed.jaxpr, tape, [seed] + [None] * (len(outs) - 1))
+    try:
+        cts = ev.backward(closed.jaxpr, tape, [seed] + [None] * (len(outs) - 1))
+    except ValueError as error:
+        if "while_loop" not in str(error):
+            raise
+        raise ValueError(
+            "find_nonfinite: the forward pass is finite, but fn runs a lax.while_loop (or a "
+            "fori_loop with traced bounds) that depends on the differentiated arguments, and "
+            "JAX has no reverse-mode derivative for it, so the backward pass cannot be checked. "
+            "Pass grad=False to check the forward pass alone, or write the loop as lax.scan."
+        ) from error
     grads = [None if not a else (c.x if c is not None else jnp.zeros_like(x))
              for a, c, x in zip(active, cts, leaves)]
     bad = [(c.org, f"grad of {p}") for c, p, a in zip(cts, paths, active)
@@ -273,6 +286,13 @@ def _locate(fn, args, *, argnums, grad, has_aux):
         return (_report(_first(bad), tuple(p for _, p in bad), value, checked, masked), values,
                 grads)
     return AnomalyReport(None, value=value, checked=checked, masked=masked), values, grads
+
+
+def _input_report(path: str, leaf) -> AnomalyReport:
+    return AnomalyReport("input", where=path, output=_stats(path, leaf), nonfinite=(path,),
+                         checked="inputs",
+                         hint="an argument is NaN or inf before fn runs and reaches the output: "
+                              "check the data batch, or the update that produced these params.")
 
 
 def _first(bad: list) -> _Origin:
@@ -339,7 +359,8 @@ def _masked(ev: _Evaluator, reached: set) -> tuple[str, ...]:
     text = []
     for (primitive, where), group in sites.items():
         s = _stats("", group[0].produced)
-        text.append(f"{primitive} at {where or '?'}: {s.nonfinite}/{s.size} non-finite "
+        site = primitive if group[0].phase == "input" else f"{primitive} at {where or '?'}"
+        text.append(f"{site}: {s.nonfinite}/{s.size} non-finite "
                     f"(min {s.min:.4g}, max {s.max:.4g})"
                     + (f", and at {len(group) - 1} later time(s)" if len(group) > 1 else ""))
     return tuple(text[:_MAX_MASKED]) + ((f"... and {len(text) - _MAX_MASKED} more",)

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 
@@ -348,3 +349,9 @@ def _check_leaf(where, primal, ct, shape_errors, kind_errors):
     elif c_aval.shape != p_aval.shape or c_aval.dtype != want:
         shape_errors.append(f"{where}: expected {want_str} (the primal's shape and dtype), "
                             f"got {_type_str(ct)}")
+    elif isinstance(ct, (np.ndarray, np.generic)) and floating and np.dtype(ct.dtype) != want:
+        # jax.typeof reports the dtype JAX would convert it to; eager jax.grad would hand the
+        # NumPy array itself back as the gradient.
+        shape_errors.append(f"{where}: expected {want_str} (the primal's shape and dtype), got "
+                            f"a NumPy {ct.dtype} array; return jnp arrays, or cast with "
+                            f".astype({want})")

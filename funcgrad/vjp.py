@@ -123,7 +123,7 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
     Raises:
       ValueError: if the output is not a scalar and no cotangent is given, or the cotangent's
         structure, shape or dtype differs from the output's (the message names both), or
-        `argnums` is out of range.
+        `argnums` is out of range or names an argument twice.
       TypeError: if an output leaf is not floating point, or a cotangent leaf is not an array.
     Example:
       >>> backward(lambda x: x ** 2, jnp.array([1.0, 2.0]), cotangent=jnp.array([1.0, -1.0]))
@@ -136,6 +136,9 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
         raise ValueError(f"backward: argnums={argnums!r} must name positions of the "
                          f"{len(args)} argument(s) given to fn (0 to {len(args) - 1}).")
     nums = tuple(i % len(args) for i in nums)
+    if len(set(nums)) != len(nums):
+        raise ValueError(f"backward: argnums={argnums!r} names an argument twice; name each "
+                         "differentiated argument once.")
 
     def of_differentiated(*diff):
         full = list(args)

@@ -394,3 +394,30 @@ def test_a_fully_masked_row_names_the_mask():
     report = find_nonfinite(masked_attention, jnp.array([1.0, 2.0, 3.0]),
                             jnp.array([True, False, True]), jnp.float32(1.0))
     assert report.ok and report.masked
+
+
+def test_a_non_finite_argument_that_is_not_differentiated_may_be_masked():
+    # An additive -inf attention mask passed as an argument: logsumexp(w + mask) over
+    # w = [1, 2, 3], mask = [0, -inf, 0] is log(e + e^3), finite, and so is its gradient
+    # (softmax weights [e, 0, e^3] / (e + e^3)). It used to be refused as a bad input.
+    loss = lambda w, mask: jax.nn.logsumexp(w + mask)
+    w, mask = jnp.array([1.0, 2.0, 3.0]), jnp.array([0.0, -jnp.inf, 0.0])
+    report = find_nonfinite(loss, w, mask)
+    assert report.ok and any(m.startswith("argument mask") for m in report.masked)
+    # A differentiated argument that is already NaN is still reported before fn runs.
+    report = find_nonfinite(loss, w.at[0].set(jnp.nan), mask)
+    assert report.phase == "input" and report.where == "w"
+    # A mask that hides everything reaches the output: the argument is named.
+    report = find_nonfinite(lambda w, mask: jnp.sum(w + mask), w, mask)
+    assert report.phase == "input" and report.where == "mask"
+
+
+def test_a_while_loop_backward_and_a_shape_argument_get_clear_errors():
+    cube = lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * x),
+                                    (0, jnp.ones_like(x)))[1].sum()
+    with pytest.raises(ValueError, match=r"no reverse-mode derivative.*grad=False"):
+        find_nonfinite(cube, jnp.ones(2))
+    assert find_nonfinite(cube, jnp.ones(2), grad=False).ok
+    with pytest.raises(TypeError) as info:  # n used as a shape: the note says to close over it
+        find_nonfinite(lambda x, n: jnp.sum(x * jnp.ones(n)), jnp.ones(3), 3)
+    assert "functools.partial" in "".join(getattr(info.value, "__notes__", []))

@@ -213,6 +213,14 @@ def test_wrong_dtype_that_jax_would_accept():
         grad_scale(bad)
 
 
+def test_a_numpy_float64_cotangent_is_named():
+    # jax.typeof reports a NumPy float64 array as float32 (x64 off), and eager jax.grad would
+    # hand the float64 array back as the gradient: the check reads the array's own dtype.
+    bad = make_scale(lambda res, g: (g * res[1], np.float64(np.sum(np.asarray(g * res[0])))))
+    with pytest.raises(ValueError, match=r"w: expected float32\[\] .*got a NumPy float64 array"):
+        grad_scale(bad)
+
+
 def test_float_cotangent_for_an_integer_input():
     @custom_vjp
     def f(x, n):

@@ -113,3 +113,9 @@ def test_an_integer_or_bool_argnum_is_refused():
         backward(lambda x, n: jnp.sum(x) * n, jnp.ones(2), 3, argnums=1)
     with pytest.raises(ValueError, match=r"argnums=True must name positions"):
         backward(lambda x: jnp.sum(x), jnp.ones(2), argnums=True)
+
+
+def test_an_argument_named_twice_in_argnums_is_refused():
+    # Both slots would be the gradient of the same argument, and one would overwrite the other.
+    with pytest.raises(ValueError, match=r"argnums=\(0, 0\) names an argument twice"):
+        backward(lambda x, y: jnp.sum(x * y), jnp.ones(2), 2 * jnp.ones(2), argnums=(0, 0))
