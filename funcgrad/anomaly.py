@@ -421,6 +421,15 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats)
         return ("jnp.linalg.norm of a zero vector: its gradient x / ||x|| is 0/0 (sqrt's "
                 "derivative is inf at 0). Use optax.safe_norm(x, 0.0), or "
                 "jnp.sqrt(jnp.sum(x**2) + eps).")
+    operand = inputs[0] if inputs else None
+    if (name in _INF_DERIVATIVE_AT_ZERO and operand is not None and operand.nonfinite == 0
+            and not operand.min <= 0 <= operand.max):
+        # No zero among the operands: the derivative is finite in exact arithmetic but too
+        # large for the dtype (1/x for x = 1e-5 is 1e5, above float16's 65504).
+        big = float(jnp.finfo(produced.dtype).max)
+        return (f"the derivative of {name} at these operands (min {operand.min:.4g}) exceeds "
+                f"the largest finite {produced.dtype} ({big:.4g}): none is 0, the dtype is too "
+                "narrow. Compute this part in float32, e.g. jnp.log(x.astype(jnp.float32)).")
     if name in _INF_DERIVATIVE_AT_ZERO:
         return (f"the derivative of {name} is infinite at these operands (sqrt'(x) = "
                 "1/(2 sqrt(x)) and log'(x) = 1/x are inf at 0). Keep the argument away from 0 "

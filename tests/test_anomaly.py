@@ -421,3 +421,11 @@ def test_a_while_loop_backward_and_a_shape_argument_get_clear_errors():
     with pytest.raises(TypeError) as info:  # n used as a shape: the note says to close over it
         find_nonfinite(lambda x, n: jnp.sum(x * jnp.ones(n)), jnp.ones(3), 3)
     assert "functools.partial" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_a_float16_derivative_overflow_is_not_blamed_on_a_zero():
+    # Hand: log'(1e-5) = 1e5 > 65504, float16's largest finite value: the backward log
+    # overflows although no operand is 0, and the hint says the dtype is too narrow.
+    report = find_nonfinite(lambda x: jnp.log(x).sum(), jnp.array([1e-5, 1.0], jnp.float16))
+    assert (report.phase, report.primitive) == ("backward", "log")
+    assert "none is 0, the dtype is too narrow" in report.hint and "float32" in report.hint
