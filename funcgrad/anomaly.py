@@ -160,8 +160,10 @@ class AnomalyReport:
                      f"  primitive  {self.primitive}", f"  at         {self.where or '?'}"]
             lines += [f"  inside     {c}" for c in self.context]
             lines += [f"  {'operands' if i == 0 else '':<11}{s}" for i, s in enumerate(self.inputs)]
-            lines += [f"  {'produced':<11}{self.output}",
-                      f"  non-finite {', '.join(self.nonfinite)}"]
+            shown = ", ".join(self.nonfinite[:_MAX_NAMED])
+            if len(self.nonfinite) > _MAX_NAMED:
+                shown += f", ... ({len(self.nonfinite)} in all; all in .nonfinite)"
+            lines += [f"  {'produced':<11}{self.output}", f"  non-finite {shown}"]
         if self.masked:
             lines.append("  masked     (non-finite in the forward pass, hidden from the output)")
             lines += [f"             {m}" for m in self.masked]
@@ -173,6 +175,10 @@ class AnomalyReport:
         """Raises ``FloatingPointError`` with this report's text unless it is ok."""
         if not self.ok:
             raise FloatingPointError(str(self))
+
+
+#: How many non-finite outputs or gradient leaves the report's text names (all are kept).
+_MAX_NAMED = 8
 
 
 def find_nonfinite(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, grad: bool = True,

@@ -429,3 +429,11 @@ def test_a_float16_derivative_overflow_is_not_blamed_on_a_zero():
     report = find_nonfinite(lambda x: jnp.log(x).sum(), jnp.array([1e-5, 1.0], jnp.float16))
     assert (report.phase, report.primitive) == ("backward", "log")
     assert "none is 0, the dtype is too narrow" in report.hint and "float32" in report.hint
+
+
+def test_a_long_list_of_nonfinite_leaves_is_shortened_in_the_text():
+    # Hand: sqrt at 0 has an infinite derivative, so all 20 leaves' gradients are non-finite.
+    params = [jnp.zeros(2) for _ in range(20)]
+    report = find_nonfinite(lambda ps: sum(jnp.sum(jnp.sqrt(p)) for p in ps), params)
+    assert len(report.nonfinite) == 20
+    assert "... (20 in all; all in .nonfinite)" in str(report)
