@@ -125,7 +125,7 @@ class CustomVJP:
         self.fwd: Callable | None = None
         self.bwd: Callable | None = None
 
-    def defvjp(self, fwd: Callable, bwd: Callable) -> None:
+    def defvjp(self, fwd: Callable, bwd: Callable, **options: Any) -> None:
         """Attaches the rule, as ``jax.custom_vjp.defvjp``.
 
         Args:
@@ -134,7 +134,13 @@ class CustomVJP:
           bwd: ``bwd(*nondiff_args, residuals, g) -> tuple`` with one cotangent per
             differentiable argument, in order; `g` has the structure, shapes and dtypes of
             ``out``. Checked as described in `custom_vjp`.
+          **options: ``jax.custom_vjp.defvjp``'s ``symbolic_zeros`` and ``optimize_remat``
+            are not supported: TypeError, with the advice to use ``jax.custom_vjp``.
         """
+        if options:
+            raise TypeError(f"funcgrad's custom_vjp.defvjp does not support "
+                            f"{', '.join(sorted(options))}: its check needs concrete zeros and "
+                            "the plain rule. Use jax.custom_vjp directly for these options.")
         if not callable(fwd) or not callable(bwd):
             raise TypeError("custom_vjp.defvjp: fwd and bwd must be callables, got "
                             f"{type(fwd).__name__} and {type(bwd).__name__}.")

@@ -332,3 +332,11 @@ def test_decorator_with_arguments_and_bad_nondiff_argnums():
     assert float(jax.grad(f)(jnp.float32(1.0), 3.0)) == 3.0  # d(x c)/dx = c
     with pytest.raises(TypeError, match=r"nondiff_argnums must be a tuple of non-negative ints"):
         custom_vjp(lambda x, c: x, nondiff_argnums=1)
+
+
+def test_unsupported_defvjp_options_are_named():
+    @custom_vjp
+    def f(x):
+        return x
+    with pytest.raises(TypeError, match=r"does not support symbolic_zeros.*jax.custom_vjp"):
+        f.defvjp(lambda x: (x, None), lambda _, g: (g,), symbolic_zeros=True)
