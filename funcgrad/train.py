@@ -229,7 +229,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         then comes from the monitor's fused sums (the same global norm). The step's packed
         monitor values are returned once, in the new state, and a thin Python wrapper around
         the jitted function (``step.__wrapped__``) hands them to ``metrics["monitor"]``.
-        Adds 9-13% to a batch-32 CPU step of a small MLP, ~5% at batch 256
+        Adds 9-17% to a batch-32 CPU step of a small MLP, 3-6% at batch 256
         (``benchmarks/monitor.py``). Create the state with ``init_train_state(..., monitor=monitor)``.
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
