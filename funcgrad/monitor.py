@@ -287,8 +287,10 @@ def _values_dtype(leaves: Sequence[Any]):
 
 #: Elements per row of the padded matrix that `_sums` reduces in one pass.
 _CHUNK = 512
-#: Most elements (zero padding included) of that matrix; leaves beyond it are reduced alone.
+#: Most elements of the leaves padded into that matrix, and most elements of the matrix with
+#: its zero padding (every leaf pads to at least one row); leaves beyond are reduced alone.
 _MATRIX_LIMIT = 2**16
+_PADDED_LIMIT = 2**18
 
 
 def _sums(flat: Sequence[jax.Array], groups: np.ndarray) -> jax.Array:
@@ -296,9 +298,10 @@ def _sums(flat: Sequence[jax.Array], groups: np.ndarray) -> jax.Array:
 
     ``groups[i, k] = 1`` puts ``flat[i]`` into group k. A few kernels whatever the number of
     small arrays (two reductions per gradient leaf made the monitor cost ~35% of a small CPU
-    step): the smallest arrays, up to `_MATRIX_LIMIT` elements after padding, are zero-padded
-    to whole rows of `_CHUNK` elements (zeros change neither sum) and all their rows reduced
-    at once; each larger array is reduced on its own. A 0/1 matrix then adds the row sums up
+    step): the smallest arrays, up to `_MATRIX_LIMIT` elements (and `_PADDED_LIMIT` after
+    padding, so that hundreds of bias vectors still fit), are zero-padded to whole rows of
+    `_CHUNK` elements (zeros change neither sum) and all their rows reduced at once; each
+    larger array is reduced on its own. A 0/1 matrix then adds the row sums up
     per group. Past ~40k elements XLA:CPU splits a concatenate across threads and it becomes
     far slower than per-array reductions (a 1.1M-element model: 1.2 ms against 0.24 ms for
     the monitor's update), hence the limit; on any backend it also bounds the copy.
@@ -306,14 +309,16 @@ def _sums(flat: Sequence[jax.Array], groups: np.ndarray) -> jax.Array:
     dtype = jnp.result_type(*flat)
     order = sorted(range(len(flat)), key=lambda i: flat[i].size)
     rows = [-(-f.size // _CHUNK) for f in flat]
-    small, padded = [], 0
+    small, real, padded = [], 0, 0
     for i in order:
-        if padded + rows[i] * _CHUNK > _MATRIX_LIMIT:
+        if (real + flat[i].size > _MATRIX_LIMIT
+                or padded + rows[i] * _CHUNK > _PADDED_LIMIT):
             break
         small.append(i)
-        padded += rows[i] * _CHUNK
+        real, padded = real + flat[i].size, padded + rows[i] * _CHUNK
     small.sort()
-    large = [i for i in range(len(flat)) if i not in set(small)]
+    chosen = set(small)
+    large = [i for i in range(len(flat)) if i not in chosen]
     parts, owner = [], []  # blocks of (sum, sum of squares) rows; the array of each row
     if small:
         # The padded rows, written by one fused kernel, then two row reductions. (A matrix with

@@ -47,8 +47,8 @@ def test_leaf_and_layer_statistics_equal_numpy_on_the_gradients(matrix_limit, mo
     # in practice (pairwise/blocked summation); the one-pass std adds eps*E[g^2]/(2 var),
     # negligible here because every leaf's mean is small against its std. Hence rtol 1e-5.
     # The limit of the padded matrix decides which leaves are reduced together: all four
-    # (default), none (0), or the two biases (2048 elements: one 512-element row each) while
-    # the weights are reduced alone.
+    # (default), none (0), or the three smallest (2048 elements: 10 + 128 + 1280) while the
+    # 8192-element first-layer weights are reduced alone.
     if matrix_limit is not None:
         monkeypatch.setattr(monitor_module, "_MATRIX_LIMIT", matrix_limit)
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
