@@ -106,6 +106,7 @@ class _Origin:
     own_transpose: bool = False   # inside a derivative that fn computes itself
     into: _Origin | None = None   # the origin this one merged into downstream
     sentinel: bool = False        # made from a non-finite literal or constant (a -inf mask)
+    from_infinities: bool = False  # a NaN this equation made of sentinel infinities (inf - inf)
 
     def reaches(self, reached: set) -> bool:
         o = self
@@ -253,28 +254,30 @@ class _Evaluator:
         bad = [not _finite(x) for x in values]
         if not any(bad):
             return [_V(x, None, False) for x in values]
-        made: list[_Origin] = []  # this equation's own origin, made at most once
+        made: dict[int, _Origin] = {}  # this equation's own origins, made at most once each
 
-        def mine(k):
-            if not made:
+        def mine(k, code):
+            if code not in made:
                 # Made from a non-finite literal or constant (no origin of its own): a sentinel.
-                sentinel = any(v.org is None and not _finite(v.x) for v in ins)
-                made.append(self.new(
+                sentinel = code == _NEW and any(v.org is None and not _finite(v.x) for v in ins)
+                made[code] = self.new(
                     "backward" if frame.own_transpose else "forward", eqn.primitive.name, frame,
                     [(_operand_name(var, i), v.x) for i, (var, v) in
                      enumerate(zip(eqn.invars, ins))],
                     values[k], f"output {k}", own_transpose=frame.own_transpose,
-                    sentinel=sentinel))
-            return made[0]
+                    sentinel=sentinel, from_infinities=code == _NAN_OF_SENTINELS)
+            return made[code]
 
         outs = []
         for k, (x, b) in enumerate(zip(values, bad)):
             if not b:
                 outs.append(_V(x, None, False))
                 continue
-            ids = self._ids(eqn, ins, x, len(values))
-            if (ids == _NEW).any():
-                ids = np.where(ids == _NEW, mine(k).seq, ids)
+            with np.errstate(all="ignore"):
+                ids = self._ids(eqn, ins, x, len(values))
+            for code in (_NEW, _NAN_OF_SENTINELS):
+                if (ids == code).any():
+                    ids = np.where(ids == code, mine(k, code).seq, ids)
             found = [self.by_seq[i] for i in np.unique(ids[ids >= 0])]
             outs.append(_V(x, _earliest(*found), False, ids))
         return outs
@@ -293,16 +296,24 @@ class _Evaluator:
                 ids = None
         elif name in _ELEMENTWISE:
             shape = np.shape(out)
-            per = [np.broadcast_to(self._id_array(v), shape) for v in ins
-                   if _is_float(v.x) and np.shape(v.x) in (shape, ())]
-            if per:
-                ids = self._best(np.stack(per))
+            operands = [v for v in ins if _is_float(v.x) and np.shape(v.x) in (shape, ())]
+            if operands:
+                stacked = np.stack([np.broadcast_to(self._id_array(v), shape) for v in operands])
+                ids = self._best(stacked)
+                # A NaN made of infinities that all come from constants (-inf - -inf in the
+                # softmax of a fully masked row) is this equation's doing, not the mask's.
+                values = np.stack([np.broadcast_to(np.asarray(v.x), shape) for v in operands])
+                sentinel = np.array([o.sentinel for o in self.by_seq] or [False])
+                from_constants = (stacked < 0) | sentinel[np.clip(stacked, 0, None)]
+                of_sentinels = (np.isnan(np.asarray(out)) & (ids >= 0)
+                                & ~np.isnan(values).any(axis=0) & from_constants.all(axis=0))
+                ids = np.where(of_sentinels, _NAN_OF_SENTINELS, ids)
         if ids is None:  # mixes elements (a reduction, a matmul): the best origin among its inputs
             best = _earliest(*(v.org for v in ins))
             ids = np.full(np.shape(out), _NEW if best is None else best.seq, np.int64)
         if ids.shape != np.shape(out):
             ids = np.broadcast_to(ids, np.shape(out))
-        known = (ids >= 0) & (ids < len(self.by_seq))
+        known = ((ids >= 0) & (ids < len(self.by_seq))) | (ids == _NAN_OF_SENTINELS)
         return np.where(bad, np.where(known, ids, _NEW), -1)
 
     def _id_array(self, v: _V) -> np.ndarray:
@@ -314,14 +325,21 @@ class _Evaluator:
         return np.where(bad, seq, -1).astype(np.int32)
 
     def _best(self, stacked: np.ndarray) -> np.ndarray:
-        """Per element, the best-ranked origin (`_rank`) over the first axis; -1 if none."""
+        """Per element, the best-ranked origin (`_rank`) over the first axis; -1 if none. An
+        origin that loses to another at some element is marked as merged into it (`into`), so
+        that it is not listed as masked when the winner reaches the output."""
         sentinel = np.array([o.sentinel for o in self.by_seq] or [False])
         safe = np.clip(stacked, 0, None)
         key = np.where(stacked >= 0, safe + sentinel[safe] * (len(self.by_seq) + 1), np.iinfo(
             np.int64).max)
         pick = np.argmin(key, axis=0)
         best = np.take_along_axis(stacked, pick[None], axis=0)[0]
-        return np.where(np.min(key, axis=0) == np.iinfo(np.int64).max, -1, best)
+        best = np.where(np.min(key, axis=0) == np.iinfo(np.int64).max, -1, best)
+        losers = (stacked >= 0) & (stacked != best[None])
+        for loser, winner in set(zip(stacked[losers].tolist(),
+                                     np.broadcast_to(best, stacked.shape)[losers].tolist())):
+            self.by_seq[loser].into = self.by_seq[winner]
+        return best
 
     def _scan(self, eqn, ins, frame, record):
         p = eqn.params
@@ -469,8 +487,10 @@ _ELEMENTWISE = frozenset({
     "floor", "ceil", "round", "max", "min", "convert_element_type", "erf", "erfc", "erf_inv",
     "lgamma", "digamma", "rem", "clamp", "nextafter", "real", "imag", "conj",
     "reduce_precision", "stop_gradient", "add_any"})
-#: In `_Evaluator._ids`: an element this equation made non-finite.
+#: In `_Evaluator._ids`: an element this equation made non-finite, and a NaN it made of
+#: infinities that all come from constants.
 _NEW = -2
+_NAN_OF_SENTINELS = -3
 
 
 def _sum(a: _V | None, b: _V | None) -> _V | None:

@@ -402,10 +402,22 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats)
     if name == "constant":
         return "fn returns a non-finite constant."
     if origin.phase == "forward":
-        if any(s.nonfinite for s in inputs):
+        if origin.sentinel and "softmax_cross_entropy" in origin.loc.where:
+            return ("a label is outside [0, classes): softmax_cross_entropy makes the loss NaN "
+                    "for it (a negative label, or one past the last class). Check the targets "
+                    "of this batch.")
+        if origin.sentinel:
             return (f"an operand of {name} is a non-finite constant (a literal inf or NaN, e.g. "
-                    "-jnp.inf used as a mask), and it reached the output. If it is a mask, a "
-                    "row may be masked entirely: the softmax of a row of -inf is NaN.")
+                    "-jnp.inf used as a mask), and it reached the output.")
+        if origin.from_infinities:
+            return (f"{name} made NaN of infinities that come from a constant, such as a -inf "
+                    "mask: -inf - (-inf), 0 * inf or inf / inf. If it is a mask, a row is "
+                    "masked entirely (the softmax of a row of -inf is NaN): leave at least one "
+                    "element unmasked, or mask with a large negative number instead of -inf.")
+        if name == "gather" and not any(s.nonfinite for s in inputs):
+            return ("an index is out of range: JAX's indexing and take_along_axis fill an "
+                    "out-of-bound index with NaN (a label outside [0, classes) in a "
+                    "cross-entropy, say). Check the indices, e.g. the labels of this batch.")
         if name in _FORWARD_HINTS:
             return _FORWARD_HINTS[name].format(
                 dtype=produced.dtype, exp_limit=float(np.log(float(jnp.finfo(produced.dtype).max))),
@@ -430,12 +442,19 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats)
     operand = inputs[0] if inputs else None
     if (name in _INF_DERIVATIVE_AT_ZERO and operand is not None and operand.nonfinite == 0
             and not operand.min <= 0 <= operand.max):
-        # No zero among the operands: the derivative is finite in exact arithmetic but too
-        # large for the dtype (1/x for x = 1e-5 is 1e5, above float16's 65504).
+        # No zero among the operands: the derivative is finite in exact arithmetic, but the
+        # cotangent times it leaves the dtype (1/x at x = 1e-5 is 1e5, above float16's 65504).
         big = float(jnp.finfo(produced.dtype).max)
-        return (f"the derivative of {name} at these operands (min {operand.min:.4g}) exceeds "
-                f"the largest finite {produced.dtype} ({big:.4g}): none is 0, the dtype is too "
-                "narrow. Compute this part in float32, e.g. jnp.log(x.astype(jnp.float32)).")
+        cotangent = max((max(abs(s.min), abs(s.max)) for s in inputs
+                         if s.name.startswith("cotangent")), default=float("nan"))
+        text = (f"the derivative of {name} at these operands (min {operand.min:.4g}; none is "
+                f"0) times the cotangent (largest {cotangent:.4g}) exceeds the largest finite "
+                f"{produced.dtype} ({big:.4g}). ")
+        if jnp.finfo(produced.dtype).bits < 32:
+            return text + "The dtype is too narrow: compute this part in float32, e.g. " \
+                          "jnp.log(x.astype(jnp.float32))."
+        return text + ("Keep the argument away from 0 (jnp.log(x + eps)), and check what "
+                       "makes the cotangent this large (a loss scaled up too far?).")
     if name in _INF_DERIVATIVE_AT_ZERO:
         return (f"the derivative of {name} is infinite at these operands (sqrt'(x) = "
                 "1/(2 sqrt(x)) and log'(x) = 1/x are inf at 0). Keep the argument away from 0 "

@@ -372,7 +372,7 @@ def test_a_masked_inf_in_the_same_array_does_not_take_the_blame():
 def masked_attention(s, mask, t):
     logits = jnp.where(mask, s, -jnp.inf)   # <- attention_mask
     z = logits / t                          # <- temperature
-    return jax.nn.softmax(z).sum()
+    return jax.nn.softmax(z).sum()          # <- masked_softmax
 
 
 def test_a_minus_inf_mask_is_outranked_by_a_computed_inf():
@@ -383,13 +383,18 @@ def test_a_minus_inf_mask_is_outranked_by_a_computed_inf():
     assert_located(report, "forward", "div", "temperature")
 
 
-def test_a_fully_masked_row_names_the_mask():
-    # Hand: every logit is -inf, so softmax computes -inf - (-inf) = NaN: only the mask's -inf
-    # reached the output, and the report names the jnp.where line with the mask hint.
+def test_a_fully_masked_row_names_the_nan_made_of_the_mask():
+    # Hand: every logit is -inf, so softmax computes -inf - (-inf) = NaN: a NaN made of the
+    # mask's infinities, named at the softmax line with the masked-row hint (the mask alone,
+    # -inf where it is, is what attention wants).
     report = find_nonfinite(masked_attention, jnp.array([1.0, 2.0, 3.0]),
                             jnp.array([False, False, False]), jnp.float32(1.0), grad=False)
-    assert report.line == line_of("attention_mask")
+    assert_located(report, "forward", "sub", "masked_softmax")
     assert "masked entirely" in report.hint
+    # The same with the mask as an additive argument: no longer blamed on the input.
+    report = find_nonfinite(lambda z, m: jax.nn.softmax(z + m).sum(), jnp.ones(3),
+                            jnp.full(3, -jnp.inf))
+    assert (report.phase, report.primitive) == ("forward", "sub") and "masked" in report.hint
     # With a valid row the -inf stays hidden: finite, and the mask is listed as masked.
     report = find_nonfinite(masked_attention, jnp.array([1.0, 2.0, 3.0]),
                             jnp.array([True, False, True]), jnp.float32(1.0))
@@ -428,7 +433,7 @@ def test_a_float16_derivative_overflow_is_not_blamed_on_a_zero():
     # overflows although no operand is 0, and the hint says the dtype is too narrow.
     report = find_nonfinite(lambda x: jnp.log(x).sum(), jnp.array([1e-5, 1.0], jnp.float16))
     assert (report.phase, report.primitive) == ("backward", "log")
-    assert "none is 0, the dtype is too narrow" in report.hint and "float32" in report.hint
+    assert "none is 0" in report.hint and "too narrow: compute this part in float32" in report.hint
 
 
 def test_a_long_list_of_nonfinite_leaves_is_shortened_in_the_text():
@@ -437,3 +442,24 @@ def test_a_long_list_of_nonfinite_leaves_is_shortened_in_the_text():
     report = find_nonfinite(lambda ps: sum(jnp.sum(jnp.sqrt(p)) for p in ps), params)
     assert len(report.nonfinite) == 20
     assert "... (20 in all; all in .nonfinite)" in str(report)
+
+
+def test_out_of_range_labels_get_the_label_hint_and_nothing_reached_is_listed_as_masked():
+    # Label 7 of 5 classes: optax's gather fills NaN (an index out of range); label -1: our
+    # softmax_cross_entropy adds the NaN itself. Both hints point at the labels, and no origin
+    # that reached the loss is listed as masked.
+    w, x = jax.random.normal(jax.random.key(0), (3, 5)), jnp.ones((2, 3))
+    loss = lambda w, x, y: fg.softmax_cross_entropy(x @ w, y)
+    report = find_nonfinite(loss, w, x, jnp.array([1, 7]))
+    assert report.primitive == "gather" and "out of range" in report.hint
+    assert report.masked == ()
+    report = find_nonfinite(loss, w, x, jnp.array([-1, 2]))
+    assert "label is outside [0, classes)" in report.hint
+
+
+def test_a_float32_derivative_overflow_names_the_cotangent():
+    # Hand: log'(1e-30) = 1e30, times the cotangent 1e10, is 1e40 > float32's 3.4e38.
+    report = find_nonfinite(lambda x: 1e10 * jnp.sum(jnp.log(x)), jnp.array([1e-30, 1.0]))
+    assert (report.phase, report.primitive) == ("backward", "log")
+    assert "times the cotangent (largest 1e+10)" in report.hint
+    assert "float32, e.g." not in report.hint
