@@ -150,9 +150,10 @@ class ReluSite:
       units: number of units (the size of the last axis of its input).
       dead: units whose pre-activation is <= 0 for every example of the batch (inside
         ``scan``: at every iteration).
-      dead_per_iteration: inside ``scan``, the dead units of each iteration, in the order run
-        (a scan over stacked layers runs one layer per iteration); () outside scan and for a
-        scan of one iteration.
+      dead_per_iteration: inside ``scan``, the dead units of each time the ReLU ran, in the
+        order run: once per iteration (a scan over stacked layers runs one layer each), or,
+        inside a ``cond`` in the scan body, once per iteration that took its branch; () when
+        it ran once.
     """
     where: str
     units: int
@@ -221,8 +222,8 @@ class GradExplanation:
             line = (f"  ReLU at {s.where or '?'}: {s.dead}/{s.units} units dead for this "
                     f"batch ({100 * s.dead_fraction:.0f}%)")
             if s.dead_per_iteration:
-                line += (f" at every one of {len(s.dead_per_iteration)} scan iterations; dead "
-                         f"per iteration: {_counts(s.dead_per_iteration)}")
+                line += (f" every one of the {len(s.dead_per_iteration)} times it ran in a "
+                         f"scan; dead per run: {_counts(s.dead_per_iteration)}")
             lines.append(line)
         return "\n".join(lines)
 
@@ -385,14 +386,13 @@ def _record(jaxpr, consts, args, found, where, path):
         if name in _CALLS and _CALLS[name] in eqn.params:
             sub, sub_consts = _closed(eqn.params[_CALLS[name]])
             return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], found, here, key)
-        if name == "scan":
+        if name == "scan" and _has_relu(eqn.params["jaxpr"].jaxpr):  # else: one bind, fast
             return _record_scan(eqn, ins, found, here, key)
         if name == "cond":
             branch = eqn.params["branches"][int(np.clip(ins[0], 0,
                                                         len(eqn.params["branches"]) - 1))]
             return _record(branch.jaxpr, branch.consts, ins[1:], found, here, key)
-        if (name == "max" and len(eqn.invars) == 2 and any(map(_is_zero_literal, eqn.invars))
-                and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):  # not int clamps
+        if _is_relu(eqn):  # a float max(x, 0): integer clamps are not ReLUs
             x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
             if x.ndim:
                 units = x.shape[-1]
@@ -402,6 +402,25 @@ def _record(jaxpr, consts, args, found, where, path):
                 site[3].append(int(units - alive.sum()))
         return None
     return interpret(jaxpr, consts, args, rule)
+
+
+def _is_relu(eqn) -> bool:
+    return (eqn.primitive.name == "max" and len(eqn.invars) == 2
+            and any(map(_is_zero_literal, eqn.invars))
+            and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating))
+
+
+def _has_relu(jaxpr) -> bool:
+    """Whether `jaxpr` (or a jaxpr nested in it) holds a ReLU, ``max(x, 0.0)``."""
+    for eqn in jaxpr.eqns:
+        if _is_relu(eqn):
+            return True
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)) and _has_relu(
+                        _closed(sub)[0]):
+                    return True
+    return False
 
 
 def _record_scan(eqn, ins, found, where, key):

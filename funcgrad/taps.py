@@ -151,9 +151,9 @@ def _twice(first: _Site, second: _Site) -> None:
            "pass a batch_size that divides the length, or tap outside lax.map."
            if same_line else " A tap inside a lax.scan body is one site and already gives one "
            "value per iteration.")
-    why += (" Under jax.vmap, a lax.cond whose predicate differs between examples runs both "
-            "branches (vmap turns it into a select), so one name in both branches is two "
-            "sites: use two names and add their gradients, or put vmap outside "
+    why += (" If the two sites are the branches of one lax.cond under jax.vmap: a predicate "
+            "that differs between examples runs both branches (vmap turns it into a select), "
+            "so use two names and add their gradients, or put vmap outside "
             "intermediate_grads.")
     raise ValueError(
         f"tap name {second.name!r} is used twice in one call: at {first.where or '?'} (shape "

@@ -246,7 +246,7 @@ def test_a_scan_over_stacked_layers_reports_dead_units_per_iteration():
     assert [(s.units, s.dead, s.dead_per_iteration) for s in r.relus] == [(3, 0, (0, 3, 3))]
     assert r.status("p['ws']") == "numerically_zero"
     assert "per scan iteration: 0, 3, 3" in r["p['ws']"].detail
-    assert "dead per iteration: 0, 3, 3" in str(r)
+    assert "dead per run: 0, 3, 3" in str(r)
 
 
 def test_an_integer_clamp_is_not_a_relu():
