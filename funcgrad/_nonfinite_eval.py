@@ -105,7 +105,8 @@ class _Origin:
     forward_out: list = dataclasses.field(default_factory=list)  # backward: forward outputs
     own_transpose: bool = False   # inside a derivative that fn computes itself
     into: _Origin | None = None   # the origin this one merged into downstream
-    sentinel: bool = False        # made from a non-finite literal or constant (a -inf mask)
+    sentinel: bool = False        # ranks below computed origins: a constant, or an argument
+    constant: bool = False        # made from a non-finite literal or constant (a -inf mask)
     from_infinities: bool = False  # a NaN this equation made of sentinel infinities (inf - inf)
 
     def reaches(self, reached: set) -> bool:
@@ -238,7 +239,8 @@ class _Evaluator:
                 sub, consts = _closed(p[_CUSTOM[name]])
                 inner, _ = self.forward(sub, consts, ins[len(ins) - len(sub.invars):],
                                         frame.enter(_at(_label(eqn), frame.loc)), False)
-                orgs = [v.org for v in inner]
+                orgs = None  # the inner evaluation's per-element origins, on the bound values
+                outs = [_V(x, v.org, False, v.ids) for x, v in zip(values, inner)]
             else:
                 orgs = None
                 outs = self._elementwise_origins(eqn, ins, values, frame)
@@ -259,13 +261,14 @@ class _Evaluator:
         def mine(k, code):
             if code not in made:
                 # Made from a non-finite literal or constant (no origin of its own): a sentinel.
-                sentinel = code == _NEW and any(v.org is None and not _finite(v.x) for v in ins)
+                constant = code == _NEW and any(v.org is None and not _finite(v.x) for v in ins)
                 made[code] = self.new(
                     "backward" if frame.own_transpose else "forward", eqn.primitive.name, frame,
                     [(_operand_name(var, i), v.x) for i, (var, v) in
                      enumerate(zip(eqn.invars, ins))],
                     values[k], f"output {k}", own_transpose=frame.own_transpose,
-                    sentinel=sentinel, from_infinities=code == _NAN_OF_SENTINELS)
+                    sentinel=constant, constant=constant,
+                    from_infinities=code == _NAN_OF_SENTINELS)
             return made[code]
 
         outs = []
@@ -284,9 +287,12 @@ class _Evaluator:
 
     def _ids(self, eqn, ins, out, n_out: int) -> np.ndarray:
         """The origin seq of each element of the non-finite output `out`: -1 where it is finite,
-        `_NEW` where this equation made it non-finite."""
+        `_NEW` where this equation made it non-finite, `_NAN_OF_SENTINELS` where it made a NaN
+        of infinities that all come from constants (-inf - -inf in a fully masked softmax row,
+        -inf * 0 in a matmul)."""
         bad = ~np.isfinite(np.asarray(out))
-        name = eqn.primitive.name
+        name, shape = eqn.primitive.name, np.shape(out)
+        floats = [v for v in ins if _is_float(v.x)]
         ids = None
         if name in _MOVES and n_out == 1:
             try:
@@ -295,26 +301,52 @@ class _Evaluator:
             except Exception:  # noqa: BLE001 - a parameter that wants the float dtype
                 ids = None
         elif name in _ELEMENTWISE:
-            shape = np.shape(out)
-            operands = [v for v in ins if _is_float(v.x) and np.shape(v.x) in (shape, ())]
+            # Operands broadcast to the output (JAX's elementwise ops take [2, 3] with [2, 1]).
+            operands = [v for v in floats if _broadcasts(np.shape(v.x), shape)]
             if operands:
-                stacked = np.stack([np.broadcast_to(self._id_array(v), shape) for v in operands])
-                ids = self._best(stacked)
-                # A NaN made of infinities that all come from constants (-inf - -inf in the
-                # softmax of a fully masked row) is this equation's doing, not the mask's.
-                values = np.stack([np.broadcast_to(np.asarray(v.x), shape) for v in operands])
-                sentinel = np.array([o.sentinel for o in self.by_seq] or [False])
-                from_constants = (stacked < 0) | sentinel[np.clip(stacked, 0, None)]
-                of_sentinels = (np.isnan(np.asarray(out)) & (ids >= 0)
-                                & ~np.isnan(values).any(axis=0) & from_constants.all(axis=0))
-                ids = np.where(of_sentinels, _NAN_OF_SENTINELS, ids)
-        if ids is None:  # mixes elements (a reduction, a matmul): the best origin among its inputs
+                ids = self._best(np.stack([np.broadcast_to(self._id_array(v), shape)
+                                           for v in operands]))
+        elif name in _ALONG_AXES and len(floats) == 1 and np.ndim(floats[0].x) >= 1:
+            ids = self._along_axes(eqn, floats[0], shape)
+        if ids is None:  # mixes elements (a matmul, ...): the best origin among its inputs
             best = _earliest(*(v.org for v in ins))
-            ids = np.full(np.shape(out), _NEW if best is None else best.seq, np.int64)
-        if ids.shape != np.shape(out):
-            ids = np.broadcast_to(ids, np.shape(out))
+            ids = np.full(shape, _NEW if best is None else best.seq, np.int64)
+        if ids.shape != shape:
+            ids = np.broadcast_to(ids, shape)
+        # A NaN this equation made of infinities that all come from constants is its own doing
+        # (infinities from an argument stay the argument's: bad data is not a mask).
+        constant = np.array([o.constant for o in self.by_seq] or [False])
+        inherited = ids >= 0
+        if (np.isnan(np.asarray(out)) & inherited).any() and not any(
+                np.isnan(np.asarray(v.x)).any() for v in floats):
+            from_constants = constant[np.clip(ids, 0, None)] & inherited
+            ids = np.where(np.isnan(np.asarray(out)) & from_constants, _NAN_OF_SENTINELS, ids)
         known = ((ids >= 0) & (ids < len(self.by_seq))) | (ids == _NAN_OF_SENTINELS)
         return np.where(bad, np.where(known, ids, _NEW), -1)
+
+    def _along_axes(self, eqn, operand: _V, shape) -> np.ndarray | None:
+        """Reductions, sorts and scans along axes: each output element takes the best origin of
+        the input elements on its line (its row for a row-wise max or sort), not of the whole
+        array."""
+        p, ndim = eqn.params, np.ndim(operand.x)
+        axes = tuple(p["axes"]) if "axes" in p else (
+            (p["axis"],) if "axis" in p else (p["dimension"],) if "dimension" in p else (-1,))
+        axes = tuple(a % ndim for a in axes)
+        ids = np.asarray(self._id_array(operand), np.int64)
+        sentinel = np.array([o.sentinel for o in self.by_seq] or [False])
+        top = np.iinfo(np.int64).max
+        key = np.where(ids >= 0, np.clip(ids, 0, None)
+                       + sentinel[np.clip(ids, 0, None)] * (len(self.by_seq) + 1), top)
+        best_key = np.min(key, axis=axes, keepdims=True)
+        best = np.where(best_key == top, -1, _decode(best_key, len(self.by_seq)))
+        self._merge_losers(ids, np.broadcast_to(best, ids.shape))
+        squeezed = np.squeeze(best, axis=axes)
+        if squeezed.shape == tuple(shape):  # a reduction drops its axes
+            return squeezed
+        try:  # sorts and cumulative ops keep the shape; top_k keeps k of the last axis
+            return np.broadcast_to(best, shape)
+        except ValueError:
+            return None
 
     def _id_array(self, v: _V) -> np.ndarray:
         """`v`'s element origins as int32: its `ids`, or `org` on every non-finite element."""
@@ -335,11 +367,14 @@ class _Evaluator:
         pick = np.argmin(key, axis=0)
         best = np.take_along_axis(stacked, pick[None], axis=0)[0]
         best = np.where(np.min(key, axis=0) == np.iinfo(np.int64).max, -1, best)
-        losers = (stacked >= 0) & (stacked != best[None])
-        for loser, winner in set(zip(stacked[losers].tolist(),
-                                     np.broadcast_to(best, stacked.shape)[losers].tolist())):
-            self.by_seq[loser].into = self.by_seq[winner]
+        self._merge_losers(stacked, np.broadcast_to(best, stacked.shape))
         return best
+
+    def _merge_losers(self, ids: np.ndarray, winners: np.ndarray) -> None:
+        """Marks each origin in `ids` that lost to `winners` (same shape) as merged into it."""
+        losers = (ids >= 0) & (winners >= 0) & (ids != winners)
+        for loser, winner in set(zip(ids[losers].tolist(), winners[losers].tolist())):
+            self.by_seq[loser].into = self.by_seq[winner]
 
     def _scan(self, eqn, ins, frame, record):
         p = eqn.params
@@ -487,6 +522,24 @@ _ELEMENTWISE = frozenset({
     "floor", "ceil", "round", "max", "min", "convert_element_type", "erf", "erfc", "erf_inv",
     "lgamma", "digamma", "rem", "clamp", "nextafter", "real", "imag", "conj",
     "reduce_precision", "stop_gradient", "add_any"})
+#: Primitives along axes (reductions, sorts, cumulative ops, top_k): `_Evaluator._along_axes`.
+_ALONG_AXES = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "sort", "cumsum", "cumprod",
+    "cummax", "cummin", "cumlogsumexp", "top_k"})
+
+
+def _broadcasts(operand_shape, out_shape) -> bool:
+    try:
+        return np.broadcast_shapes(operand_shape, out_shape) == tuple(out_shape)
+    except ValueError:
+        return False
+
+
+def _decode(key: np.ndarray, n: int) -> np.ndarray:
+    """Inverse of the rank key of `_Evaluator._best`: seq + sentinel * (n + 1) -> seq."""
+    return np.where(key > n, key - (n + 1), key)
+
+
 #: In `_Evaluator._ids`: an element this equation made non-finite, and a NaN it made of
 #: infinities that all come from constants.
 _NEW = -2

@@ -365,7 +365,9 @@ def _masked(ev: _Evaluator, reached: set) -> tuple[str, ...]:
     text = []
     for (primitive, where), group in sites.items():
         s = _stats("", group[0].produced)
-        site = primitive if group[0].phase == "input" else f"{primitive} at {where or '?'}"
+        site = (primitive if group[0].phase == "input" else
+                f"a non-finite constant (a -inf mask?) in {primitive} at {where or '?'}"
+                if group[0].constant else f"{primitive} at {where or '?'}")
         text.append(f"{site}: {s.nonfinite}/{s.size} non-finite "
                     f"(min {s.min:.4g}, max {s.max:.4g})"
                     + (f", and at {len(group) - 1} later time(s)" if len(group) > 1 else ""))
@@ -402,11 +404,11 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats)
     if name == "constant":
         return "fn returns a non-finite constant."
     if origin.phase == "forward":
-        if origin.sentinel and "softmax_cross_entropy" in origin.loc.where:
+        if origin.constant and "softmax_cross_entropy" in origin.loc.where:
             return ("a label is outside [0, classes): softmax_cross_entropy makes the loss NaN "
                     "for it (a negative label, or one past the last class). Check the targets "
                     "of this batch.")
-        if origin.sentinel:
+        if origin.constant:
             return (f"an operand of {name} is a non-finite constant (a literal inf or NaN, e.g. "
                     "-jnp.inf used as a mask), and it reached the output.")
         if origin.from_infinities:
@@ -423,11 +425,26 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats)
                 dtype=produced.dtype, exp_limit=float(np.log(float(jnp.finfo(produced.dtype).max))),
                 min=inputs[0].min, max=inputs[0].max)
         big = float(jnp.finfo(produced.dtype).max)
+        if name == "convert_element_type":
+            return (f"a value beyond {produced.dtype}'s range (largest finite {big:.4g}) was "
+                    f"cast to {produced.dtype}: the operand reaches {max(abs(inputs[0].min), abs(inputs[0].max)):.4g}. "
+                    "A mask constant such as -1e9 does not fit in float16: use "
+                    "jnp.finfo(dtype).min, or cast after masking.")
+        if any(max(abs(s.min), abs(s.max)) >= big / 4 for s in inputs):
+            return (f"{name} left the range of {produced.dtype} (largest finite {big:.4g}): an "
+                    "operand is already near that limit, as a mask of jnp.finfo(dtype).min is. "
+                    "Adding two such masks overflows: combine them as booleans (mask_a & "
+                    "mask_b) or with jnp.minimum, then apply one.")
         low = (" In a 16-bit dtype, compute this part in float32 or scale the loss "
                "(funcgrad.precision)." if big < 1e10 else "")
         return (f"{name} left the range of {produced.dtype} (largest finite {big:.4g}) with "
                 "finite operands. Values this large usually mean a diverging run: lower the "
                 "learning rate, clip the gradients (clip_norm) or normalise the inputs." + low)
+    if any(s.nan for s in inputs if not s.name.startswith("cotangent")):
+        return (f"an operand of {name} holds NaN (data, or an earlier NaN) that a jnp.where or "
+                "mask hides in the forward pass; the backward pass multiplies it by the zero "
+                "cotangent of the hidden elements, and 0 * NaN is NaN. Replace the NaN before "
+                f"{name} (e.g. jnp.where(mask, x, 0) on its input), not only after it.")
     if any(not _finite(x) for x in origin.forward_out):
         first = ("for jnp.log(softmax(z)), use jax.nn.log_softmax(z). Otherwise, "
                  if name in ("log", "log1p") else "")

@@ -391,10 +391,11 @@ def test_a_fully_masked_row_names_the_nan_made_of_the_mask():
                             jnp.array([False, False, False]), jnp.float32(1.0), grad=False)
     assert_located(report, "forward", "sub", "masked_softmax")
     assert "masked entirely" in report.hint
-    # The same with the mask as an additive argument: no longer blamed on the input.
+    # With the mask as an additive argument, its infinities stay the argument's (an inf in
+    # the data is not a mask): the argument that reached the output is named.
     report = find_nonfinite(lambda z, m: jax.nn.softmax(z + m).sum(), jnp.ones(3),
                             jnp.full(3, -jnp.inf))
-    assert (report.phase, report.primitive) == ("forward", "sub") and "masked" in report.hint
+    assert (report.phase, report.where) == ("input", "m")
     # With a valid row the -inf stays hidden: finite, and the mask is listed as masked.
     report = find_nonfinite(masked_attention, jnp.array([1.0, 2.0, 3.0]),
                             jnp.array([True, False, True]), jnp.float32(1.0))
@@ -463,3 +464,60 @@ def test_a_float32_derivative_overflow_names_the_cotangent():
     assert (report.phase, report.primitive) == ("backward", "log")
     assert "times the cotangent (largest 1e+10)" in report.hint
     assert "float32, e.g." not in report.hint
+
+
+# --- per-element origins through broadcasts, custom rules, rows and matmuls -----------------
+
+def test_an_origin_survives_a_broadcast_operand():
+    # Hand: log(-1) = NaN in element 0; softmax subtracts the row max, an operand of shape (1,)
+    # broadcast against (3,), so the NaN's origin must survive it: log is named, not sub.
+    report = find_nonfinite(lambda x: jax.nn.softmax(jnp.log(x))[1], jnp.array([-1.0, 1.0, 2.0]))
+    assert (report.phase, report.primitive) == ("forward", "log")
+
+
+def test_origins_pass_through_a_custom_jvp_function_element_by_element():
+    # Element 1 of the output is the mask's -inf (log(-1) = NaN sits in the hidden element 0):
+    # through a custom_jvp identity the mask, not log, reaches the output.
+    @jax.custom_jvp
+    def ident(x):
+        return x * 1.0
+    ident.defjvp(lambda p, t: (ident(p[0]), t[0]))
+    f = lambda x: ident(jnp.where(jnp.array([True, False]), jnp.log(x), -jnp.inf))[1]
+    report = find_nonfinite(f, jnp.array([-1.0, 1.0]), grad=False)
+    assert "non-finite constant" in report.hint
+
+
+def test_row_wise_reductions_sorts_and_top_k_keep_each_row_s_origin():
+    # Row 0 is all mask (-inf), row 1 holds exp(1000) = inf: what reaches the output from row 0
+    # is the mask, whatever exp did in row 1.
+    def masked(x):
+        return jnp.where(jnp.array([[False, False], [True, True]]), jnp.exp(x), -jnp.inf)
+    x = jnp.array([[0.0, 0.0], [1000.0, 0.0]])
+    for pick in (lambda s: s.max(1)[0], lambda s: jnp.sort(s)[0, 0],
+                 lambda s: jax.lax.top_k(s, 2)[0][0, -1]):
+        report = find_nonfinite(lambda x: pick(masked(x)), x, grad=False)
+        assert "non-finite constant" in report.hint, report.primitive
+
+
+def test_a_matmul_of_a_minus_inf_mask_and_a_zero_is_named():
+    # Hand: [1, -inf] @ [1, 0] = 1 + (-inf * 0) = NaN: dot_general made the NaN of the mask.
+    f = lambda x, v: jnp.where(jnp.array([True, False]), x, -jnp.inf) @ v
+    report = find_nonfinite(f, jnp.array([1.0, 2.0]), jnp.array([1.0, 0.0]), grad=False)
+    assert report.primitive == "dot_general" and report.hint.startswith("dot_general made NaN")
+
+
+def test_a_float16_mask_constant_that_does_not_fit_gets_its_hint():
+    # -1e9 cast to float16 (largest 65504) is -inf; the whole row is masked.
+    f = lambda s, pad: jax.nn.softmax(jnp.where(pad, s, -1e9).astype(jnp.float16)).sum()
+    report = find_nonfinite(f, jnp.ones(3, jnp.float16), jnp.array([False] * 3), grad=False)
+    assert report.primitive == "convert_element_type" and "does not fit in float16" in report.hint
+
+
+def test_nan_data_hidden_by_a_mask_gets_the_zero_times_nan_hint():
+    # Row 1 of x is NaN and masked out of the loss: the forward pass is finite, but dW = x^T ct
+    # multiplies that NaN by the zero cotangent of the masked row: 0 * NaN = NaN.
+    f = lambda w, x, m: jnp.where(m[:, None], x @ w, 0.0).sum()
+    report = find_nonfinite(f, jnp.ones((2, 2)), jnp.array([[1.0, 1.0], [jnp.nan, 1.0]]),
+                            jnp.array([True, False]))
+    assert (report.phase, report.primitive) == ("backward", "dot_general")
+    assert "0 * NaN is NaN" in report.hint
