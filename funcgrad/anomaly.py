@@ -16,11 +16,19 @@ equations that we drive ourselves. The evaluator lives in the private module
 `funcgrad._nonfinite_eval`; this module checks the arguments, runs it and writes the report.
   * Forward: every equation is bound on concrete values and its outputs checked; nested jaxprs
     are entered (jit, remat, custom_jvp/custom_vjp bodies, cond's taken branch, while and scan
-    bodies iteration by iteration). Each non-finite value carries its *origin*: the first
-    equation on its path that produced a non-finite value from finite operands. The report
-    names the origin of the non-finite output, so a ``-inf`` that a ``jnp.where`` hides from
-    the output (an attention mask, ``where(x > 0, log(x), 0)``) is not blamed for the forward
-    pass; it is listed under ``masked``.
+    bodies iteration by iteration). Each non-finite element carries its *origin*: the first
+    equation on its path that produced a non-finite value from finite operands. Elementwise
+    primitives (broadcasts included) keep each element's origin, primitives that move elements
+    (slice, gather, select_n, reshape, concatenate, ...) move the origins with them, and
+    reductions, sorts and top_k take the best origin of each row; a matmul or other mixing
+    primitive takes the best of its inputs. A value made from a non-finite literal or constant
+    (a ``-inf`` mask) or a non-finite argument that is not differentiated ranks below a
+    computed one there, and a NaN made of a constant's infinities (``-inf - -inf`` in the
+    softmax of a fully masked row, ``-inf * 0`` in a matmul) is an origin of its own. The
+    report names the origin of the non-finite output, so a ``-inf`` that a ``jnp.where`` hides
+    from the output (an attention mask, ``where(x > 0, log(x), 0)``) is not blamed for the
+    forward pass; it is listed under ``masked``. A non-finite differentiated argument is
+    reported before fn runs; any other is reported only if it reaches the output.
   * Backward (``grad=True`` and a finite loss): the equations are walked in reverse with the
     cotangent of the loss, 1. Each equation's cotangents come from ``jax.vjp`` of that one
     equation (its own derivative rule, so custom_jvp/custom_vjp rules are honoured), cotangents
@@ -31,7 +39,8 @@ equations that we drive ourselves. The evaluator lives in the private module
     transposed ``div`` of a ``log`` shares its line with every equation made from that line).
     The gradient it computes is ``jax.grad``'s (the same rules; the tests compare the two). As
     with ``jax.grad``, a ``while_loop`` that depends on the differentiated arguments cannot be
-    reversed (JAX's error is raised); ``fori_loop`` with static bounds is a scan and can.
+    reversed (a ValueError says so and points to ``grad=False``); ``fori_loop`` with static
+    bounds is a scan and can. The backward pass tracks origins per array, not per element.
   * A function that computes a gradient itself (``jit(grad(f))`` checked with ``grad=False``)
     is evaluated like any other; its transposed equations carry the name stack
     ``transpose(jvp(...))`` and the forward line that created them, so the report still gives
