@@ -243,7 +243,7 @@ class _Evaluator:
                 outs = [_V(x, v.org, False, v.ids) for x, v in zip(values, inner)]
             else:
                 orgs = None
-                outs = self._elementwise_origins(eqn, ins, values, frame)
+                outs = self._element_origins(eqn, ins, values, frame)
             active = any(v.act for v in ins) and name != "stop_gradient"
             if orgs is not None:
                 outs = [_V(x, o, False) for x, o in zip(values, orgs)]
@@ -251,7 +251,7 @@ class _Evaluator:
         step.outs = [v.x for v in outs]
         return outs, step
 
-    def _elementwise_origins(self, eqn, ins, values, frame) -> list[_V]:
+    def _element_origins(self, eqn, ins, values, frame) -> list[_V]:
         """The outputs of a primitive with the origin of each non-finite element (`_V.ids`)."""
         bad = [not _finite(x) for x in values]
         if not any(bad):
@@ -333,12 +333,7 @@ class _Evaluator:
             (p["axis"],) if "axis" in p else (p["dimension"],) if "dimension" in p else (-1,))
         axes = tuple(a % ndim for a in axes)
         ids = np.asarray(self._id_array(operand), np.int64)
-        sentinel = np.array([o.sentinel for o in self.by_seq] or [False])
-        top = np.iinfo(np.int64).max
-        key = np.where(ids >= 0, np.clip(ids, 0, None)
-                       + sentinel[np.clip(ids, 0, None)] * (len(self.by_seq) + 1), top)
-        best_key = np.min(key, axis=axes, keepdims=True)
-        best = np.where(best_key == top, -1, _decode(best_key, len(self.by_seq)))
+        best = self._from_keys(np.min(self._keys(ids), axis=axes, keepdims=True))
         self._merge_losers(ids, np.broadcast_to(best, ids.shape))
         squeezed = np.squeeze(best, axis=axes)
         if squeezed.shape == tuple(shape):  # a reduction drops its axes
@@ -360,15 +355,21 @@ class _Evaluator:
         """Per element, the best-ranked origin (`_rank`) over the first axis; -1 if none. An
         origin that loses to another at some element is marked as merged into it (`into`), so
         that it is not listed as masked when the winner reaches the output."""
-        sentinel = np.array([o.sentinel for o in self.by_seq] or [False])
-        safe = np.clip(stacked, 0, None)
-        key = np.where(stacked >= 0, safe + sentinel[safe] * (len(self.by_seq) + 1), np.iinfo(
-            np.int64).max)
-        pick = np.argmin(key, axis=0)
-        best = np.take_along_axis(stacked, pick[None], axis=0)[0]
-        best = np.where(np.min(key, axis=0) == np.iinfo(np.int64).max, -1, best)
+        best = self._from_keys(np.min(self._keys(stacked), axis=0))
         self._merge_losers(stacked, np.broadcast_to(best, stacked.shape))
         return best
+
+    def _keys(self, ids: np.ndarray) -> np.ndarray:
+        """Origin seqs as keys whose order is `_rank`'s (computed before sentinels, then by
+        seq): seq, plus n + 1 for a sentinel; `_NO_KEY` where there is no origin (-1)."""
+        sentinel = np.array([o.sentinel for o in self.by_seq] or [False])
+        safe = np.clip(ids, 0, None)
+        return np.where(ids >= 0, safe + sentinel[safe] * (len(self.by_seq) + 1), _NO_KEY)
+
+    def _from_keys(self, keys: np.ndarray) -> np.ndarray:
+        """The origin seqs of `_keys` (-1 for `_NO_KEY`)."""
+        n = len(self.by_seq)
+        return np.where(keys == _NO_KEY, -1, np.where(keys > n, keys - (n + 1), keys))
 
     def _merge_losers(self, ids: np.ndarray, winners: np.ndarray) -> None:
         """Marks each origin in `ids` that lost to `winners` (same shape) as merged into it."""
@@ -535,9 +536,8 @@ def _broadcasts(operand_shape, out_shape) -> bool:
         return False
 
 
-def _decode(key: np.ndarray, n: int) -> np.ndarray:
-    """Inverse of the rank key of `_Evaluator._best`: seq + sentinel * (n + 1) -> seq."""
-    return np.where(key > n, key - (n + 1), key)
+#: `_Evaluator._keys` where an element has no origin.
+_NO_KEY = np.iinfo(np.int64).max
 
 
 #: In `_Evaluator._ids`: an element this equation made non-finite, and a NaN it made of
