@@ -50,7 +50,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from funcgrad._jaxpr import (arg_names, check_array_args, interpret, leaf_paths, source_line,
-                             static_argument_hint)
+                             static_argument_hint, sub_jaxprs)
 from funcgrad._jaxpr import closed_parts as _closed
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
@@ -412,15 +412,8 @@ def _is_relu(eqn) -> bool:
 
 def _has_relu(jaxpr) -> bool:
     """Whether `jaxpr` (or a jaxpr nested in it) holds a ReLU, ``max(x, 0.0)``."""
-    for eqn in jaxpr.eqns:
-        if _is_relu(eqn):
-            return True
-        for value in eqn.params.values():
-            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
-                if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)) and _has_relu(
-                        _closed(sub)[0]):
-                    return True
-    return False
+    return any(_is_relu(eqn) or any(_has_relu(sub) for _, sub, _ in sub_jaxprs(eqn))
+               for eqn in jaxpr.eqns)
 
 
 def _record_scan(eqn, ins, found, where, key):
