@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -171,6 +172,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     marks the step so that `fit` raises ``FloatingPointError`` instead of stopping quietly (a
     jitted step cannot raise without a host round-trip).
 
+    float16/bfloat16 params without `compute_dtype` train in that dtype (PyTorch's
+    ``model.half()``): the step warns once per trace (``RuntimeWarning``) that updates below
+    the params' spacing round away, and points to float32 params with `compute_dtype`.
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``; a pure function.
       optimizer: an optax optimizer (see `make_optimizer` for names); the state passed to the
@@ -322,6 +327,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         _check_state(state, optimizer, loss_scale, monitor)
+        if compute_dtype is None:
+            _warn_half_params(state.params)
         dead = None
         if compute_dtype is None and loss_scale is None:
             loss, grads = value_and_grad(state.params, batch)
@@ -342,6 +349,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
         def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
             _check_state(state, optimizer, loss_scale, monitor)
+            if compute_dtype is None:
+                _warn_half_params(state.params)
             return accumulating(state, microbatches, mask)
 
     out = jax.jit(step) if jit else step
@@ -514,6 +523,21 @@ def _scalar_loss(loss_fn: LossFn) -> LossFn:
                 "Reduce it, e.g. return per_example_loss.mean().")
         return loss
     return wrapped
+
+
+def _warn_half_params(params: PyTree) -> None:
+    """A warning (once per trace) for float16/bfloat16 params trained without compute_dtype:
+    PyTorch's ``model.half()`` habit, where updates below the params' spacing round away."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+            warnings.warn(
+                f"params{jax.tree_util.keystr(path)} is {dtype}, and the step updates it in "
+                f"{dtype}: an update smaller than {float(jnp.finfo(dtype).eps) / 2:.3g} of a "
+                "weight rounds away. For mixed precision keep float32 params and pass "
+                f"compute_dtype=jnp.{dtype} (with loss_scale= for float16).", RuntimeWarning,
+                stacklevel=4)
+            return
 
 
 def _check_state(state: TrainState, optimizer: optax.GradientTransformation,

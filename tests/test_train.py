@@ -264,3 +264,21 @@ def test_monitor_and_loss_scale_of_the_wrong_kind_are_named(kwargs, match):
         fg.make_train_step(lambda p, b: 0.0, tx, **kwargs)
     with pytest.raises(TypeError, match=match):
         fg.init_train_state(params, tx, **kwargs)
+
+
+def test_half_precision_params_without_compute_dtype_warn_once():
+    # bfloat16 has 8 significant bits, so small updates to a weight of 1 are lost. The step
+    # trains as asked but warns once per trace.
+    tx = optax.sgd(1e-4)
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    step = fg.make_train_step(lambda p, b: jnp.sum(p["w"].astype(jnp.float32) ** 2), tx)
+    state = fg.init_train_state(params, tx)
+    with pytest.warns(RuntimeWarning, match=r"params\['w'\] is bfloat16.*compute_dtype="):
+        state, _ = step(state, {})
+    # Hand: w - 1e-4 * 2w = 0.9998; the bfloat16 numbers around it are 1 - 2**-8 = 0.99609
+    # and 1, and 0.9998 is nearer 1: the update rounds away, as the warning says.
+    np.testing.assert_array_equal(np.asarray(state.params["w"], np.float32), np.ones(3))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call reuses the trace: no second warning
+        step(state, {})
