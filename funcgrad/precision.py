@@ -273,12 +273,21 @@ def _floating_dtype(dtype, where: str, name: str = "compute_dtype") -> np.dtype:
     return parsed
 
 
-def _check_master_params(params: PyTree) -> None:
+def first_half_leaf(params: PyTree) -> tuple[str, np.dtype] | None:
+    """``(path, dtype)`` of the first float16/bfloat16 leaf of `params` (path as ``['w']``),
+    or None when every floating leaf is at least float32."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         dtype = jnp.result_type(leaf)
         if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-            raise TypeError(
-                f"params{jax.tree_util.keystr(path)} is {dtype}; mixed precision keeps float32 "
-                "master params and casts them to the compute dtype inside the step, so small "
-                "updates are not rounded away. Make them float32: "
-                "jax.tree.map(lambda p: p.astype(jnp.float32), params).")
+            return jax.tree_util.keystr(path), dtype
+    return None
+
+
+def _check_master_params(params: PyTree) -> None:
+    half = first_half_leaf(params)
+    if half is not None:
+        path, dtype = half
+        raise TypeError(
+            f"params{path} is {dtype}; mixed precision keeps float32 master params and casts "
+            "them to the compute dtype inside the step, so small updates are not rounded away. "
+            "Make them float32: jax.tree.map(lambda p: p.astype(jnp.float32), params).")

@@ -21,7 +21,8 @@ from funcgrad.accumulate import make_accumulating_step
 from funcgrad.clipping import clip_by_global_norm, global_norm, zero_nonfinite_leaves
 from funcgrad.masks import freeze, value_and_grad_trainable
 from funcgrad.monitor import GradMonitor, MonitorState, with_dead_relu
-from funcgrad.precision import LossScale, LossScaleState, scaled_value_and_grad
+from funcgrad.precision import (LossScale, LossScaleState, first_half_leaf,
+                                scaled_value_and_grad)
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -528,16 +529,14 @@ def _scalar_loss(loss_fn: LossFn) -> LossFn:
 def _warn_half_params(params: PyTree) -> None:
     """A warning (once per trace) for float16/bfloat16 params trained without compute_dtype:
     PyTorch's ``model.half()`` habit, where updates below the params' spacing round away."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        dtype = jnp.result_type(leaf)
-        if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-            warnings.warn(
-                f"params{jax.tree_util.keystr(path)} is {dtype}, and the step updates it in "
-                f"{dtype}: an update smaller than {float(jnp.finfo(dtype).eps) / 2:.3g} of a "
-                "weight rounds away. For mixed precision keep float32 params and pass "
-                f"compute_dtype=jnp.{dtype} (with loss_scale= for float16).", RuntimeWarning,
-                stacklevel=4)
-            return
+    half = first_half_leaf(params)
+    if half is not None:
+        path, dtype = half
+        warnings.warn(
+            f"params{path} is {dtype}, and the step updates it in {dtype}: an update smaller "
+            f"than {float(jnp.finfo(dtype).eps) / 2:.3g} of a weight rounds away. For mixed "
+            f"precision keep float32 params and pass compute_dtype=jnp.{dtype} (with "
+            "loss_scale= for float16).", RuntimeWarning, stacklevel=4)
 
 
 def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
