@@ -285,10 +285,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
     def apply_update(state: TrainState, loss: jax.Array, grads: PyTree, dead=None):
         """Norm, clipping, the non-finite guard and the optimizer update: once per update."""
-        if monitor is None:
-            grad_norm, monitor_state = global_norm(grads), state.monitor
-            metrics = {"loss": loss, "grad_norm": grad_norm}
-        else:  # the monitor's fused sums include the global norm: no second reduction
+        zero = nonfinite == "zero"
+        metrics = {"loss": loss, "grad_norm": None}
+        grad_norm, monitor_state = None, state.monitor
+        if monitor is not None:  # on the raw gradient; its fused sums include the global norm
             monitor_state, report = monitor.update(state.monitor, grads, loss=loss,
                                                    dead_relu=dead)
             grad_norm = report.grad_norm
@@ -296,12 +296,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             # them into metrics["monitor"] on the host (a second output of the same vector is
             # a copy kernel after the norm: see funcgrad.monitor.MonitorState). Under the
             # accumulating scan each update's metrics are stacked, so they keep their values.
-            metrics = {"loss": loss, "grad_norm": grad_norm,
-                       "monitor": report if accumulate is not None else report._detached()}
-        zero = nonfinite == "zero"
+            metrics["monitor"] = report if accumulate is not None else report._detached()
         if zero:  # the norm reported and clipped against is that of the gradient applied
             grads, metrics["nonfinite_leaves"] = zero_nonfinite_leaves(grads)
-            grad_norm = metrics["grad_norm"] = global_norm(grads)
+            grad_norm = None
+        if grad_norm is None:
+            grad_norm = global_norm(grads)
+        metrics["grad_norm"] = grad_norm
         if clip_norm is not None:
             grads, info = clip_by_global_norm(grads, clip_norm, grad_norm=grad_norm)
             metrics["clip_coef"] = info.clip_coef
