@@ -6,7 +6,6 @@ the jaxprs nested in an equation's parameters (jit, custom_jvp/vjp, scan, cond, 
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -53,24 +52,6 @@ def check_array_args(where: str, args: tuple, names: list[str]) -> None:
         raise TypeError(f"{where}: argument {name} is a {type(leaf).__name__}, not an array or "
                         "a number; every argument is traced as an array. Close over it "
                         "instead, e.g. functools.partial(fn, name=value), and pass the arrays.")
-
-
-@contextlib.contextmanager
-def static_argument_hint(where: str) -> Iterator[None]:
-    """Adds a note to JAX's error when an argument is used as a Python value (``range(n)``,
-    ``if flag:``) while funcgrad traces it as an array."""
-    try:
-        yield
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
-            TypeError) as error:
-        concrete = isinstance(error, (jax.errors.ConcretizationTypeError,
-                                      jax.errors.TracerIntegerConversionError))
-        if not concrete and "concrete value" not in str(error):  # e.g. jnp.ones(n), n traced
-            raise
-        error.add_note(f"{where} traces every argument as an array. An argument used as a "
-                       "Python value (range(n), if flag:, a shape) must be closed over: pass "
-                       "functools.partial(fn, n=3) and only the arrays.")
-        raise
 
 
 def source_line(eqn: Any) -> str:

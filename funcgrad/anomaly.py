@@ -61,7 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 
-from funcgrad._jaxpr import arg_names, leaf_paths, static_argument_hint
+from funcgrad._jaxpr import arg_names, leaf_paths
+from funcgrad._traced import traced_values
 from funcgrad._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_float, _Loc, _Origin,
                                      _rank, _V)
 
@@ -249,7 +250,7 @@ def _locate(fn, args, *, argnums, grad, has_aux):
     for path, leaf, a in zip(paths, leaves, active):
         if a and not _finite(leaf):  # differentiated: params gone bad before fn runs
             return _input_report(path, leaf), None, None
-    with static_argument_hint("find_nonfinite"):
+    with traced_values("find_nonfinite", fn, tuple(args), names, nums):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_paths = ["output" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]

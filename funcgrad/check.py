@@ -33,7 +33,8 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from funcgrad import _objective as obj
-from funcgrad._jaxpr import arg_names, check_array_args, static_argument_hint, sub_jaxprs
+from funcgrad._jaxpr import arg_names, check_array_args, sub_jaxprs
+from funcgrad._traced import traced_values
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
 
 #: dtype the function computed in -> (eps, rtol, atol). An element passes when
@@ -119,7 +120,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     argnums_t = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     names = arg_names(fn, len(args))
     check_array_args("check_grads", args, names)
-    with jax.enable_x64(True), static_argument_hint("check_grads"):
+    with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = _run_full if mode == "full" else _run_directional
@@ -172,9 +173,12 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
 # --- set-up -------------------------------------------------------------------------------
 
 def _promote(x):
-    """Floating leaves to float64 NumPy arrays (host-side: no per-shape compilation)."""
-    x = np.asarray(x)
-    return x.astype(np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    """Floating leaves to float64 NumPy arrays (host-side: no per-shape compilation); other
+    leaves as they are: a typed PRNG key (``jax.random.key(0)``) has no NumPy form, and integer
+    tokens or bools are passed through, not differentiated."""
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        return x
+    return np.asarray(x).astype(np.float64)
 
 
 def _setup(fn, args, argnums, has_aux, order, names, seed):

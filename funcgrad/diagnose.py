@@ -50,7 +50,8 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from funcgrad._jaxpr import (arg_names, check_array_args, interpret, leaf_paths, source_line,
-                             static_argument_hint, sub_jaxprs)
+                             sub_jaxprs)
+from funcgrad._traced import traced_values
 from funcgrad._jaxpr import closed_parts as _closed
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
@@ -254,7 +255,7 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     check_array_args("explain_grads", (params, *args), names)
     paths = leaf_paths((params,), names[:1])
     p_leaves, p_tree = jax.tree.flatten(params)
-    with static_argument_hint("explain_grads"):
+    with traced_values("explain_grads", loss_fn, (params, *args), names, (0,)):
         closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
     loss_shape = out_shape[0] if has_aux else out_shape
     if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()

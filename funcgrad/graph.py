@@ -21,6 +21,7 @@ from jax.extend import core as jex_core
 
 from funcgrad import _graph_draw
 from funcgrad._jaxpr import arg_names, is_float, leaf_paths, source_line, sub_jaxprs
+from funcgrad._traced import TracedValueError, traced_values
 
 PyTree = Any
 
@@ -258,7 +259,10 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
                 "pytree of them. Close over other settings: trace(functools.partial(fn, "
                 "mode='x'), params).")
     try:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        with traced_values("trace", fn, args, names):
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    except TracedValueError:
+        raise
     except Exception as e:
         e.add_note(f"funcgrad.graph.trace: raised while tracing {_fn_name(fn)} with "
                    "jax.make_jaxpr on abstract values of the given shapes and dtypes.")

@@ -44,7 +44,8 @@ from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 
 from funcgrad._jaxpr import closed_parts as _closed
-from funcgrad._jaxpr import interpret, source_line
+from funcgrad._jaxpr import arg_names, interpret, source_line
+from funcgrad._traced import traced_values
 
 tap_p = jex_core.Primitive("tap")
 tap_p.def_impl(lambda x, *, name: x)
@@ -217,6 +218,39 @@ def _eval_cond(eqn, ins, perts):
     return list(jax.lax.switch(index, branches, *ops))
 
 
+def _check_output(out_shape: Any, has_aux: bool) -> None:
+    """ValueError unless the output is a real scalar (the first of a pair with `has_aux`)."""
+    def scalar(x):
+        return (isinstance(x, jax.ShapeDtypeStruct) and x.shape == ()
+                and jnp.issubdtype(x.dtype, jnp.floating))
+
+    def describe(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return f"an array of shape {x.shape} and dtype {x.dtype}"
+        return (f"a {type(x).__name__} of {len(x)}" if isinstance(x, (tuple, list))
+                else f"a pytree {jax.tree.structure(x)}")
+
+    pair = isinstance(out_shape, (tuple, list)) and len(out_shape) == 2
+    if has_aux and not (pair and scalar(out_shape[0])):
+        got = describe(out_shape[0]) if pair else describe(out_shape)
+        raise ValueError(
+            "intermediate_grads(has_aux=True) needs fn to return a pair (loss, aux) whose loss "
+            f"is a real scalar; the {'loss' if pair else 'output'} is {got}. Return "
+            "(loss, aux), or drop has_aux if fn returns the loss alone.")
+    if has_aux or scalar(out_shape):
+        return
+    if pair and scalar(out_shape[0]):
+        raise ValueError(
+            "intermediate_grads: fn returns a pair whose first element is a scalar, "
+            f"{describe(out_shape[0])}: a (loss, aux) output. Pass has_aux=True: "
+            "intermediate_grads(fn, has_aux=True) returns ((loss, aux), grads, tap_grads).")
+    raise ValueError(
+        f"intermediate_grads: fn returns {describe(out_shape)}; gradients (of the arguments "
+        "and of the taps) are those of a real scalar. Reduce it inside fn (e.g. .sum() or "
+        ".mean()), or return (loss, aux) and pass has_aux=True; for the vᵀJ of a non-scalar "
+        "output, return jnp.vdot(v, out).")
+
+
 def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
                        has_aux: bool = False) -> Callable:
     """Transforms `fn` to return its value, its gradient and the gradients of its taps.
@@ -249,7 +283,9 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
 
     def transformed(*args, **kwargs):
         bound = functools.partial(fn, **kwargs) if kwargs else fn
-        closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)
+        with traced_values("intermediate_grads", bound, args, arg_names(fn, len(args)), nums):
+            closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)
+        _check_output(out_shape, has_aux)
         sites: dict[str, _Site] = {}
         _find_sites(closed.jaxpr, (), sites)
         out_tree = jax.tree.structure(out_shape)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from funcgrad._traced import naming_traced_values
 from funcgrad.accumulate import make_accumulating_step
 from funcgrad.clipping import clip_by_global_norm, global_norm, zero_nonfinite_leaves
 from funcgrad.masks import freeze, value_and_grad_trainable
@@ -256,6 +257,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         match `optimizer` and the params.
     """
     optimizer = make_optimizer(optimizer)
+    loss_fn = naming_traced_values(loss_fn, "the train step", ("params", "batch"), (0,))
     if clip_norm is not None and not (isinstance(clip_norm, (int, float, np.number))
                                       and math.isfinite(clip_norm) and clip_norm > 0):
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")

@@ -15,6 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from funcgrad._jaxpr import arg_names
+from funcgrad._traced import traced_values
+
 PyTree = Any
 
 #: Why a non-scalar output needs a cotangent, with the failing and the fixed code.
@@ -154,10 +157,11 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
                     f"backward: argument {i}{jax.tree_util.keystr(path)} (argnums) has dtype "
                     f"{jnp.result_type(leaf)}, which has no gradient. Differentiate floating "
                     "arguments only (argnums), or cast it: x.astype(jnp.float32).")
-    if has_aux:
-        out, pullback, aux = jax.vjp(of_differentiated, *primals, has_aux=True)
-    else:
-        out, pullback = jax.vjp(of_differentiated, *primals)
+    with traced_values("backward", fn, args, arg_names(fn, len(args)), nums):
+        if has_aux:
+            out, pullback, aux = jax.vjp(of_differentiated, *primals, has_aux=True)
+        else:
+            out, pullback = jax.vjp(of_differentiated, *primals)
     _check_outputs(out)
     grads = pullback(_as_cotangent(cotangent, out))
     grads = grads[0] if single else grads

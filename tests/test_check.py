@@ -502,9 +502,11 @@ def test_non_array_and_static_arguments_get_the_partial_fix():
     def first_n(x, n):                      # n used as a Python int: range(n)
         return sum(x[i] for i in range(n))
 
-    with pytest.raises(jax.errors.TracerIntegerConversionError) as error:
+    # n is not differentiated, so closing over it is the fix the message gives, at the line.
+    with pytest.raises(TypeError, match=r"test_check\.py:\d+ \(first_n\).*Python int.*"
+                       r"depends on n, which check_grads does not differentiate.*"
+                       r"functools\.partial\(fn, n=\.\.\.\)"):
         fg.check_grads(first_n, jnp.ones(3), 2)
-    assert any("functools.partial(fn, n=3)" in note for note in error.value.__notes__)
     # The fix the message gives works: d/dx_i sum_{i<2} x_i = (1, 1, 0).
     report = fg.check_grads(functools.partial(first_n, n=2), jnp.ones(3))
     assert report.ok
