@@ -15,10 +15,10 @@ raises `TracedValueError` naming that file, line and code, with the fix that app
   (a count, a flag), close over it with ``functools.partial`` (``static_argnums`` under one's
   own ``jax.jit``); if it is data, keep the branch traced as above.
 
-Which arguments the value depends on is found by tracing the function again on the error path
-only, with the differentiated arguments abstract and the others concrete (their values, or
-zeros of their shape and dtype when they are themselves traced, as inside a jitted train
-step), then one argument at a time.
+Which arguments the value depends on is found on the error path only: the function is traced
+again, the refused tracer is taken from the failing frame and returned as the output, and the
+jaxpr says which arguments it is computed from (this works inside someone else's trace too,
+such as the jitted train step).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 #: JAX's errors for a traced value used where Python needs a concrete one. (A TypeError that
@@ -104,43 +105,56 @@ def _what(error: BaseException) -> tuple[str, str]:
             "keep it an array (no float(x) or x.item()) and make shapes Python ints")
 
 
-def _fails_at(fn: Callable, args: tuple, abstract: set[int], where) -> bool:
-    """Whether tracing `fn` with the arguments `abstract` traced and the others concrete fails
-    with a traced-value error at the user frame `where`."""
-    def stand_in(x):  # a traced argument (we run inside someone's jit): zeros of its type
-        if not isinstance(x, jax.core.Tracer):
-            return x
-        if not jnp.issubdtype(x.dtype, jnp.number) and x.dtype != jnp.bool_:
-            raise TypeError("no concrete stand-in for this dtype")
-        return jnp.zeros(x.shape, x.dtype)
+def _offending_tracer(error: BaseException):
+    """The tracer JAX refused to convert: a Tracer among the locals of the innermost frame of
+    `error`'s (unfiltered) traceback that holds one (``self`` in ``Tracer.__bool__``), or None."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        tracers = {k: v for k, v in frame.f_locals.items() if isinstance(v, jax.core.Tracer)}
+        for name in ("self", "tracer", "val", "x", *tracers):
+            if name in tracers:
+                return tracers[name]
+    return None
 
-    held = {i: jax.tree.map(stand_in, a) for i, a in enumerate(args) if i not in abstract}
-    order = sorted(abstract)
 
-    def partial_fn(*traced):
-        full = [held.get(i) for i in range(len(args))]
-        for i, a in zip(order, traced):
-            full[i] = a
-        return fn(*full)
+def _culprits(fn: Callable, args: tuple, where) -> tuple[str | None, list[int]]:
+    """("arguments", the positions of the arguments the refused value depends on), ("inside",
+    []) when fn traces it itself (its own jax.jit), or (None, []) when unknown.
+
+    fn is traced again with `jax.make_jaxpr` on `args` (concrete or traced: tracing works on
+    either); when the same line fails, the refused tracer is returned as the output, and the
+    arguments it depends on are read off the jaxpr (an equation's outputs depend on all its
+    inputs: a nested jit counts whole)."""
+    leaves, tree = jax.tree.flatten(tuple(args))
+    owner = [path[0].idx for path, _ in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
+    caught = []
+
+    def probe(*flat):
+        try:
+            fn(*jax.tree.unflatten(tree, flat))
+        except TypeError as error:
+            tracer = _offending_tracer(error) if _is_concrete_error(error) else None
+            if tracer is None or _user_frame(error) != where:
+                raise
+            caught.append(True)
+            return tracer
+        return jnp.zeros(())
 
     try:
-        jax.make_jaxpr(partial_fn)(*(args[i] for i in order))
-    except Exception as error:  # noqa: BLE001 - any other failure means "not this"
-        return _is_concrete_error(error) and _user_frame(error) == where
-    return False
-
-
-def _culprits(fn: Callable, args: tuple, differentiated: Sequence[int], where):
-    """("differentiated" | "other" | None, the arguments' positions found responsible)."""
-    try:
-        diff = [i for i in differentiated if i < len(args)]
-        if diff and _fails_at(fn, args, set(diff), where):
-            return "differentiated", diff
-        others = [i for i in range(len(args)) if i not in diff]
-        found = [i for i in others if _fails_at(fn, args, {i}, where)]
-        return ("other", found) if found else (None, [])
-    except Exception:  # noqa: BLE001 - the diagnosis is best effort; the line is still named
+        jaxpr = jax.make_jaxpr(probe)(*leaves).jaxpr
+    except Exception:  # noqa: BLE001 - an escaped tracer (fn's own jit) or another failure
+        return ("inside", []) if caught else (None, [])
+    if not caught:
         return None, []
+    needed = {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            needed.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
+    return "arguments", sorted({owner[i] for i, v in enumerate(jaxpr.invars) if v in needed})
 
 
 def explain(where: str, error: BaseException, fn: Callable | None = None, args: tuple = (),
@@ -165,11 +179,21 @@ def explain(where: str, error: BaseException, fn: Callable | None = None, args: 
     code = linecache.getline(file, line).strip()
     did, traced_fix = _what(error)
     names = list(names) + [f"args[{i}]" for i in range(len(names), len(args))]
-    kind, found = _culprits(fn, tuple(args), differentiated, frame) if fn else (None, [])
+    kind, found = _culprits(fn, tuple(args), frame) if fn else (None, [])
+    if kind == "arguments":
+        diff = [i for i in found if i in differentiated]
+        kind, found = ("differentiated", diff) if diff else ("other", found)
+        if not found:  # depends on no argument (a constant): nothing to close over
+            kind = None
     listed = " and ".join(names[i] for i in found)
     static_fix = ("close over it, e.g. functools.partial(fn, {0}=...), and pass only the arrays "
                   "(under your own jax.jit: static_argnums)")
-    if kind == "differentiated":
+    if kind == "inside":
+        fix = ("The value is traced inside the function itself, whatever its arguments (a "
+               "jax.jit, jax.vmap or lax loop in it, or a value built from one): "
+               f"{traced_fix}; or, for a setting, mark it static in that jax.jit "
+               "(static_argnums) or close over it.")
+    elif kind == "differentiated":
         fix = (f"The value depends on {listed}, which {where} differentiates, so it must stay "
                f"traced (functools.partial or static_argnums would freeze the very value being "
                f"differentiated): {traced_fix}.")

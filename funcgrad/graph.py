@@ -259,7 +259,10 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
                 "pytree of them. Close over other settings: trace(functools.partial(fn, "
                 "mode='x'), params).")
     try:
-        with traced_values("trace", fn, args, names):
+        floating = [i for i, a in enumerate(args) if residuals and any(
+            is_float(x.dtype if hasattr(x, "dtype") else type(x))
+            for x in jax.tree.leaves(a))]  # the residuals are those of their vjp
+        with traced_values("trace", fn, args, names, floating):
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except TracedValueError:
         raise
