@@ -108,6 +108,8 @@ class _Origin:
     sentinel: bool = False        # ranks below computed origins: a constant, or an argument
     constant: bool = False        # made from a non-finite literal or constant (a -inf mask)
     from_infinities: bool = False  # a NaN this equation made of sentinel infinities (inf - inf)
+    sources: list = dataclasses.field(default_factory=list)  # backward: forward origins of the
+                                                             # operands' non-finite elements
 
     def reaches(self, reached: set) -> bool:
         o = self
@@ -475,8 +477,14 @@ class _Evaluator:
                                                                                   step.ins))]
         operands += [(f"cotangent of output {j}", cts[j].x) for j in floats if cts[j] is not None]
         name = _label(eqn) if eqn.primitive.name in _CUSTOM else eqn.primitive.name
+        sources = []  # where the operands' non-finite elements came from (a NaN data row?)
+        for v in step.ins:
+            if v.org is not None:
+                seqs = [] if v.ids is None else np.unique(np.asarray(v.ids))
+                sources += [self.by_seq[s] for s in seqs if s >= 0] or [v.org]
         return self.new("backward", name, step.frame, operands, produced,
-                        f"cotangent of operand {i}", forward_out=[step.outs[j] for j in floats])
+                        f"cotangent of operand {i}", forward_out=[step.outs[j] for j in floats],
+                        sources=list(dict.fromkeys(sources)))
 
     def _back_call(self, step, cts):
         sub, tape = step.sub

@@ -53,6 +53,7 @@ of eager (op-by-op) execution, which can differ in the last bits from a fused ``
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,8 @@ from funcgrad._jaxpr import arg_names, leaf_paths
 from funcgrad._traced import traced_values
 from funcgrad._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_float, _Loc, _Origin,
                                      _rank, _V)
+
+_FUNCGRAD_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Lines of this file are never "the user's line".
 source_info_util.register_exclusion(__file__)
@@ -276,9 +279,10 @@ def _locate(fn, args, *, argnums, grad, has_aux):
     if bad:
         origin = _first(bad)
         if origin.phase == "input":
-            return _input_report(origin.produced_name, origin.produced), values, None
+            return (_input_report(origin.produced_name, origin.produced, data=True), values,
+                    None)
         return (_report(origin, tuple(p for _, p in bad), value, checked,
-                        _masked(ev, {o for o, _ in bad})), values, None)
+                        _masked(ev, {o for o, _ in bad}), _has_minus_inf_mask(ev)), values, None)
     masked = _masked(ev, set())
     if not grad:
         return AnomalyReport(None, value=value, checked=checked, masked=masked), values, None
@@ -299,16 +303,42 @@ def _locate(fn, args, *, argnums, grad, has_aux):
     bad = [(c.org, f"grad of {p}") for c, p, a in zip(cts, paths, active)
            if a and c is not None and c.org is not None]
     if bad:
-        return (_report(_first(bad), tuple(p for _, p in bad), value, checked, masked), values,
-                grads)
+        return (_report(_first(bad), tuple(p for _, p in bad), value, checked, masked,
+                        _has_minus_inf_mask(ev)), values, grads)
     return AnomalyReport(None, value=value, checked=checked, masked=masked), values, grads
 
 
-def _input_report(path: str, leaf) -> AnomalyReport:
+def _input_report(path: str, leaf, data: bool = False) -> AnomalyReport:
+    """The report of a non-finite argument: a differentiated one (params gone bad) or, with
+    `data`, one that is not differentiated and reached the output (a NaN in the batch)."""
+    hint = ("an argument is NaN or inf before fn runs and reaches the output: check the data "
+            "batch, or the update that produced these params.")
+    if data:
+        hint = (f"{path} is non-finite in {_rows(leaf)} before fn runs, and that reaches the "
+                "output. If those are padded or masked rows that the loss weights out, the "
+                "weight does not help: 0 * NaN is NaN (and 0 * inf too). Fill padding with "
+                "finite values (zeros), or replace the NaN before the model: "
+                "jnp.where(valid[:, None], x, 0.0).")
     return AnomalyReport("input", where=path, output=_stats(path, leaf), nonfinite=(path,),
-                         checked="inputs",
-                         hint="an argument is NaN or inf before fn runs and reaches the output: "
-                              "check the data batch, or the update that produced these params.")
+                         checked="inputs", hint=hint)
+
+
+def _rows(x, limit: int = 5) -> str:
+    """"row(s) [3, 7]": the first indices (axis 0) where `x` is not finite."""
+    a = np.asarray(x)
+    if a.ndim == 0:
+        return "its only element"
+    rows = np.unique(np.argwhere(~np.isfinite(a.astype(np.float64) if a.dtype != bool
+                                              else a))[:, 0]).tolist()
+    more = f" (of {len(rows)})" if len(rows) > limit else ""
+    return f"row{'s' if len(rows) > 1 else ''} {rows[:limit]}{more}"
+
+
+def _zero_elements(x, limit: int = 5) -> str:
+    """"element(s) [2]" or "[(0, 2), (1, 3)]": the first indices where `x` is exactly 0."""
+    found = [tuple(i) if len(i) > 1 else int(i[0]) for i in np.argwhere(np.asarray(x) == 0)]
+    more = f" (of {len(found)})" if len(found) > limit else ""
+    return f"{found[:limit]}{more}"
 
 
 def _first(bad: list) -> _Origin:
@@ -357,19 +387,35 @@ def _stats(name: str, x) -> ValueStats:
                       int(nan.sum()), int(a.size))
 
 
-def _report(origin: _Origin, nonfinite, value, checked, masked) -> AnomalyReport:
+def _has_minus_inf_mask(ev: _Evaluator) -> bool:
+    """Whether the forward pass used a -inf constant of the user's (a mask)."""
+    return any(o.constant and not _own(o) and np.any(np.isneginf(np.asarray(o.produced)))
+               for o in ev.forward_origins)
+
+
+def _own(origin: _Origin) -> bool:
+    """Whether `origin` sits in funcgrad's own code (e.g. the label guard of
+    `funcgrad.nn.softmax_cross_entropy`, a NaN constant that only a bad label lets through)."""
+    file = origin.loc.file
+    return bool(file) and os.path.abspath(file).startswith(_FUNCGRAD_DIR + os.sep)
+
+
+def _report(origin: _Origin, nonfinite, value, checked, masked,
+            minus_inf_mask: bool = False) -> AnomalyReport:
     """The report of `origin`: its operands' statistics, its line, a hint."""
     inputs = tuple(_stats(n, v) for n, v in origin.operands)
     produced = _stats(origin.produced_name, origin.produced)
     return AnomalyReport(origin.phase, origin.primitive, origin.loc.where, origin.loc.file,
                          origin.loc.line, origin.context, inputs, produced, tuple(nonfinite),
-                         value, checked, _hint(origin, inputs, produced), masked)
+                         value, checked, _hint(origin, inputs, produced, minus_inf_mask), masked)
 
 
 def _masked(ev: _Evaluator, reached: set) -> tuple[str, ...]:
     """Forward origins whose values never reached the output, one line per site."""
     sites: dict[tuple[str, str], list[_Origin]] = {}
     for o in ev.forward_origins:
+        if o.constant and _own(o):  # funcgrad's own sentinel, hidden as designed: not news
+            continue
         if not o.reaches(reached):
             sites.setdefault((o.primitive, o.loc.where), []).append(o)
     text = []
@@ -404,8 +450,45 @@ _FORWARD_HINTS |= {"exp2": _FORWARD_HINTS["exp"], "expm1": _FORWARD_HINTS["exp"]
                    "rsqrt": _FORWARD_HINTS["sqrt"]}
 
 
-def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats) -> str:
+def _masked_row_hint(origin: _Origin, backward: bool) -> str:
+    """log of a sum of exp over rows that a -inf mask covers entirely (a logsumexp)."""
+    zeros = _zero_elements(origin.operands[0][1])
+    effect = ("its derivative 1/0 is infinite there, and the zero cotangent of the jnp.where "
+              "that hides the row turns it into 0 * inf = NaN" if backward else
+              "the logsumexp of that row is -inf")
+    return ("log of 0 at element(s) " + zeros + " of its operand: a sum of exp over a row "
+            "that a -inf mask covers entirely (a fully masked row; exp(-inf) = 0), so "
+            + effect + ". Fill the masked entries with a large negative finite number instead "
+            "of -inf, e.g. jnp.where(mask, s, jnp.finfo(s.dtype).min) (exp of it is 0 too, so "
+            "other rows do not change), or leave one element of every row unmasked; then drop "
+            "the fully masked rows from the loss with jnp.where.")
+
+
+def _nan_source_hint(origin: _Origin, name: str) -> str:
+    """A NaN operand in the backward pass, connected to the argument (data row) it came from."""
+    data = [o for o in origin.sources if o.phase == "input"]
+    operand = next((v for n, v in origin.operands if not n.startswith("cotangent")
+                    and not _finite(v)), None)
+    at = f" at {_rows(operand)}" if operand is not None else ""
+    if not data:
+        return (f"an operand of {name} holds NaN{at} (data, or an earlier NaN) that a jnp.where "
+                "or mask hides in the forward pass; the backward pass multiplies it by the zero "
+                "cotangent of the hidden elements, and 0 * NaN is NaN. Replace the NaN before "
+                f"{name} (e.g. jnp.where(mask, x, 0) on its input), not only after it.")
+    src = data[0]
+    return (f"an operand of {name} holds NaN{at}, which comes from the argument "
+            f"{src.produced_name} (non-finite in {_rows(src.produced)}): a padded or masked "
+            "row? The forward pass hides it (a jnp.where or a zero weight), but the backward "
+            f"pass multiplies {name}'s derivative there by the zero cotangent, and 0 * NaN is "
+            f"NaN. Replace the NaN in {src.produced_name} itself (pad with zeros, or "
+            "jnp.where(valid[:, None], x, 0.0) before the model), not only in the loss.")
+
+
+def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats,
+          minus_inf_mask: bool = False) -> str:
     name = origin.primitive.split(" ")[0]
+    zero_log = (name == "log" and minus_inf_mask and bool(origin.operands)
+                and np.any(np.asarray(origin.operands[0][1]) == 0))
     if origin.own_transpose:
         return (f"{name} belongs to a derivative that fn computes itself (name stack "
                 "'transpose(jvp(...))'); the line is that of the forward operation it "
@@ -414,6 +497,8 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats)
     if name == "constant":
         return "fn returns a non-finite constant."
     if origin.phase == "forward":
+        if zero_log:
+            return _masked_row_hint(origin, backward=False)
         if origin.constant and "softmax_cross_entropy" in origin.loc.where:
             return ("a label is outside [0, classes): softmax_cross_entropy makes the loss NaN "
                     "for it (a negative label, or one past the last class). Check the targets "
@@ -451,10 +536,9 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats)
                 "finite operands. Values this large usually mean a diverging run: lower the "
                 "learning rate, clip the gradients (clip_norm) or normalise the inputs." + low)
     if any(s.nan for s in inputs if not s.name.startswith("cotangent")):
-        return (f"an operand of {name} holds NaN (data, or an earlier NaN) that a jnp.where or "
-                "mask hides in the forward pass; the backward pass multiplies it by the zero "
-                "cotangent of the hidden elements, and 0 * NaN is NaN. Replace the NaN before "
-                f"{name} (e.g. jnp.where(mask, x, 0) on its input), not only after it.")
+        return _nan_source_hint(origin, name)
+    if zero_log:
+        return _masked_row_hint(origin, backward=True)
     if any(not _finite(x) for x in origin.forward_out):
         first = ("for jnp.log(softmax(z)), use jax.nn.log_softmax(z). Otherwise, "
                  if name in ("log", "log1p") else "")

@@ -78,10 +78,12 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         when it is the only mode (a ``while_loop`` that only forward mode can differentiate).
       order: 1 checks the gradient; 2 checks the gradient of <u, gradient> (Hessian-vector
         products).
-      eps, rtol, atol: override `TOLERANCES` for the dtype used.
+      eps, rtol, atol: override `TOLERANCES` for the dtype used: eps a finite number > 0 (the
+        step, in the units of the differentiated leaves), rtol and atol finite numbers >= 0
+        (dimensionless; atol is scaled by max(1, |f|)).
       num_directions: random tangents per check in directional mode, and per leaf for the
         fwd check in full mode.
-      seed: seeds the tangents and the output cotangents.
+      seed: a non-negative int; seeds the tangents and the output cotangents.
       chunk_size: perturbations evaluated per vmapped batch in full mode; by default about
         2^20 / n (8 MiB of perturbed float64 inputs).
       respect_stop_gradient: if True, a leaf whose analytic gradient is zero only because of
@@ -91,12 +93,16 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
       a `GradCheckReport`: one `LeafCheck` row per differentiated leaf, ``.ok``,
       ``.raise_if_failed()``, ``.to_dict()``; ``print(report)`` shows the table.
     Raises:
-      ValueError: for an unknown mode, an argnum out of range, a selected argument that is an
+      ValueError: for an unknown mode, an eps that is not a finite number > 0, an rtol or atol
+        that is not a finite number >= 0, a negative seed, an argnum out of range, a selected argument that is an
         integer or boolean array, nothing floating to differentiate, a non-finite output at
         the primal point (the message names the output leaf and the argument shapes), "rev"
         with a ``while_loop`` that depends on the arguments (JAX cannot reverse it), or
         ``modes=("fwd",)`` with a ``custom_vjp`` (JAX cannot forward-differentiate it).
-      TypeError: if `fn` is not callable.
+      TypeError: if `fn` is not callable; `funcgrad._traced.TracedValueError` (a TypeError)
+        when fn uses a traced value as a Python value (``if x > 0:``, ``range(n)``,
+        ``float(x)``, NumPy): the message names fn's line and the fix (``jnp.where`` /
+        ``lax.cond`` for a differentiated value, ``functools.partial`` for a setting).
     """
     if not callable(fn):
         raise TypeError(f"check_grads: fn must be callable, got {type(fn).__name__}.")
@@ -113,6 +119,12 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                                    or chunk_size < 1):
         raise ValueError(f"check_grads: chunk_size must be a positive int or None, got "
                          f"{chunk_size!r}.")
+    _check_number("eps", eps, positive=True)
+    _check_number("rtol", rtol)
+    _check_number("atol", atol)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"check_grads: seed must be a non-negative int (it seeds NumPy's "
+                         f"generator), got {seed!r}.")
     if isinstance(argnums, bool) or (not isinstance(argnums, int) and any(
             isinstance(a, bool) for a in argnums)):
         raise TypeError(f"check_grads: argnums must be an int or ints (argument positions), got "
@@ -164,6 +176,10 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
         seconds for an MLP with a small batch on a 2-core CPU.
       **kwargs: passed to `check_grads`.
     """
+    if (isinstance(max_full_elements, bool) or not isinstance(max_full_elements, (int, np.integer))
+            or max_full_elements < 0):
+        raise ValueError(f"audit: max_full_elements must be a non-negative int (floating "
+                         f"parameter elements), got {max_full_elements!r}.")
     n = sum(int(np.size(x)) for x in jax.tree.leaves(params)
             if jnp.issubdtype(jnp.result_type(x), jnp.floating))
     mode = "full" if n <= max_full_elements else "directional"
@@ -311,9 +327,30 @@ def _narrowest_float(jaxpr) -> str | None:
     return min(found, key=lambda d: jnp.finfo(d).bits) if found else None
 
 
+def _check_number(name: str, value: Any, positive: bool = False) -> None:
+    """TypeError unless `value` is None or a real number; ValueError unless it is finite and
+    > 0 (`positive`) or >= 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"check_grads: {name} must be a number or None, got "
+                        f"{type(value).__name__} {value!r}.")
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        meaning = {"eps": "the finite-difference step, in the units of the differentiated "
+                          "leaves; None picks one for the dtype (TOLERANCES), e.g. 1e-3 in "
+                          "float32",
+                   "rtol": "a relative tolerance; None uses TOLERANCES, e.g. 1e-2 in float32",
+                   "atol": "an absolute tolerance, scaled by max(1, |f|); None uses TOLERANCES, "
+                           "e.g. 1e-3 in float32"}[name]
+        raise ValueError(f"check_grads: {name} must be a finite number "
+                         f"{'> 0' if positive else '>= 0'} or None, got {value!r}: it is "
+                         f"{meaning}.")
+
+
 def _tolerances(dtype_used, eps, rtol, atol):
     d_eps, d_rtol, d_atol = TOLERANCES.get(dtype_used, TOLERANCES["float32"])
-    return (eps or d_eps, d_rtol if rtol is None else rtol, d_atol if atol is None else atol)
+    return (d_eps if eps is None else float(eps), d_rtol if rtol is None else float(rtol),
+            d_atol if atol is None else float(atol))
 
 
 def _segments(prob):

@@ -524,3 +524,33 @@ def test_tolerances_follow_a_float32_cast_inside_a_float64_function():
     report = fg.check_grads(f, jax.random.normal(jax.random.key(1), (5,)))
     assert report.ok and report.dtype_used == "float32"
     assert any("computes in float32" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"eps": -1.0}, ValueError, r"eps must be a finite number > 0 or None, got -1\.0"),
+    ({"eps": 0.0}, ValueError, r"eps must be a finite number > 0 or None, got 0\.0"),
+    ({"eps": "1e-3"}, TypeError, r"eps must be a number or None, got str"),
+    ({"rtol": -1e-3}, ValueError, r"rtol must be a finite number >= 0 or None"),
+    ({"atol": float("nan")}, ValueError, r"atol must be a finite number >= 0 or None, got nan"),
+    ({"seed": -1}, ValueError, r"seed must be a non-negative int"),
+], ids=["negative_eps", "zero_eps", "str_eps", "negative_rtol", "nan_atol", "negative_seed"])
+def test_bad_steps_and_tolerances_are_refused(kwargs, error, match):
+    # eps=0 used to fall back silently to the default step (eps or default), and eps=-1 ran
+    # with a negative step: both "passed".
+    with pytest.raises(error, match=match):
+        fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2), **kwargs)
+
+
+def test_zero_tolerances_and_an_explicit_step_are_used_as_given():
+    # f(x) = sum(x^2) at x = (1, 1) in float64: the central difference of a quadratic is exact
+    # up to rounding (~1e-10 at eps = 1e-3), so rtol = atol = 0 demands exact agreement and
+    # fails on rounding, while the report carries the values given.
+    with jax.enable_x64(True):
+        report = fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2, jnp.float64), eps=1e-3,
+                                rtol=0, atol=1e-9)
+    assert (report.eps, report.rtol, report.atol) == (1e-3, 0.0, 1e-9) and report.ok
+
+
+def test_audit_refuses_a_negative_max_full_elements():
+    with pytest.raises(ValueError, match="max_full_elements must be a non-negative int"):
+        fg.audit(lambda p: jnp.sum(p ** 2), jnp.ones(2), max_full_elements=-1)
