@@ -9,6 +9,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.experimental import checkify
@@ -522,3 +523,72 @@ def test_nan_data_hidden_by_a_mask_gets_the_zero_times_nan_hint():
                             jnp.array([True, False]))
     assert (report.phase, report.primitive) == ("backward", "dot_general")
     assert "0 * NaN is NaN" in report.hint
+
+
+# --- masks and padded rows: the row is named, funcgrad's own sentinels are not news -----------
+
+_X43 = jax.random.normal(jax.random.key(0), (4, 3))
+_W33 = {"w": jax.random.normal(jax.random.key(1), (3, 3)) * 0.1}
+# Row 2 is masked entirely (hand: no True in it); the other rows keep at least one element.
+_ROW_MASK = jnp.array([[1, 1, 1], [1, 0, 1], [0, 0, 0], [1, 1, 0]], bool)
+
+
+def test_a_healthy_model_with_softmax_cross_entropy_lists_nothing_masked():
+    # The label guard inside fg.softmax_cross_entropy holds a NaN constant that only a bad label
+    # lets through; on valid labels it is hidden by design and is not "a -inf mask?".
+    def loss(p, x, y):
+        return fg.softmax_cross_entropy(x @ p["w"], y)
+    report = find_nonfinite(loss, _W33, _X43, jnp.array([0, 1, 2, 1]))
+    assert report.ok and report.masked == () and "masked" not in str(report)
+    # A bad label is still found and explained.
+    bad = find_nonfinite(loss, _W33, _X43, jnp.array([0, 1, 3, 1]))
+    assert bad.phase == "forward" and "label outside [0, classes)" in bad.hint
+
+
+def test_logsumexp_of_a_fully_masked_row_names_the_row_and_the_finite_fill():
+    def loss(p, x):
+        s = jnp.where(_ROW_MASK, x @ p["w"], -jnp.inf)
+        return jnp.sum(jax.nn.logsumexp(s, axis=-1))
+    # Hand: row 2 sums exp(-inf) = 0 and log(0) = -inf; the other rows are finite.
+    assert np.isneginf(jax.nn.logsumexp(jnp.where(_ROW_MASK, _X43 @ _W33["w"], -jnp.inf), -1))\
+        .tolist() == [False, False, True, False]
+    report = find_nonfinite(loss, _W33, _X43)
+    assert report.phase == "forward" and report.primitive == "log"
+    assert "element(s) [2]" in report.hint and "fully masked row" in report.hint
+    assert "jnp.finfo(s.dtype).min" in report.hint and "double where" not in report.hint
+
+
+def test_a_hidden_fully_masked_row_in_the_backward_pass_is_named_not_double_where():
+    def loss(p, x):  # an additive -inf mask; the masked row's logsumexp is dropped by a where
+        s = x @ p["w"] + jnp.where(_ROW_MASK, 0.0, -jnp.inf)
+        return jnp.sum(jnp.where(_ROW_MASK.any(-1), jax.nn.logsumexp(s, -1), 0.0))
+    assert np.isnan(jax.grad(loss)(_W33, _X43)["w"]).all()  # jax.grad agrees: NaN
+    report = find_nonfinite(loss, _W33, _X43)
+    assert report.phase == "backward" and report.primitive == "log"
+    assert "element(s) [2]" in report.hint and "fully masked row" in report.hint
+    assert "0 * inf" in report.hint and "jnp.finfo" in report.hint
+    assert "safe_x" not in report.hint  # not the generic double-where recipe
+
+
+def test_a_nan_in_a_padded_row_is_connected_to_that_row():
+    padded = _X43.at[3].set(jnp.nan)   # row 3 is padding, filled with NaN
+    weights = jnp.array([1.0, 1.0, 1.0, 0.0])
+    labels = jnp.array([0, 1, 2, 1])
+
+    def hidden(p, x, y, w):  # the padded row is hidden by a where: NaN only in the gradient
+        per = optax.softmax_cross_entropy_with_integer_labels(x @ p["w"], y)
+        return jnp.sum(jnp.where(w > 0, per, 0.0)) / jnp.sum(w)
+
+    assert np.isnan(jax.grad(hidden)(_W33, padded, labels, weights)["w"]).all()
+    report = find_nonfinite(hidden, _W33, padded, labels, weights)
+    assert report.phase == "backward"
+    assert "comes from the argument x (non-finite in row [3])" in report.hint
+
+    def weighted(p, x, y, w):  # weighted out: 0 * NaN is NaN already in the forward pass
+        per = optax.softmax_cross_entropy_with_integer_labels(x @ p["w"], y)
+        return jnp.sum(per * w) / jnp.sum(w)
+
+    assert np.isnan(weighted(_W33, padded, labels, weights))
+    report = find_nonfinite(weighted, _W33, padded, labels, weights)
+    assert report.phase == "input" and report.where == "x"
+    assert "row [3]" in report.hint and "0 * NaN is NaN" in report.hint

@@ -196,3 +196,28 @@ def test_bad_tap_arguments():
         tap("i", jnp.arange(3))
     with pytest.raises(TypeError, match="name must be a non-empty string"):
         tap("", jnp.ones(2))
+
+
+def _tapped_pair(w, x):
+    h = tap("h", w * x)
+    return jnp.sum(h ** 2), {"h": h}
+
+
+def test_a_loss_aux_pair_without_has_aux_gets_the_has_aux_hint():
+    w, x = jnp.ones(3), jnp.arange(3.0)
+    with pytest.raises(ValueError, match=r"a \(loss, aux\) output\. Pass has_aux=True"):
+        intermediate_grads(_tapped_pair)(w, x)
+    # With has_aux: h = w x = (0, 1, 2); d/dh sum(h^2) = 2h = (0, 2, 4); d/dw = 2 h x = (0, 2, 8).
+    (loss, aux), grads, taps = intermediate_grads(_tapped_pair, has_aux=True)(w, x)
+    assert float(loss) == 5.0 and aux["h"].tolist() == [0.0, 1.0, 2.0]
+    assert grads.tolist() == [0.0, 2.0, 8.0] and taps["h"].tolist() == [0.0, 2.0, 4.0]
+
+
+def test_a_non_scalar_output_gets_the_reduce_or_has_aux_hint():
+    def squares(w, x):
+        return tap("h", w * x) ** 2
+    with pytest.raises(ValueError, match=r"returns an array of shape \(3,\).*Reduce it inside fn"
+                                         r".*has_aux=True"):
+        intermediate_grads(squares)(jnp.ones(3), jnp.arange(3.0))
+    with pytest.raises(ValueError, match=r"has_aux=True\) needs fn to return a pair \(loss, aux\)"):
+        intermediate_grads(squares, has_aux=True)(jnp.ones(3), jnp.arange(3.0))
