@@ -238,8 +238,9 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
         names the leaf's path and type).
       ImportError: if residuals are asked for and this JAX lacks
         ``jax._src.ad_checkpoint.saved_residuals``; pass ``residuals=False``.
-      Any error `fn` raises while traced on abstract values (e.g. Python control flow on a
-        traced value) propagates, with a note naming `trace`.
+      `funcgrad._traced.TracedValueError` (a TypeError): Python control flow or conversion on a
+        traced value (``if x > 0:``); the message names fn's line and the fix. Any other error
+        `fn` raises while traced on abstract values propagates, with a note naming `trace`.
     Example:
       >>> g = trace(lambda x, w, b: x * w + b, 2.0, 3.0, 1.0)
       >>> [n.primitive for n in g.nodes], [leaf.path for leaf in g.leaves]

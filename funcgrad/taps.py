@@ -273,8 +273,12 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
       scan (see the module docstring). The function can itself be jitted or vmapped.
     Raises:
       ValueError: when called, if a tap name is used twice (but for cond branches with the
-        same shape), or a tap sits inside a while_loop or a custom_jvp/custom_vjp function. ``jax.grad``'s own TypeError if the output is not
-        a real scalar.
+        same shape), or a tap sits inside a while_loop or a custom_jvp/custom_vjp function; if
+        the output is not a real scalar (a ``(loss, aux)`` pair without `has_aux` gets the
+        has_aux hint, a non-scalar the hint to reduce it), or with `has_aux` not a pair whose
+        first element is one.
+      TypeError: `funcgrad._traced.TracedValueError` (a TypeError) when `fn` uses a traced value as a Python value
+        (``if h > 0:``, ``range(n)``): the message names fn's line and the fix.
     """
     if not callable(fn):
         raise TypeError(f"intermediate_grads needs a callable, got {type(fn).__name__}.")
