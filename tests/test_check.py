@@ -503,7 +503,7 @@ def test_non_array_and_static_arguments_get_the_partial_fix():
         return sum(x[i] for i in range(n))
 
     # n is not differentiated, so closing over it is the fix the message gives, at the line.
-    with pytest.raises(TypeError, match=r"test_check\.py:\d+ \(first_n\).*Python int.*"
+    with pytest.raises(TypeError, match=r"(?s)test_check\.py:\d+ \(first_n\).*Python int.*"
                        r"depends on n, which check_grads does not differentiate.*"
                        r"functools\.partial\(fn, n=\.\.\.\)"):
         fg.check_grads(first_n, jnp.ones(3), 2)
