@@ -34,6 +34,8 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from funcgrad._jaxpr import leaf_paths
+
 #: JAX's errors for a traced value used where Python needs a concrete one. (A TypeError that
 #: mentions a "concrete value", e.g. ``jnp.ones(n)`` with `n` traced, is one too.)
 _CONCRETE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
@@ -122,15 +124,15 @@ def _offending_tracer(error: BaseException):
 
 
 def _culprits(fn: Callable, args: tuple, where) -> tuple[str | None, list[int]]:
-    """("arguments", the positions of the arguments the refused value depends on), ("inside",
-    []) when fn traces it itself (its own jax.jit), or (None, []) when unknown.
+    """("arguments", the flat positions (in ``jax.tree.leaves(args)``) of the argument leaves
+    the refused value depends on), ("inside", []) when fn traces it itself (its own jax.jit),
+    or (None, []) when unknown.
 
     fn is traced again with `jax.make_jaxpr` on `args` (concrete or traced: tracing works on
     either); when the same line fails, the refused tracer is returned as the output, and the
     arguments it depends on are read off the jaxpr (an equation's outputs depend on all its
     inputs: a nested jit counts whole)."""
     leaves, tree = jax.tree.flatten(tuple(args))
-    owner = [path[0].idx for path, _ in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
     caught = []
 
     def probe(*flat):
@@ -154,7 +156,7 @@ def _culprits(fn: Callable, args: tuple, where) -> tuple[str | None, list[int]]:
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
             needed.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
-    return "arguments", sorted({owner[i] for i, v in enumerate(jaxpr.invars) if v in needed})
+    return "arguments", [i for i, v in enumerate(jaxpr.invars) if v in needed]
 
 
 def explain(where: str, error: BaseException, fn: Callable | None = None, args: tuple = (),
@@ -179,15 +181,28 @@ def explain(where: str, error: BaseException, fn: Callable | None = None, args: 
     code = linecache.getline(file, line).strip()
     did, traced_fix = _what(error)
     names = list(names) + [f"args[{i}]" for i in range(len(names), len(args))]
-    kind, found = _culprits(fn, tuple(args), frame) if fn else (None, [])
+    kind, leaves = _culprits(fn, tuple(args), frame) if fn else (None, [])
+    flat = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
+    owner = [path[0].idx for path, _ in flat]
+    paths = leaf_paths(tuple(args), names) if flat else []
+    found: list = []
     if kind == "arguments":
-        diff = [i for i in found if i in differentiated]
-        kind, found = ("differentiated", diff) if diff else ("other", found)
+        diff = sorted({owner[i] for i in leaves if owner[i] in differentiated})
+        kind, found = (("differentiated", [names[i] for i in diff]) if diff else
+                       ("other", [paths[i] for i in leaves]))
         if not found:  # depends on no argument (a constant): nothing to close over
             kind = None
-    listed = " and ".join(names[i] for i in found)
-    static_fix = ("close over it, e.g. functools.partial(fn, {0}=...), and pass only the arrays "
-                  "(under your own jax.jit: static_argnums)")
+    listed = " and ".join(found)
+    if kind == "other" and found[0] in names:  # a whole argument: close over it by name
+        static_fix = (f"close over it, e.g. functools.partial(fn, {found[0]}=...), and pass "
+                      "only the arrays (under your own jax.jit: static_argnums)")
+    elif kind == "other":
+        static_fix = (f"take {found[0]} out of the arguments and close over it "
+                      "(functools.partial(fn, n=...), or a Python constant in fn); pass only "
+                      "arrays (under your own jax.jit: static_argnums)")
+    else:
+        static_fix = ("close over it, e.g. functools.partial(fn, n=...), and pass only the "
+                      "arrays (under your own jax.jit: static_argnums)")
     if kind == "inside":
         fix = ("The value is traced inside the function itself, whatever its arguments (a "
                "jax.jit, jax.vmap or lax loop in it, or a value built from one): "
@@ -199,13 +214,13 @@ def explain(where: str, error: BaseException, fn: Callable | None = None, args: 
                f"differentiated): {traced_fix}.")
     elif kind == "other":
         fix = (f"The value depends on {listed}, which {where} does not differentiate. If it is "
-               f"a setting (a count, a flag), {static_fix.format(names[found[0]])}; if it is "
+               f"a setting (a count, a flag), {static_fix}; if it is "
                f"data, keep it traced: {traced_fix}.")
     else:
         diff = ", ".join(names[i] for i in differentiated if i < len(names)) or "the arguments"
         fix = (f"If the value is computed from {diff} (what {where} differentiates), it must "
                f"stay traced: {traced_fix}. If it is a setting passed as an argument (a count, "
-               f"a flag), {static_fix.format('name')}.")
+               f"a flag), {static_fix}.")
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     message = (f"{where}: {file}:{line} ({func}) {did}:\n" + (f"    {code}\n" if code else "")
                + f"{where} traces the function as jax.jit does: its arguments are abstract "

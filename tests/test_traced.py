@@ -170,3 +170,22 @@ def test_the_other_tools_accept_a_typed_key_and_integer_tokens():
     state, _ = step(fg.init_train_state(_PARAMS, _SGD), (_KEY, _TOKENS, _TRAIN))
     for new, old, g in zip(jax.tree.leaves(state.params), jax.tree.leaves(_PARAMS), flat):
         np.testing.assert_allclose(new, old - 0.1 * g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_setting_inside_the_batch_is_named_by_its_leaf_path():
+    def loss(params, batch):
+        y = params["w"] * batch["x"]
+        for _ in range(batch["n"]):  # a loop count that travels in the batch
+            y = y * 2.0
+        return jnp.sum(y)
+
+    batch = {"x": _X, "n": 2}
+    step = fg.make_train_step(loss, _SGD)
+    with pytest.raises(TracedValueError, match=r"(?s)test_traced\.py:\d+ \(loss\).*"
+                                               r"depends on batch\['n'\], which the train step "
+                                               r"does not differentiate.*take batch\['n'\] out"):
+        step(fg.init_train_state(_P, _SGD), batch)
+    # Closed over, it trains: d/dw sum(4 w x) = 4 x = (0, 4, 8); SGD(0.1) moves w by -0.4 x.
+    fixed = fg.make_train_step(lambda p, b: loss(p, {"x": b, "n": 2}), _SGD)
+    state, _ = fixed(fg.init_train_state(_P, _SGD), _X)
+    np.testing.assert_allclose(state.params["w"], 1.0 - 0.4 * _X, rtol=1e-6)
