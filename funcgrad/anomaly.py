@@ -63,9 +63,9 @@ import numpy as np
 from jax.extend import source_info_util
 
 from funcgrad._jaxpr import arg_names, leaf_paths
-from funcgrad._traced import traced_values
 from funcgrad._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_float, _Loc, _Origin,
                                      _rank, _V)
+from funcgrad._traced import traced_values
 
 _FUNCGRAD_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -337,7 +337,7 @@ def _rows(x, limit: int = 5) -> str:
 
 
 def _zero_elements(x, limit: int = 5) -> str:
-    """"element(s) [2]" or "[(0, 2), (1, 3)]": the first indices where `x` is exactly 0."""
+    """"[2]" or "[(0, 2), (1, 3)]": the first indices where `x` is exactly 0."""
     found = [tuple(i) if len(i) > 1 else int(i[0]) for i in np.argwhere(np.asarray(x) == 0)]
     more = f" (of {len(found)})" if len(found) > limit else ""
     return f"{found[:limit]}{more}"
