@@ -41,6 +41,7 @@ from funcgrad.masks import trainable_mask as trainable_mask
 from funcgrad.masks import value_and_grad_trainable as value_and_grad_trainable
 from funcgrad.taps import intermediate_grads as intermediate_grads
 from funcgrad.vjp import backward as backward
+from funcgrad._traced import TracedValueError as TracedValueError
 from funcgrad.taps import tap as tap
 from funcgrad.accumulate import AccumulatedGrads as AccumulatedGrads
 from funcgrad.accumulate import accumulate_grads as accumulate_grads

@@ -160,7 +160,8 @@ def _culprits(fn: Callable, args: tuple, where) -> tuple[str | None, list[int]]:
 
 
 def explain(where: str, error: BaseException, fn: Callable | None = None, args: tuple = (),
-            names: Sequence[str] = (), differentiated: Sequence[int] = ()) -> TracedValueError | None:
+            names: Sequence[str] = (),
+            differentiated: Sequence[int] = ()) -> TracedValueError | None:
     """The `TracedValueError` for JAX's `error` raised while `where` traced ``fn(*args)``, or
     None when `error` is not a traced-value error or no frame of the user's is in its traceback.
 

@@ -99,7 +99,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         the primal point (the message names the output leaf and the argument shapes), "rev"
         with a ``while_loop`` that depends on the arguments (JAX cannot reverse it), or
         ``modes=("fwd",)`` with a ``custom_vjp`` (JAX cannot forward-differentiate it).
-      TypeError: if `fn` is not callable; `funcgrad._traced.TracedValueError` (a TypeError)
+      TypeError: if `fn` is not callable; `funcgrad.TracedValueError` (a TypeError)
         when fn uses a traced value as a Python value (``if x > 0:``, ``range(n)``,
         ``float(x)``, NumPy): the message names fn's line and the fix (``jnp.where`` /
         ``lax.cond`` for a differentiated value, ``functools.partial`` for a setting).

@@ -245,7 +245,7 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
       in the program with its dead units for this input.
     Raises:
       TypeError: if `loss_fn` is not callable, or an argument is not an array or a number;
-        `funcgrad._traced.TracedValueError` (a TypeError) when `loss_fn` uses a traced value as a
+        `funcgrad.TracedValueError` (a TypeError) when `loss_fn` uses a traced value as a
         Python value (``if loss > 0:``): the message names its line and the fix.
       ValueError: if the loss is not a real scalar, or its gradient cannot be taken in reverse
         mode (a ``lax.while_loop``, or ``fori_loop`` with traced bounds, that depends on

@@ -238,7 +238,7 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
         names the leaf's path and type).
       ImportError: if residuals are asked for and this JAX lacks
         ``jax._src.ad_checkpoint.saved_residuals``; pass ``residuals=False``.
-      `funcgrad._traced.TracedValueError` (a TypeError): Python control flow or conversion on a
+      `funcgrad.TracedValueError` (a TypeError): Python control flow or conversion on a
         traced value (``if x > 0:``); the message names fn's line and the fix. Any other error
         `fn` raises while traced on abstract values propagates, with a note naming `trace`.
     Example:

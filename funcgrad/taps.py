@@ -277,7 +277,7 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
         the output is not a real scalar (a ``(loss, aux)`` pair without `has_aux` gets the
         has_aux hint, a non-scalar the hint to reduce it), or with `has_aux` not a pair whose
         first element is one.
-      TypeError: `funcgrad._traced.TracedValueError` (a TypeError) when `fn` uses a traced value as a Python value
+      TypeError: `funcgrad.TracedValueError` when `fn` uses a traced value as a Python value
         (``if h > 0:``, ``range(n)``): the message names fn's line and the fix.
     """
     if not callable(fn):

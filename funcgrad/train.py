@@ -251,7 +251,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     Raises:
       TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
         ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``); at the first call,
-        `funcgrad._traced.TracedValueError` naming loss_fn's line when it uses a traced value
+        `funcgrad.TracedValueError` naming loss_fn's line when it uses a traced value
         as a Python value (``if loss > 0:``), with the fix (``jnp.where`` / ``lax.cond``).
       ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy, or if
         `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a

@@ -128,8 +128,8 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
         structure, shape or dtype differs from the output's (the message names both), or
         `argnums` is out of range or names an argument twice.
       TypeError: if an output leaf is not floating point, or a cotangent leaf is not an array;
-        `funcgrad._traced.TracedValueError` (a TypeError) when `fn` uses a traced value as a Python value where
-        it is traced (under its own ``jax.jit``): the message names fn's line and the fix.
+        `funcgrad.TracedValueError` (a TypeError) when `fn` uses a traced value as a Python
+        value where it is traced (under its own ``jax.jit``): the message names its line.
     Example:
       >>> backward(lambda x: x ** 2, jnp.array([1.0, 2.0]), cotangent=jnp.array([1.0, -1.0]))
       Array([ 2., -4.], dtype=float32)

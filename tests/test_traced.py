@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import funcgrad as fg
-from funcgrad._traced import TracedValueError
+from funcgrad import TracedValueError
 
 
 def branchy(params, x):
