@@ -101,7 +101,7 @@ def main() -> None:
                                                         jax.tree.leaves(params)))
     c2.same("float16 unscaled: params changed", changed, False)
     c2.below("float16 + dynamic scale: test error",
-             1 - scaled.history.epochs[-1]["test_accuracy"], 0.05)
+             1 - scaled.history.epochs[-1]["eval/test_accuracy"], 0.05)
     skipped = int(scaled.state.loss_scale.skipped_total)
     at = scaled.history.skipped_steps
     c2.same("skipped_total = len(skipped_steps)", skipped, len(at))

@@ -64,7 +64,7 @@ def main() -> None:
     if stop is None:
         raise SystemExit("the run did not go non-finite; nothing to hunt")
     batch = list(fg.batches(data.x_train, data.y_train, batch_size=32, seed=0,
-                            epoch=stop.epoch))[stop.batch]
+                            epoch=stop.epoch - 1))[stop.batch]  # epochs count from 1
     report = find_nonfinite(loss_fn, result.state.params, batch)
     print(report, end="\n\n")
 

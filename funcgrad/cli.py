@@ -55,8 +55,8 @@ def _build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train", help="train an MLP on scikit-learn's digits set (the main job)",
         description="Train an MLP (64 -> hidden... -> 10) on scikit-learn's bundled digits set, "
-                    "print loss, global gradient norm and test accuracy per epoch, and write "
-                    "metrics.json and training.png into --out.")
+                    "print loss, global gradient norm and test accuracy per epoch (numbered "
+                    "from 1), and write metrics.json and training.png into --out.")
     t.add_argument("--hidden", type=_positive(int), nargs="+", default=[128], metavar="N",
                    help="hidden layer widths (default: 128)")
     t.add_argument("--activation", choices=sorted(ACTIVATIONS), default="relu",
@@ -173,9 +173,18 @@ def _train(args: argparse.Namespace) -> int:
           + (f", compute {args.dtype}" if compute_dtype is not None else "")
           + (", dynamic loss scale" if loss_scale is not None else "")
           + (f", {accumulate} micro-batches per update (effective batch "
-             f"{accumulate * args.batch_size})" if accumulate else ""), flush=True)
+             f"{min(accumulate * args.batch_size, len(data.x_train))})" if accumulate else ""),
+          flush=True)
+    if accumulate and accumulate * args.batch_size > len(data.x_train):
+        micro = math.ceil(len(data.x_train) / args.batch_size)
+        print(f"funcgrad: note: --accumulate {accumulate} x --batch-size {args.batch_size} = "
+              f"{accumulate * args.batch_size} examples per update exceeds the "
+              f"{len(data.x_train)} train digits: each epoch is one update over all of them "
+              f"({micro} micro-batches). Use --accumulate {max(1, micro // 2)} or less for more "
+              "than one update per epoch.", file=sys.stderr)
     with warnings.catch_warnings():  # the report is printed once, below, not also as a warning
         warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
+        warnings.filterwarnings("ignore", "fit: accumulate=", UserWarning)  # the note above
         result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm,
                                      compute_dtype=compute_dtype, loss_scale=loss_scale,
                                      accumulate=accumulate, detect_anomaly=args.detect_anomaly,

@@ -6,8 +6,9 @@ ship inside scikit-learn, so nothing is fetched at run time.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 _INSTALL_HINT = (
@@ -75,26 +76,63 @@ def load_digits(*, test_size: float = 0.2, seed: int = 0) -> Dataset:
         mean=scaler.mean_, scale=scaler.scale_)
 
 
-def batches(x: np.ndarray, y: np.ndarray, *, batch_size: int, seed: int = 0, epoch: int = 0,
-            shuffle: bool = True, drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
+def rows(tree: Any, name: str = "x") -> int:
+    """The number of examples in `tree`: the common leading length of its leaves.
+
+    Args:
+      tree: an array, or a pytree of arrays (e.g. ``{"image": (n, 8, 8), "meta": (n, 3)}``
+        for a model with several inputs); every leaf holds one row per example.
+      name: what to call `tree` in an error (``x``, ``y``).
+    Returns:
+      n, an int.
+    Raises:
+      ValueError: if `tree` has no leaves, a leaf is a scalar, or two leaves have different
+        leading lengths (the message names both by their pytree paths).
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    if not flat:
+        raise ValueError(f"{name} has no arrays (got {tree!r}); pass an array, or a dict of "
+                         "arrays with one row per example.")
+    first = None
+    for path, leaf in flat:
+        where = name + jax.tree_util.keystr(path)
+        if np.ndim(leaf) == 0:
+            raise ValueError(f"{where} is a scalar, not one row per example; give every leaf a "
+                             "leading axis of length n (the number of examples).")
+        n = np.shape(leaf)[0]
+        if first is None:
+            first = (where, n)
+        elif n != first[1]:
+            raise ValueError(f"{where} has {n} rows but {first[0]} has {first[1]}; every leaf "
+                             f"of {name} needs one row per example, the same n.")
+    return first[1]
+
+
+def batches(x: Any, y: Any, *, batch_size: int, seed: int = 0, epoch: int = 0,
+            shuffle: bool = True, drop_last: bool = False) -> Iterator[dict[str, Any]]:
     """Yields mini-batches ``{"x": (b, ...), "y": (b, ...)}`` in a seeded order.
 
     The order depends only on ``(seed, epoch)``, so an epoch can be replayed exactly.
 
     Args:
-      x, y: arrays with the same leading length n.
+      x, y: arrays with the same leading length n, or pytrees of them (a model with several
+        inputs takes e.g. ``x = {"image": (n, 8, 8), "meta": (n, 3)}``; each batch then holds
+        the same structure with b rows per leaf). Rows are counted on the leaves.
       batch_size: examples per batch, a positive int.
-      seed, epoch: together they seed the permutation (NumPy's default generator).
+      seed, epoch: together they seed the permutation (NumPy's default generator); `epoch`
+        is an index here (0 for the first pass; `funcgrad.fit` numbers epochs from 1 in what
+        it shows and passes ``epoch - 1``).
       shuffle: if False, batches are taken in order.
       drop_last: if True, a final batch smaller than `batch_size` is not yielded (so every
         batch has one shape and a jitted step compiles once).
     Raises (at the call, not at the first batch):
-      ValueError: if the lengths differ, `batch_size` is not a positive int, or `seed` or
-        `epoch` is negative.
+      ValueError: if the lengths differ (the message names the leaves), `batch_size` is not
+        a positive int, or `seed` or `epoch` is negative.
     """
-    n = len(x)
-    if len(y) != n:
-        raise ValueError(f"batches: x has {n} rows but y has {len(y)}; they must match.")
+    n = rows(x, "x")
+    m = rows(y, "y")
+    if m != n:
+        raise ValueError(f"batches: x has {n} rows but y has {m}; they must match.")
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batches: batch_size must be a positive int, got {batch_size!r}.")
     for name, value in (("seed", seed), ("epoch", epoch)):
@@ -102,5 +140,6 @@ def batches(x: np.ndarray, y: np.ndarray, *, batch_size: int, seed: int = 0, epo
             raise ValueError(f"batches: {name} must be an int >= 0, got {value!r}.")
     order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
     stop = n - n % batch_size if drop_last else n
-    return ({"x": x[idx], "y": y[idx]}
+    take = lambda tree, idx: jax.tree.map(lambda leaf: leaf[idx], tree)
+    return ({"x": take(x, idx), "y": take(y, idx)}
             for idx in (order[start:start + batch_size] for start in range(0, stop, batch_size)))

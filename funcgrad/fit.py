@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad.accumulate import group_microbatches
-from funcgrad.data import batches
+from funcgrad.data import batches, rows
 from funcgrad.monitor import monitor_alerts
 from funcgrad.train import TrainState, step_was_skipped
 
@@ -29,8 +29,10 @@ class NonFiniteReport(NamedTuple):
     """Where a training run met a non-finite loss or global gradient norm.
 
     Attributes:
-      step: index of the offending step (0-based, counted over the whole run).
-      epoch: epoch of that step (0-based).
+      step: index of the offending step (0-based, counted over the whole run, like
+        ``TrainState.step``: the number of steps applied before it).
+      epoch: epoch of that step, numbered from 1 as in `fit`'s log lines, rows and progress
+        bar (its batch order is ``funcgrad.data.batches(..., epoch=epoch - 1)``).
       batch: index of the (first) batch of that step within its epoch (0-based); a step made
         with ``accumulate=K`` takes batches ``batch .. batch + batches - 1``.
       loss: the loss of that step (a Python float; may be nan or inf).
@@ -77,8 +79,11 @@ class History:
     """What `fit` recorded: one row per epoch and the loss and gradient norm of every step.
 
     Attributes:
-      epochs: list of dicts ``{"epoch", "steps", "loss", "grad_norm", **evaluate(params)}``;
-        "loss" and "grad_norm" are means over the epoch's applied steps.
+      epochs: list of dicts ``{"epoch", "steps", "loss", "grad_norm", "eval/<name>", ...}``:
+        "epoch" numbers the epoch from 1, "steps" counts the steps applied so far, "loss" and
+        "grad_norm" are means over the epoch's applied steps, and each number ``name`` that
+        ``evaluate(params)`` returned is stored as ``"eval/<name>"`` (`EVAL_PREFIX`), so an
+        evaluation "loss" is ``"eval/loss"`` and never replaces the training loss.
       step_loss, step_grad_norm: per-step values (Python floats) of the applied steps.
       skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale
         skipped; each epoch's row then also has "skipped" and "loss_scale".
@@ -133,8 +138,15 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     ``(seed, epoch)``), calls ``step(state, {"x": ..., "y": ...})`` and records the loss and
     the global gradient norm. A step made with ``accumulate=K`` gets each K consecutive batches
     of `batch_size` as one call (`funcgrad.accumulate.group_microbatches`; the epoch's last,
-    shorter group too, handled by the step's `tail` policy). After the epoch, ``evaluate(state.params)`` (if given) adds its
-    numbers (e.g. test accuracy) to the epoch's row, and `log` gets a one-line summary.
+    shorter group too, handled by the step's `tail` policy). After the epoch,
+    ``evaluate(state.params)`` (if given) adds its numbers (e.g. test accuracy) to the epoch's
+    row under ``"eval/<name>"`` (so an evaluation "loss" is ``"eval/loss"``, beside the
+    training "loss", never over it), and `log` gets a one-line summary.
+
+    Numbering: epochs are counted from 1 in everything fit shows or records (log lines, the
+    progress bar, ``History.epochs[i]["epoch"]``, `NonFiniteReport`, metrics.json), as PyTorch
+    and Keras print them; steps and batches are 0-based indices (``step`` k is the one applied
+    when ``TrainState.step == k``).
 
     Guard: if a step was skipped (`step_was_skipped`: its ``metrics["skipped"]``, or a
     non-finite loss or gradient norm), training stops at once and the state from *before*
@@ -148,12 +160,15 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     Args:
       step: a step from `make_train_step`.
       state: the starting `TrainState`.
-      x, y: training inputs ``(n, ...)`` and targets ``(n, ...)``, NumPy or JAX arrays
-        (nested Python lists are converted with ``np.asarray``).
+      x, y: training inputs ``(n, ...)`` and targets ``(n, ...)``, NumPy or JAX arrays, or
+        pytrees of them for several inputs (``x = {"image": (n, 8, 8), "meta": (n, 3)}``:
+        each batch's ``"x"`` has that structure); rows are counted on the leaves, which must
+        all have the same n. Nested Python lists are converted with ``np.asarray``.
       epochs: number of passes, a positive int.
       batch_size: examples per step, a positive int (the last batch of an epoch may be smaller).
       seed: seed of the batch order.
-      evaluate: ``evaluate(params) -> {name: float}``, called once per epoch.
+      evaluate: ``evaluate(params) -> {name: number}``, called once per epoch; stored as
+        ``"eval/<name>"``.
       progress: show a tqdm progress bar on stderr.
       log: called with each epoch's summary line (e.g. `print`), and with each alert of a
         monitored step (``make_train_step(monitor=)``; the first `MAX_LOGGED_ALERTS`, all are
@@ -161,15 +176,22 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     Returns:
       a `FitResult`.
     Raises:
-      ValueError: if `epochs` or `batch_size` is not a positive int, `x` is empty, or an
+      ValueError: if `epochs` or `batch_size` is not a positive int, `x` is empty, the
+        leaves of `x` and `y` have different numbers of rows (named by their paths), or an
         accumulating step with ``tail="drop"`` would drop every group (fewer batches per
         epoch than `accumulate`).
       FloatingPointError: at a skipped step, when `step` was made with ``nonfinite="raise"``;
         the message is the `NonFiniteReport`.
-      TypeError: if the first call of `step` returns something other than
-        ``(TrainState, metrics)`` (e.g. `step` is the loss function). An exception raised by
+      TypeError: if `step`, `evaluate` or `log` is not callable (e.g. the string "print");
+        if the first call of `step` returns something other than ``(TrainState, metrics)``
+        (e.g. `step` is the loss function) or metrics without "loss" and "grad_norm" (a
+        hand-written step); if `evaluate` returns no mapping of names to single numbers.
+        An exception raised by
         that first call of a step not made by `make_train_step` gets a note saying what `fit`
         expects.
+    Warns:
+      UserWarning: when an accumulating step's group (``accumulate * batch_size`` examples)
+        is larger than `x`: every update is then one full pass, one per epoch.
     """
     from tqdm.auto import tqdm
 
@@ -177,20 +199,37 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
         raise ValueError(f"fit: epochs must be a positive int, got {epochs!r}.")
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"fit: batch_size must be a positive int, got {batch_size!r}.")
-    if isinstance(x, (list, tuple)) or isinstance(y, (list, tuple)):
-        x, y = np.asarray(x), np.asarray(y)  # Python lists, as from a CSV reader
-    if len(x) == 0:
+    _check_callables(step, evaluate, log)
+    # Python lists, as from a CSV reader, become arrays; a dict (several inputs) stays a pytree.
+    x = np.asarray(x) if isinstance(x, (list, tuple)) else x
+    y = np.asarray(y) if isinstance(y, (list, tuple)) else y
+    try:
+        n = rows(x, "x")
+        if rows(y, "y") != n:
+            raise ValueError(f"x has {n} rows but y has {rows(y, 'y')}; they must match (one "
+                             "row per example).")
+    except ValueError as error:
+        raise ValueError(f"fit: {error}") from None
+    if n == 0:
         raise ValueError("fit: x is empty; there is nothing to train on.")
     history = History()
     accumulate = getattr(step, "accumulate", None) or 1
-    n_batches = math.ceil(len(x) / batch_size)
+    n_batches = math.ceil(n / batch_size)
     if accumulate > 1 and getattr(step, "tail", None) == "drop" and n_batches < accumulate:
         raise ValueError(
-            f"fit: {len(x)} examples in batches of {batch_size} make {n_batches} micro-batch"
+            f"fit: {n} examples in batches of {batch_size} make {n_batches} micro-batch"
             f"{'es' if n_batches > 1 else ''} per epoch, fewer than one group of "
             f"accumulate={accumulate}, and the step drops a partial group (tail='drop'): no "
             "update would ever be applied. Use a smaller batch_size or accumulate, or "
             "tail='apply'.")
+    if accumulate > 1 and accumulate * batch_size > n:
+        warnings.warn(
+            f"fit: accumulate={accumulate} micro-batches of {batch_size} "
+            f"({accumulate * batch_size} examples) exceed the {n} examples of x: each epoch is "
+            f"one group of {n_batches} micro-batch{'es' if n_batches > 1 else ''}, so training "
+            f"makes one update per epoch over all {n} examples (a full-batch step). For more "
+            f"updates use accumulate <= {max(1, n_batches // 2)} or a smaller batch_size.",
+            UserWarning, stacklevel=2)
     steps_per_epoch = math.ceil(n_batches / accumulate)
     bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step", leave=False)
 
@@ -203,9 +242,9 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
     run_step = 0
     previous_report = None  # the last step's MonitorMetrics: dead-ReLU alerts on crossings
     try:
-        for epoch in range(epochs):
+        for epoch in range(1, epochs + 1):  # numbered from 1 wherever a user sees them
             first, first_skip = len(history.step_loss), len(history.skipped_steps)
-            micro = batches(x, y, batch_size=batch_size, seed=seed, epoch=epoch)
+            micro = batches(x, y, batch_size=batch_size, seed=seed, epoch=epoch - 1)
             calls = (((b,) for b in micro) if accumulate == 1
                      else group_microbatches(micro, accumulate, size=batch_size))
             for i, call in enumerate(calls):
@@ -275,11 +314,7 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
                 row["skipped"] = len(history.skipped_steps) - first_skip
                 row["loss_scale"] = float(state.loss_scale.scale)
             if evaluate is not None:
-                scores = evaluate(state.params)
-                if not isinstance(scores, Mapping):
-                    raise TypeError("fit: evaluate(params) must return a mapping such as "
-                                    f"{{'test_accuracy': 0.97}}, got {type(scores).__name__}.")
-                row.update({k: float(v) for k, v in scores.items()})
+                row.update(_evaluated(evaluate(state.params)))
             history.epochs.append(row)
             if _all_finite(state.params):
                 verified = state
@@ -303,7 +338,7 @@ def format_epoch(row: Mapping[str, float]) -> str:
     extra = "  ".join(f"{k} {v}" if isinstance(v, (int, np.integer)) else
                       f"{k} {v:.6g}" if k == "loss_scale" else f"{k} {v:.4f}"
                       for k, v in row.items() if k not in ("epoch", "steps", "loss", "grad_norm"))
-    return (f"epoch {int(row['epoch']) + 1:3d}  loss {row['loss']:.4f}  "
+    return (f"epoch {int(row['epoch']):3d}  loss {row['loss']:.4f}  "
             f"grad_norm {row['grad_norm']:.4f}  {extra}").rstrip()
 
 
@@ -324,6 +359,57 @@ def _called(step: Callable, state: TrainState, args: tuple, *, first: bool):
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
         raise TypeError(f"funcgrad.fit: step returned {_kind(out)}, not "
                         f"(TrainState, metrics). {fix}")
+    metrics = out[1]
+    if not isinstance(metrics, Mapping):
+        problem = f"its metrics are a {type(metrics).__name__}, not a dict"
+    else:
+        missing = [k for k in ("loss", "grad_norm") if k not in metrics]
+        problem = missing and (f"its metrics have no {' and no '.join(map(repr, missing))} "
+                               f"(keys: {', '.join(map(repr, metrics)) or 'none'})")
+    if problem:
+        raise TypeError(
+            f"funcgrad.fit: step returned (TrainState, metrics), but {problem}. fit records the "
+            "loss and the pre-clip global gradient norm of every step and stops on a "
+            "non-finite one, so a hand-written step returns metrics={'loss': loss, "
+            "'grad_norm': optax.global_norm(grads)}; funcgrad.make_train_step(loss_fn, "
+            "optimizer) builds such a step for you.")
+    return out
+
+
+def _check_callables(step, evaluate, log) -> None:
+    """A TypeError naming the argument when `step`, `evaluate` or `log` cannot be called (a
+    string such as "adam" or "print" failed later as "'str' object is not callable")."""
+    expected = {"step": "a function (state, batch) -> (TrainState, metrics), e.g. "
+                        "funcgrad.make_train_step(loss_fn, optimizer)",
+                "evaluate": "a function of the params returning {name: number}, e.g. "
+                            "lambda params: {'accuracy': accuracy(params)}",
+                "log": "a function of one line of text, e.g. print (not the string 'print')"}
+    for name, value in (("step", step), ("evaluate", evaluate), ("log", log)):
+        if value is not None and not callable(value) or name == "step" and value is None:
+            shown = f" ({value!r})" if isinstance(value, str) else ""
+            raise TypeError(f"fit: {name} must be {expected[name]}; got a "
+                            f"{type(value).__name__}{shown}.")
+
+
+#: What `fit` puts before each name `evaluate` returns, in the epoch rows, the log and
+#: metrics.json: evaluation numbers never share a key with the training numbers.
+EVAL_PREFIX = "eval/"
+
+
+def _evaluated(scores: Any) -> dict[str, float]:
+    """`evaluate`'s ``{name: number}`` as ``{"eval/name": float}``, checked."""
+    if not isinstance(scores, Mapping):
+        raise TypeError("fit: evaluate(params) must return a mapping such as "
+                        f"{{'test_accuracy': 0.97}}, got {type(scores).__name__}.")
+    out = {}
+    for name, value in scores.items():
+        if not isinstance(name, str):
+            raise TypeError(f"fit: evaluate(params) returned the key {name!r}; use strings "
+                            "such as 'test_accuracy'.")
+        if np.size(value) != 1:
+            raise TypeError(f"fit: evaluate(params)[{name!r}] has shape {np.shape(value)}; "
+                            "each value must be one number (reduce it, e.g. with .mean()).")
+        out[EVAL_PREFIX + name] = float(np.asarray(value).reshape(()))
     return out
 
 

@@ -14,12 +14,14 @@ def test_train_writes_metrics_and_plot(tmp_path, capsys):
     status = main(["train", "--epochs", "2", "--batch-size", "64", "--out", str(out), "--no-progress"])
     assert status == 0
     printed = capsys.readouterr().out
-    assert "epoch   2" in printed and "test_accuracy" in printed
+    assert "epoch   2" in printed and "eval/test_accuracy" in printed
     metrics = json.loads((out / "metrics.json").read_text())
-    # ceil(1437 / 64) = 23 steps per epoch, 2 epochs.
+    # ceil(1437 / 64) = 23 steps per epoch, 2 epochs, numbered 1 and 2 as printed.
     assert len(metrics["steps"]["loss"]) == 46 and len(metrics["epochs"]) == 2
+    assert [row["epoch"] for row in metrics["epochs"]] == [1, 2]
+    assert "epoch   1" in printed and "epoch   0" not in printed
     assert metrics["epochs"][-1]["steps"] == 46 and metrics["sizes"] == [64, 128, 10]
-    assert 0.5 < metrics["epochs"][-1]["test_accuracy"] <= 1.0
+    assert 0.5 < metrics["epochs"][-1]["eval/test_accuracy"] <= 1.0
     assert metrics["config"]["optimizer"] == "adam" and metrics["nonfinite"] is None
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -27,11 +29,14 @@ def test_train_writes_metrics_and_plot(tmp_path, capsys):
 def test_nonfinite_run_exits_1_with_report(tmp_path, capsys):
     # SGD with lr = 1e6 blows up within a few steps; the run must stop and say where.
     # The report is printed once on stderr (no duplicate warning: warnings are errors here).
+    # Its epoch is the first: "epoch 1" in the error and in metrics.json, as in the log lines.
     status = main(["train", "--optimizer", "sgd", "--lr", "1e6", "--epochs", "1",
                    "--out", str(tmp_path), "--no-progress"])
     assert status == 1
-    assert capsys.readouterr().err.count("non-finite value at step") == 1
-    assert json.loads((tmp_path / "metrics.json").read_text())["nonfinite"]["step"] >= 1
+    err = capsys.readouterr().err
+    assert err.count("non-finite value at step") == 1 and "(epoch 1, batch" in err
+    report = json.loads((tmp_path / "metrics.json").read_text())["nonfinite"]
+    assert report["step"] >= 1 and report["epoch"] == 1
 
 
 def test_float16_with_dynamic_loss_scale(tmp_path, capsys):
@@ -46,7 +51,7 @@ def test_float16_with_dynamic_loss_scale(tmp_path, capsys):
     # more than the 23 steps here): it stays a power of two no larger than 2**15.
     assert row["loss_scale"] <= 2 ** 15 and math.log2(row["loss_scale"]) == int(math.log2(row["loss_scale"]))
     assert row["skipped"] == len(metrics["skipped_steps"])
-    assert row["steps"] == 23 and 0.5 < row["test_accuracy"] <= 1.0
+    assert row["steps"] == 23 and 0.5 < row["eval/test_accuracy"] <= 1.0
 
 
 def test_accumulate_flag(tmp_path, capsys):
@@ -58,6 +63,20 @@ def test_accumulate_flag(tmp_path, capsys):
     # ceil(1437 / 32) = 45 micro-batches: 11 groups of 4 and a tail of 1, applied: 12 updates.
     metrics = json.loads((out / "metrics.json").read_text())
     assert len(metrics["steps"]["loss"]) == 12 and metrics["dropped_examples"] == 0
+
+
+def test_accumulate_beyond_the_data_says_so(tmp_path, capsys):
+    # 1437 train digits in micro-batches of 32: ceil(1437 / 32) = 45 per epoch. --accumulate
+    # 1000 asks for 32000 examples per update; each epoch is one update over all 1437.
+    status = main(["train", "--accumulate", "1000", "--epochs", "2", "--out", str(tmp_path),
+                   "--no-progress", "--no-monitor"])
+    assert status == 0
+    captured = capsys.readouterr()
+    assert "effective batch 1437)" in captured.out and "32000" not in captured.out
+    assert ("--accumulate 1000 x --batch-size 32 = 32000 examples per update exceeds the 1437 "
+            "train digits: each epoch is one update over all of them (45 micro-batches)"
+            in captured.err)
+    assert len(json.loads((tmp_path / "metrics.json").read_text())["steps"]["loss"]) == 2
 
 
 def test_accumulate_with_float16_and_dynamic_loss_scaling(tmp_path, capsys):

@@ -23,7 +23,7 @@ def test_fit_keeps_the_state_from_before_a_nan_batch():
                    progress=False)
     bad_x = x.copy()
     bad_x[2, 3] = np.nan
-    with pytest.warns(RuntimeWarning, match=r"step 0 \(epoch 0, batch 0\): loss=nan"):
+    with pytest.warns(RuntimeWarning, match=r"step 0 \(epoch 1, batch 0\): loss=nan"):
         second = fg.fit(step, first.state, bad_x, y, epochs=1, batch_size=5, progress=False)
     for a, b in zip(jax.tree.leaves(second.state), jax.tree.leaves(first.state)):
         np.testing.assert_array_equal(a, b)  # params, both Adam moments, counts, step: untouched
@@ -43,7 +43,7 @@ def test_fit_stops_at_first_overflow_and_keeps_last_finite_state():
     with pytest.warns(RuntimeWarning, match="non-finite value at step 6"):
         result = fg.fit(step, state, x, np.zeros(8), epochs=2, batch_size=1, progress=False)
     report = result.nonfinite
-    assert (report.step, report.epoch, report.batch) == (6, 0, 6)
+    assert (report.step, report.epoch, report.batch) == (6, 1, 6)
     assert math.isinf(report.loss) and math.isinf(report.grad_norm)
     assert int(result.state.step) == 6
     assert float(result.state.params["p"]) == pytest.approx(1999.0 ** 6, rel=1e-6)
@@ -87,7 +87,7 @@ def test_fit_reaches_095_on_digits_quickly():
                     evaluate=lambda p: {"test_accuracy": acc(p)}, progress=False)
     history = result.history
     assert result.nonfinite is None
-    assert history.epochs[-1]["test_accuracy"] >= 0.95
+    assert history.epochs[-1]["eval/test_accuracy"] >= 0.95
     # ceil(1437 / 32) = 45 steps per epoch; each row's loss is the mean of its epoch's steps.
     assert len(history.step_loss) == 8 * 45 and history.epochs[-1]["steps"] == 360
     assert history.epochs[1]["loss"] == pytest.approx(np.mean(history.step_loss[45:90]))
@@ -128,10 +128,12 @@ def test_fit_refuses_a_run_whose_every_group_would_be_dropped():
     with pytest.raises(ValueError, match=r"make 2 micro-batches per epoch, fewer than one group "
                                          r"of accumulate=4.*no update would ever be applied"):
         fg.fit(step, state, x, y, epochs=1, batch_size=32, progress=False)
-    # tail="apply" trains on them: one update per epoch. Hand: the gradient of the mean of
-    # (x·w - y)^2 at w = 0, y = 0 is 0, so w stays 0 and the loss is 0.
+    # tail="apply" trains on them: one update per epoch (said: the group of 4 x 32 exceeds the
+    # 50 rows). Hand: the gradient of the mean of (x·w - y)^2 at w = 0, y = 0 is 0, so w stays
+    # 0 and the loss is 0.
     step = fg.make_train_step(per_example, tx, accumulate=4)
-    result = fg.fit(step, state, x, y, epochs=1, batch_size=32, progress=False)
+    with pytest.warns(UserWarning, match="exceed the 50 examples of x"):
+        result = fg.fit(step, state, x, y, epochs=1, batch_size=32, progress=False)
     assert int(result.state.step) == 1 and result.history.step_loss == [0.0]
 
 
@@ -190,9 +192,133 @@ def test_nonfinite_report_with_accumulation_names_the_batches_of_the_update():
     step = fg.make_train_step(lambda p, b: p["p"] ** 2 * jnp.ones_like(b["x"][:, 0]), tx,
                               accumulate=2)
     state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
-    with pytest.warns(RuntimeWarning, match=r"step 6 \(epoch 0, batches 12-13, accumulated\)"):
+    with pytest.warns(RuntimeWarning, match=r"step 6 \(epoch 1, batches 12-13, accumulated\)"):
         result = fg.fit(step, state, np.zeros((32, 1), np.float32), np.zeros(32), epochs=1,
                         batch_size=1, progress=False)
     report = result.nonfinite
     assert (report.step, report.batch, report.batches) == (6, 12, 2)
     assert float(result.state.params["p"]) == pytest.approx(1999.0 ** 6, rel=1e-6)
+
+
+def _quadratic_run(**kwargs):
+    """L = |p|^2 / 2 from p = (1, 1), SGD lr 0.1, 4 rows in batches of 2: 2 steps per epoch."""
+    tx = optax.sgd(0.1)
+    return fg.fit(fg.make_train_step(half_squared_norm, tx),
+                  fg.init_train_state({"p": jnp.ones(2)}, tx), np.zeros((4, 1)), np.zeros(4),
+                  batch_size=2, progress=False, **kwargs)
+
+
+def test_evaluate_numbers_never_replace_the_training_numbers():
+    # Hand: p -> 0.9 p each step. Step losses |p|^2/2 = 1.0, 0.81; gradient norms |p| =
+    # sqrt(2), 0.9 sqrt(2). Epoch 1's row: loss (1 + 0.81)/2 = 0.905, grad_norm 0.95 sqrt(2).
+    # An evaluate returning "loss", "grad_norm" and "epoch" lands under "eval/...", beside them.
+    lines = []
+    result = _quadratic_run(epochs=1, log=lines.append,
+                            evaluate=lambda p: {"loss": 123.0, "grad_norm": 7.0, "epoch": 9})
+    row = result.history.epochs[0]
+    assert row["loss"] == pytest.approx(0.905) and row["grad_norm"] == pytest.approx(0.95 * 2 ** .5)
+    assert row["epoch"] == 1
+    assert (row["eval/loss"], row["eval/grad_norm"], row["eval/epoch"]) == (123.0, 7.0, 9.0)
+    assert result.history.to_dict()["epochs"][0] == row
+    assert lines == ["epoch   1  loss 0.9050  grad_norm 1.3435  eval/loss 123.0000  "
+                     "eval/grad_norm 7.0000  eval/epoch 9.0000"]
+
+
+def test_epochs_are_numbered_from_1_wherever_a_user_sees_them(monkeypatch):
+    # The rows, the log line, the progress bar and the non-finite report all say "epoch 1" for
+    # the first pass over the data (PyTorch's and Keras's habit); steps stay 0-based indices.
+    import tqdm.auto
+    postfixes = []
+
+    class Bar(tqdm.auto.tqdm):
+        def set_postfix(self, **kwargs):
+            postfixes.append(kwargs["epoch"])
+            super().set_postfix(**kwargs)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    lines = []
+    result = _quadratic_run(epochs=2, log=lines.append)
+    assert [row["epoch"] for row in result.history.epochs] == [1, 2]
+    assert [line.split()[:2] for line in lines] == [["epoch", "1"], ["epoch", "2"]]
+    assert postfixes == [1, 1, 2, 2]  # the bar is off (progress=False) but fed the same way
+    # A NaN in the first row of the second pass: reported as epoch 2 (step 2, its batch 0 or 1).
+    x = np.zeros((4, 1))
+    tx = optax.sgd(0.1)
+    step = fg.make_train_step(lambda p, b: jnp.sum(p["p"] ** 2) / 2 + jnp.sum(b["x"]), tx)
+    state = fg.init_train_state({"p": jnp.ones(2)}, tx)
+    calls = []
+
+    def evaluate(params):  # after epoch 1 the data goes bad: epoch 2's first step meets a NaN
+        calls.append(1)
+        x[:] = np.nan
+        return {}
+
+    with pytest.warns(RuntimeWarning, match=r"non-finite value at step 2 \(epoch 2, batch 0\)"):
+        result = fg.fit(step, state, x, np.zeros(4), epochs=2, batch_size=2, progress=False,
+                        evaluate=evaluate)
+    assert result.nonfinite.epoch == 2 and result.nonfinite.to_dict()["epoch"] == 2
+
+
+def test_a_step_whose_metrics_lack_the_global_norm_is_named():
+    # A hand-written step returning only the loss: fit records the global gradient norm of
+    # every step, so it says what the metrics must hold instead of KeyError: 'grad_norm'.
+    tx = optax.sgd(0.1)
+
+    def my_step(state, batch):
+        loss, grads = jax.value_and_grad(half_squared_norm)(state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state)
+        return state._replace(params=optax.apply_updates(state.params, updates),
+                              opt_state=opt_state), {"loss": loss}
+
+    with pytest.raises(TypeError, match=r"metrics have no 'grad_norm' \(keys: 'loss'\).*"
+                                        r"optax.global_norm\(grads\).*make_train_step"):
+        fg.fit(my_step, fg.init_train_state({"p": jnp.ones(2)}, tx), np.zeros((4, 1)),
+               np.zeros(4), epochs=1, batch_size=2, progress=False)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"step": "adam"}, r"fit: step must be a function .* got a str \('adam'\)"),
+    ({"evaluate": "accuracy"}, r"fit: evaluate must be a function of the params .* got a str"),
+    ({"log": "print"}, r"fit: log must be a function of one line .* got a str \('print'\)"),
+], ids=["step", "evaluate", "log"])
+def test_a_string_where_a_function_belongs_is_named(kwargs, match):
+    # Each gave "TypeError: 'str' object is not callable" from inside the loop.
+    tx = optax.sgd(0.1)
+    args = {"step": fg.make_train_step(half_squared_norm, tx)} | kwargs
+    with pytest.raises(TypeError, match=match):
+        fg.fit(args.pop("step"), fg.init_train_state({"p": jnp.ones(2)}, tx), np.zeros((4, 1)),
+               np.zeros(4), epochs=1, batch_size=2, progress=False, **args)
+
+
+def test_fit_takes_a_dict_of_inputs_and_counts_rows_on_its_leaves():
+    # Two inputs per example, x = {"a": (64, 3), "b": (64, 1)}, and the loss of a linear model
+    # mean((a.w + b*c - y)^2). With a = 1, b = 2, y = 5 for every row, one full-batch SGD step
+    # (lr 0.05) from w = 0, c = 0: residual r = -5, dL/dw_j = 2 r a_j = -10, dL/dc = 2 r b = -20,
+    # so w_j = 0.5 and c = 1. It counted the dict's 2 keys as rows before.
+    tx = optax.sgd(0.05)
+    loss = lambda p, bt: jnp.mean((bt["x"]["a"] @ p["w"] + bt["x"]["b"][:, 0] * p["c"]
+                                   - bt["y"]) ** 2)
+    x = {"a": np.ones((64, 3), np.float32), "b": np.full((64, 1), 2.0, np.float32)}
+    state = fg.init_train_state({"w": jnp.zeros(3), "c": jnp.float32(0.0)}, tx)
+    result = fg.fit(fg.make_train_step(loss, tx), state, x, np.full(64, 5.0, np.float32),
+                    epochs=1, batch_size=64, progress=False)
+    np.testing.assert_allclose(result.state.params["w"], [0.5] * 3, rtol=1e-6)
+    np.testing.assert_allclose(result.state.params["c"], 1.0, rtol=1e-6)
+    # Leaves that disagree are named by their paths.
+    with pytest.raises(ValueError, match=r"x\['b'\] has 32 rows but x\['a'\] has 64"):
+        fg.fit(fg.make_train_step(loss, tx), state, x | {"b": x["b"][:32]}, np.zeros(64),
+               epochs=1, batch_size=64, progress=False)
+
+
+def test_an_accumulation_group_larger_than_the_data_is_said():
+    # 100 rows in micro-batches of 10 make 10 per epoch; accumulate=1000 asks for 1000 of them
+    # (10,000 examples) per update, so every update is the whole data set, one per epoch.
+    tx = optax.sgd(0.1)
+    per_example = lambda p, b: (b["x"][:, 0] * p["w"] - b["y"][:, 0]) ** 2
+    step = fg.make_train_step(per_example, tx, accumulate=1000)
+    state = fg.init_train_state({"w": jnp.float32(0.0)}, tx)
+    with pytest.warns(UserWarning, match=r"accumulate=1000 micro-batches of 10 \(10000 examples\) "
+                                         r"exceed the 100 examples of x.*one update per epoch"):
+        result = fg.fit(step, state, np.ones((100, 1)), np.ones((100, 1)), epochs=2,
+                        batch_size=10, progress=False)
+    assert int(result.state.step) == 2
