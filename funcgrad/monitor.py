@@ -12,8 +12,27 @@ on the host for `monitor_alerts`), not in the step:
                  norm of the first ``warmup`` finite steps that did not explode themselves, or
                  during those steps the mean of the ones so far (from the second step on);
   ``nonfinite``  the global norm or the loss is NaN or inf (at any step);
-  ``vanishing``  a layer's norm has stayed below ``vanish_floor`` for ``vanish_steps``
-                 consecutive steps (raised once per streak, on the step it reaches that length).
+  ``vanishing``  a layer's norm has stayed below ``vanish_floor`` *and* below ``vanish_ratio``
+                 times the global norm for ``vanish_steps`` consecutive steps (raised once per
+                 streak, on the step it reaches that length; the streak then lasts until the
+                 layer has been clear of that condition for ``vanish_steps`` steps in a row).
+
+Why the vanishing rule is relative. Vanishing gradients are an attenuation with depth: the
+cotangent shrinks by the Jacobian of each layer it passes back through, so the first layers get
+a gradient orders of magnitude smaller than the last ones while the loss is still high
+(Hochreiter 1991; Bengio et al. 1994; Glorot & Bengio 2010 compare exactly these per-layer
+norms). A model that has converged also has tiny gradients, but in every layer together: its
+loss is near its minimum, so the cotangent at the output is small and each layer's share of
+the global norm stays ordinary. An absolute floor alone cannot tell the two apart (a digits MLP
+trained to a loss of 1e-7 drops below 1e-6 in every layer and raised thousands of alerts), so a
+layer counts as vanishing only when its norm is also below ``vanish_ratio`` (default 1%) of
+the step's global norm: a 12-layer sigmoid net's first layer sits at ~1e-7 of it, a converged
+two-layer MLP's layers at ~0.5. With L layers of equal norms each is 1/sqrt(L) of the global
+norm, so 1% leaves room for 10,000 of them. A step whose gradient is exactly zero everywhere
+(an optimum, or a network that is dead throughout) is not called vanishing: gradients alone
+cannot say which; the loss curve does. The hysteresis (a streak survives gaps shorter than
+``vanish_steps``) keeps a norm that hovers around the floor from raising a new alert each time
+it pops above it for a step.
 
 The statistics are ``jnp`` code: no host round-trip inside ``jit``, so they compile into the
 step (``benchmarks/monitor.py`` measures what they add), and everything in it that depends on
@@ -54,18 +73,20 @@ _COUNT, _SUMSQ, _LOSS, _BASELINE_STEPS, _BASELINE, _BASELINE_TOTAL = range(6)
 class _Slots(NamedTuple):
     """Offsets of the blocks of the packed values for `leaves` leaves and `layers` layers:
     ``[count, sum of squares, loss, baseline_steps, baseline, baseline_total | leaf_norm |
-    layer_norm | leaf_mean | leaf_std | below_floor]``."""
+    layer_norm | leaf_mean | leaf_std | below_floor | clear]``."""
     leaf_norm: int
     layer_norm: int
     leaf_mean: int
     leaf_std: int
     below_floor: int
+    clear: int
     size: int
 
     @classmethod
     def of(cls, leaves: int, layers: int) -> _Slots:
         return cls(6, 6 + leaves, 6 + leaves + layers, 6 + 2 * leaves + layers,
-                   6 + 3 * leaves + layers, 6 + 3 * leaves + 2 * layers)
+                   6 + 3 * leaves + layers, 6 + 3 * leaves + 2 * layers,
+                   6 + 3 * leaves + 3 * layers)
 
 
 def _xp(x):
@@ -98,17 +119,21 @@ class MonitorState:
     vector by name.
 
     Attributes:
-      values: shape ``(6 + 3*leaves + 2*layers,)``, float32 (float64 for float64 params): the
+      values: shape ``(6 + 3*leaves + 3*layers,)``, float32 (float64 for float64 params): the
         last update's `MonitorMetrics.values` (NaN statistics before the first), whose
-        count, ``baseline_steps``, ``baseline_total`` and ``below_floor`` entries are the
-        counters after that update (the count as the bits of an int32, resp. int64).
+        count, ``baseline_steps``, ``baseline_total``, ``below_floor`` and ``clear_steps``
+        entries are the counters after that update (the count as the bits of an int32,
+        resp. int64).
       layers: static; the number of layers.
     Properties: ``step`` (int32, updates so far: the index of the next step),
     ``baseline_steps`` (finite, non-exploding global norms in the baseline, at most
     ``warmup``),
-    ``baseline_total`` (their sum), ``below_floor`` (per layer, the consecutive steps up to
-    the last one that its norm was below the floor, or -1 for a layer that is not watched: all
-    its leaves frozen; exact in float32 up to 2**24 steps, where a streak stops growing).
+    ``baseline_total`` (their sum), ``below_floor`` (per layer, the length in steps of its
+    current vanishing streak: consecutive steps below the floor and the ratio, then, once it
+    reached ``vanish_steps``, every step until ``vanish_steps`` clear steps in a row end it;
+    -1 for a layer that is not watched: all its leaves frozen; exact in float32 up to 2**24
+    steps, where a streak stops growing), ``clear_steps`` (per layer, consecutive steps up to
+    the last one that it was *not* below the floor and the ratio; -1 when not watched).
     """
     __slots__ = ("values", "layers")
 
@@ -123,6 +148,9 @@ class MonitorState:
         lambda self: self.values[..., _BASELINE_STEPS].astype(np.int32))
     baseline_total = property(lambda self: self.values[..., _BASELINE_TOTAL])
     below_floor = property(lambda self: self.values[
+        ..., self.values.shape[-1] - 2 * self.layers:
+        self.values.shape[-1] - self.layers].astype(np.int32))
+    clear_steps = property(lambda self: self.values[
         ..., self.values.shape[-1] - self.layers:].astype(np.int32))
 
 
@@ -148,6 +176,7 @@ class MonitorLayout:
     vanish_steps: int
     dead_threshold: float
     has_loss: bool = True
+    vanish_ratio: float = 0.01
 
 
 class MonitorMetrics:
@@ -163,11 +192,11 @@ class MonitorMetrics:
     ~3 microseconds cheaper on CPU, ~2% of a small train step.
 
     Attributes:
-      values: shape ``(6 + 3*leaves + 2*layers,)``, float (float32, or float64 for float64
+      values: shape ``(6 + 3*leaves + 3*layers,)``, float (float32, or float64 for float64
         params): the update count including this step (the bits of an int), the global sum of
         squares (grad_norm**2), loss, baseline_steps after this step, the baseline this step
         was compared with, baseline_total after it, then leaf_norm, layer_norm, leaf_mean,
-        leaf_std and below_floor (`_Slots`). The same vector is the next `MonitorState.values`.
+        leaf_std, below_floor and clear_steps (`_Slots`). The same vector is the next `MonitorState.values`.
       dead: one bool array of shape (units,) per ReLU site, `DeadReLU.dead` (True: dead for
         the whole batch); ``dead_fraction`` averages them where it is read (on the host, no
         kernel in the step).
@@ -183,8 +212,9 @@ class MonitorMetrics:
       ``jax.tree.leaves`` order.
       layer_norm: (layers,). dead_fraction: (sites,), dimensionless (`with_dead_relu`).
       explosion, nonfinite: () bool; vanishing: (layers,) bool, True on the step a layer's
-      streak reaches ``vanish_steps``; below_floor: (layers,) int, each layer's streak (-1:
-      not watched).
+      streak reaches ``vanish_steps`` (once per streak); below_floor: (layers,) int, each
+      layer's streak, clear_steps: (layers,) int, its steps clear of the vanishing condition
+      in a row (both -1: not watched; see `MonitorState`).
     """
     __slots__ = ("values", "dead", "layout")
 
@@ -220,6 +250,7 @@ class MonitorMetrics:
     leaf_mean = property(lambda self: self._block("leaf_mean"))
     leaf_std = property(lambda self: self._block("leaf_std"))
     below_floor = property(lambda self: self._block("below_floor").astype(np.int32))
+    clear_steps = property(lambda self: self._block("clear").astype(np.int32))
     step = property(lambda self: _count_of(self.values) - 1)
 
     @property
@@ -385,11 +416,17 @@ class GradMonitor:
       warmup: steps whose finite global norms make the baseline (their mean; a norm that
         explodes against the mean so far is left out), >= 1.
       explode_factor: the explosion threshold in units of the baseline, > 1.
-      vanish_floor: a layer norm below this (gradient units) counts toward vanishing, >= 0.
-      vanish_steps: consecutive steps below the floor that raise a vanishing flag, >= 1.
+      vanish_floor: a layer norm below this (gradient units) counts toward vanishing, >= 0,
+        when it is also below `vanish_ratio` x the global norm.
+      vanish_steps: consecutive steps below both that raise a vanishing flag, >= 1; as many
+        clear steps in a row end the streak (one alert per streak).
       dead_relu: whether `funcgrad.train.make_train_step` records dead ReLU units.
       dead_threshold: `monitor_alerts` reports a ReLU site once its dead fraction reaches
         this (dimensionless, in (0, 1]).
+      vanish_ratio: a layer counts toward vanishing only while its norm is below this
+        fraction of the step's global norm (dimensionless, in (0, 1]): the gradient is
+        attenuated in that layer, not small everywhere as in a converged model (see the
+        module docstring). 1 leaves the absolute floor nearly alone.
     The defaults are rules of thumb, not results. Article A §4.2 calls a global norm of about
     0.01 to 10 normal and a norm that stays far outside it a warning; Pascanu et al. 2013
     (arXiv:1211.5063, §3.2) set the clipping threshold from the average norm over many
@@ -403,6 +440,7 @@ class GradMonitor:
     vanish_steps: int = 10
     dead_relu: bool = True
     dead_threshold: float = 0.9
+    vanish_ratio: float = 0.01
 
     def __post_init__(self):
         checks = [("warmup", self.warmup, _count(self.warmup), "an int >= 1 (steps)"),
@@ -413,7 +451,9 @@ class GradMonitor:
                   ("vanish_steps", self.vanish_steps, _count(self.vanish_steps),
                    "an int >= 1 (steps)"),
                   ("dead_threshold", self.dead_threshold,
-                   _real(self.dead_threshold) and 0 < self.dead_threshold <= 1, "in (0, 1]")]
+                   _real(self.dead_threshold) and 0 < self.dead_threshold <= 1, "in (0, 1]"),
+                  ("vanish_ratio", self.vanish_ratio,
+                   _real(self.vanish_ratio) and 0 < self.vanish_ratio <= 1, "in (0, 1]")]
         for name, value, ok, expected in checks:
             if not ok:
                 raise ValueError(f"grad_monitor: {name} must be {expected}, got {value!r}.")
@@ -438,7 +478,7 @@ class GradMonitor:
         slots = _Slots.of(len(leaf_names), len(layer_names))
         values = np.full(slots.size, np.nan, _values_dtype(jax.tree.leaves(params)))
         values[[_COUNT, _BASELINE_STEPS, _BASELINE_TOTAL]] = 0  # count 0: all bits 0
-        values[slots.below_floor:] = np.where(watched, 0, -1)
+        values[slots.below_floor:] = np.tile(np.where(watched, 0, -1), 2)  # and clear
         return MonitorState(jnp.asarray(values), len(layer_names))
 
     def update(self, state: MonitorState, grads: PyTree, *, loss: jax.ArrayLike | None = None,
@@ -473,7 +513,7 @@ class GradMonitor:
         loss = jnp.asarray(loss if has_loss else jnp.nan).astype(dtype)
         old = state.values
         baseline_steps, baseline_total = old[_BASELINE_STEPS], old[_BASELINE_TOTAL]
-        below_floor = old[slots.below_floor:]
+        below_floor, clear = old[slots.below_floor:slots.clear], old[slots.clear:]
         ready = baseline_steps >= self.warmup
         # The reference this step is compared with: the mean of the norms in the baseline so
         # far (all `warmup` of them once it is ready), NaN before the first. A norm that
@@ -483,8 +523,14 @@ class GradMonitor:
                              baseline_total / jnp.maximum(baseline_steps, 1), jnp.nan)
         exploding = sumsq > (self.explode_factor * baseline) ** 2  # False while baseline is NaN
         add = ~ready & jnp.isfinite(sumsq) & ~exploding  # sqrt(sumsq) is finite iff sumsq is
-        streak = jnp.where(below_floor < 0, -1,
-                           jnp.where(layer_norm < self.vanish_floor, below_floor + 1, 0))
+        # Vanishing (module docstring): below the floor and a small share of the global norm.
+        # A streak starts with `vanish_steps` such steps in a row (the alert) and then lasts
+        # until `vanish_steps` clear steps in a row; NaN norms count as clear.
+        small = ((layer_norm < self.vanish_floor)
+                 & (layer_norm < self.vanish_ratio * jnp.sqrt(sumsq)))
+        clear = jnp.where(below_floor < 0, -1, jnp.where(small, 0, clear + 1))
+        going = small | ((below_floor >= self.vanish_steps) & (clear < self.vanish_steps))
+        streak = jnp.where(below_floor < 0, -1, jnp.where(going, below_floor + 1, 0))
         count = jax.lax.bitcast_convert_type(
             jax.lax.bitcast_convert_type(old[_COUNT], _int_type(dtype)) + 1, dtype)
         # The baseline's divide and the norm's sqrt are operands of their own: inside the
@@ -492,7 +538,7 @@ class GradMonitor:
         values = jnp.concatenate([
             _vector(count, sumsq, loss, baseline_steps + add.astype(dtype)), baseline[None],
             (baseline_total + jnp.where(add, jnp.sqrt(sumsq), 0))[None], norms, mean, std,
-            streak.astype(dtype)])
+            streak.astype(dtype), clear.astype(dtype)])
         # A barrier, so that XLA reads the global norm back from this vector (`grad_norm`:
         # one sqrt kernel after it, which a train step's guard and "grad_norm" share) instead
         # of computing it beside it: see MonitorState.
@@ -501,7 +547,8 @@ class GradMonitor:
         metrics = MonitorMetrics(values, dead, MonitorLayout(
             leaf_names, layer_names, dead_relu.names if dead_relu is not None else (),
             self.warmup, float(self.explode_factor), float(self.vanish_floor),
-            self.vanish_steps, float(self.dead_threshold), has_loss))
+            self.vanish_steps, float(self.dead_threshold), has_loss,
+            float(self.vanish_ratio)))
         return MonitorState(values, state.layers), metrics
 
 
@@ -515,7 +562,7 @@ def _count(x) -> bool:
 
 def grad_monitor(*, warmup: int = 10, explode_factor: float = 10.0, vanish_floor: float = 1e-6,
                  vanish_steps: int = 10, dead_relu: bool = True,
-                 dead_threshold: float = 0.9) -> GradMonitor:
+                 dead_threshold: float = 0.9, vanish_ratio: float = 0.01) -> GradMonitor:
     """Returns a `GradMonitor` (see its attributes); ValueError names a setting out of range.
 
     Example:
@@ -525,7 +572,7 @@ def grad_monitor(*, warmup: int = 10, explode_factor: float = 10.0, vanish_floor
       >>> for alert in monitor_alerts(metrics): print(alert)
     """
     return GradMonitor(warmup, explode_factor, vanish_floor, vanish_steps, dead_relu,
-                       dead_threshold)
+                       dead_threshold, vanish_ratio)
 
 
 # --- alerts, on the host ------------------------------------------------------------------
@@ -559,7 +606,8 @@ def monitor_alerts(metrics: MonitorMetrics, *,
     """The alerts of one step's `MonitorMetrics` (device or host arrays), in `ALERT_KINDS` order.
 
     ``nonfinite`` and ``explosion`` are reported on every step that has them; ``vanishing`` on
-    the step a layer's streak below the floor reaches ``vanish_steps``; ``dead_relu`` when a
+    the step a layer's streak (below the floor and below ``vanish_ratio`` x the global norm)
+    reaches ``vanish_steps``, once per streak; ``dead_relu`` when a
     site's dead fraction reaches ``dead_threshold``: on every step, or, given the `previous`
     step's metrics, only on the step it crosses the threshold. Metrics stacked by ``lax.scan``
     (a leading step axis) give the alerts of every step, each step the previous of the next.
@@ -587,7 +635,8 @@ def monitor_alerts(metrics: MonitorMetrics, *,
     for name, hit, norm in zip(m.layer_names, np.asarray(m.vanishing), np.asarray(m.layer_norm)):
         if hit:
             out.append(Alert(step, "vanishing", name, float(norm), m.vanish_floor,
-                             f"layer norm < floor for {m.vanish_steps} steps"))
+                             f"layer norm < floor and < {m.vanish_ratio:g} x the global norm "
+                             f"for {m.vanish_steps} steps"))
     before = (np.asarray(previous.dead_fraction) if previous is not None
               else np.full(len(m.relu_names), -1.0))
     for name, frac, prev in zip(m.relu_names, np.asarray(m.dead_fraction), before):
