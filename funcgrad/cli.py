@@ -256,16 +256,59 @@ def _plot(history, path: str) -> str:
                            label=name)
         ax_layers.set_ylabel("layer grad norm")
         ax_layers.set_yscale("log")
-        ax_layers.legend(fontsize=7, ncol=min(4, len(history.layer_names)), loc="best")
-        for alert in history.alerts:  # where the monitor raised an alert
-            for ax in axes:
-                ax.axvline(alert.step, color="tab:red", lw=0.6, alpha=0.4)
+        # Where the monitor raised alerts: merged bands on this panel only, at most
+        # _MAX_SPANS of them, so that thousands of alerts leave the curves readable.
+        labelled = set()
+        for kind, start, end, _ in _alert_spans(history.alerts, len(steps)):
+            ax_layers.axvspan(start, end, color=_ALERT_COLORS.get(kind, "tab:red"), alpha=0.15,
+                              lw=0, label=None if kind in labelled else f"{kind} alerts")
+            labelled.add(kind)
+        ax_layers.legend(fontsize=7, ncol=min(4, len(history.layer_names) + 2), loc="best")
     axes[-1].set_xlabel("step")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle("funcgrad train: loss and gradient norms per step"
-                 + (" (red: monitor alerts)" if layers and history.alerts else ""))
+                 + (f" ({len(history.alerts)} monitor alerts, shaded)"
+                    if layers and history.alerts else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+#: Most alert bands `_plot` draws; `_ALERT_COLORS` gives each kind of alert its colour.
+_MAX_SPANS = 30
+_ALERT_COLORS = {"nonfinite": "black", "explosion": "tab:red", "vanishing": "tab:purple",
+                 "dead_relu": "tab:brown"}
+
+
+def _alert_spans(alerts, n_steps: int, *, max_spans: int = _MAX_SPANS):
+    """Merged bands ``(kind, start, end, count)`` (steps) covering every alert, at most
+    `max_spans`.
+
+    Alerts of one kind closer than a gap merge into one band; the gap starts at 1% of the run
+    and doubles until the bands fit. Each band is at least 0.5% of the run wide, so a
+    one-step alert stays visible on 200,000 steps.
+    """
+    by_kind = {}
+    for alert in alerts:
+        by_kind.setdefault(alert.kind, []).append(alert.step)
+    gap = max(1, n_steps // 100)
+    while True:
+        spans = []
+        for kind, found in by_kind.items():
+            found = sorted(found)
+            start = end = found[0]
+            count = 0
+            for step in found:
+                if step - end > gap:
+                    spans.append((kind, start, end, count))
+                    start, count = step, 0
+                end, count = step, count + 1
+            spans.append((kind, start, end, count))
+        if len(spans) <= max_spans:
+            break
+        gap *= 2
+    width = max(1.0, n_steps / 200)
+    return [(kind, start - width / 2, end + width / 2, count)
+            for kind, start, end, count in spans]

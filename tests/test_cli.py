@@ -136,3 +136,40 @@ def test_unwritable_output_folder_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("funcgrad: error:") and "Traceback" not in proc.stderr
+
+
+def test_the_plot_merges_thousands_of_alerts_into_a_few_bands(tmp_path, monkeypatch):
+    # 2,264 alerts (the count of the converged 5,000-epoch run) over 10,000 steps: 2,000
+    # vanishing alerts every 5 steps from step 0, and 264 explosions in two bursts (steps
+    # 100-231 and 8000-8131). The plot drew one line per alert on every panel (6,792 lines over
+    # the curves); now at most 30 shaded bands on the layer panel, covering every alert.
+    import matplotlib.figure
+
+    from funcgrad.cli import _plot
+    from funcgrad.fit import History
+    from funcgrad.monitor import Alert
+
+    alerts = ([Alert(5 * i, "vanishing", "params[0]", 1e-7, 1e-6) for i in range(2000)]
+              + [Alert(s, "explosion", "global", 1e3, 10.0)
+                 for s in [*range(100, 232), *range(8000, 8132)]])
+    history = History(step_loss=[1.0] * 10_000, step_grad_norm=[1.0] * 10_000,
+                      layer_names=("params[0]", "params[1]"),
+                      step_layer_norm=[[1e-7, 1.0]] * 10_000, alerts=alerts)
+    figures = []
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (figures.append(fig), real_savefig(fig, *a, **k)))
+    _plot(history, str(tmp_path / "training.png"))
+    (fig,) = figures
+    lines = sum(len(ax.lines) for ax in fig.axes)
+    bands = sum(len(ax.patches) for ax in fig.axes)
+    assert lines == 4                        # loss, global norm, two layer curves: no alert lines
+    from funcgrad.cli import _MAX_SPANS, _alert_spans
+    assert 0 < bands <= _MAX_SPANS
+    spans = _alert_spans(alerts, 10_000)
+    assert len(spans) == bands and sum(count for *_, count in spans) == 2264
+    for alert in alerts:                     # every alert lies inside a band of its kind
+        assert any(k == alert.kind and a <= alert.step <= b for k, a, b, _ in spans)
+    # The two explosion bursts are 7,769 steps apart: they stay two bands, not one.
+    assert sorted((round(a), round(b)) for k, a, b, _ in spans if k == "explosion") == [
+        (75, 256), (7975, 8156)]
