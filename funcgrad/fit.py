@@ -129,7 +129,7 @@ class FitResult(NamedTuple):
 MAX_LOGGED_ALERTS = 20
 
 
-def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epochs: int,
+def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
         batch_size: int, seed: int = 0, evaluate: Callable[[PyTree], Mapping[str, float]] | None = None,
         progress: bool = True, log: Callable[[str], None] | None = None) -> FitResult:
     """Trains for `epochs` passes over ``(x, y)`` with a progress bar, stopping on a non-finite.
@@ -186,9 +186,8 @@ def fit(step: Callable, state: TrainState, x: np.ndarray, y: np.ndarray, *, epoc
         if the first call of `step` returns something other than ``(TrainState, metrics)``
         (e.g. `step` is the loss function) or metrics without "loss" and "grad_norm" (a
         hand-written step); if `evaluate` returns no mapping of names to single numbers.
-        An exception raised by
-        that first call of a step not made by `make_train_step` gets a note saying what `fit`
-        expects.
+        An exception raised by that first call of a step not made by `make_train_step` gets
+        a note saying what `fit` expects.
     Warns:
       UserWarning: when an accumulating step's group (``accumulate * batch_size`` examples)
         is larger than `x`: every update is then one full pass, one per epoch.
