@@ -50,9 +50,8 @@ def max_abs_diff(a, b) -> float:
 
 
 def accumulated_vs_full(params, batch, microbatches) -> Check:
-    stacked, mask = stack_microbatches(microbatches)
-    acc = jax.jit(lambda p, b, m: accumulate_grads(per_example_loss, p, b, mask=m))(
-        params, stacked, mask)
+    mbs = stack_microbatches(microbatches)  # padded arrays and the mask of real rows, together
+    acc = jax.jit(lambda p, b: accumulate_grads(per_example_loss, p, b))(params, mbs)
     loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params, batch)
     naive = [grad_mean_loss(params, mb) for mb in microbatches]  # loss / accum_steps
     naive = jax.tree.map(lambda *g: sum(g) / len(g), *naive)
@@ -74,7 +73,7 @@ def tail_policy(params, microbatches, tail) -> Check:
     applied = groups if tail == "apply" else groups[:2]
     tx = optax.sgd(LR)
     step = make_train_step(per_example_loss, tx, accumulate=3, tail=tail)
-    state, metrics = step(fg.init_train_state(params, tx), *stack_microbatches(microbatches))
+    state, metrics = step(fg.init_train_state(params, tx), stack_microbatches(microbatches))
     hand = params  # full-batch SGD on each applied group: p <- p - lr * grad mean loss
     for group in applied:
         hand = jax.tree.map(lambda p, g: p - LR * g, hand, grad_mean_loss(hand, group))

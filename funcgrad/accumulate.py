@@ -31,12 +31,16 @@ the loss function returns **per-example** losses:
   and keeps an incomplete final window in its state until more mini-steps come (both shown in
   ``tests/test_accumulate.py`` and ``examples/12_accumulation.py``).
 * `stack_microbatches` and `group_microbatches` pad and stack host (NumPy) micro-batches, e.g.
-  those of `funcgrad.data.batches`, into that layout.
+  those of `funcgrad.data.batches`, into that layout, as a `Microbatches`: the stacked arrays
+  and their padding mask in one object, passed whole (``accumulate_grads(loss_fn, params,
+  mbs)``, ``step(state, mbs)``), so the padding rows cannot be counted by forgetting ``mask=``.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +65,35 @@ so loss_fn must return one loss per example of the micro-batch, not their mean.
   fixed:    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])"""
 
 
+@dataclasses.dataclass(frozen=True)
+class Microbatches:
+    """Stacked, padded micro-batches and the mask of their real rows, travelling together.
+
+    Made by `stack_microbatches` and `group_microbatches`; `accumulate_grads` and an
+    accumulating step (``make_train_step(..., accumulate=K)``) take it whole and use its mask,
+    so padding rows are never counted as examples. A pytree (its leaves are those of `data`,
+    then `mask`), so it passes through ``jax.jit``. It does not unpack: the PyTorch-style
+    ``stacked, mask = stack_microbatches(...)`` raises, because dropping the mask later would
+    silently average the padding rows in.
+
+    Attributes:
+      data: pytree of arrays of shape ``(num_micro_batches, m, ...)``, padded to m rows.
+      mask: bool ``(num_micro_batches, m)``, True for a real example, False for padding.
+    """
+    data: PyTree
+    mask: Any
+
+    def __iter__(self):
+        raise TypeError(
+            "a Microbatches does not unpack: it keeps the stacked micro-batches and the mask of "
+            "their real rows together, so the padding cannot be counted by accident. Pass it "
+            "whole: accumulate_grads(loss_fn, params, mbs) or step(state, mbs); read the arrays "
+            "as mbs.data and mbs.mask.")
+
+
+jax.tree_util.register_dataclass(Microbatches, data_fields=["data", "mask"], meta_fields=[])
+
+
 class AccumulatedGrads(NamedTuple):
     """The mean loss and mean gradient over every real example of a stack of micro-batches.
 
@@ -74,7 +107,8 @@ class AccumulatedGrads(NamedTuple):
     count: jax.Array
 
 
-def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree, microbatches: PyTree, *,
+def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
+                     microbatches: Microbatches | PyTree, *,
                      mask: jax.typing.ArrayLike | None = None,
                      value_and_grad: Callable = jax.value_and_grad) -> AccumulatedGrads:
     """Returns the mean loss and its gradient over a stack of micro-batches, in one `lax.scan`.
@@ -91,9 +125,10 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree, microbatches: Py
       loss_fn: ``loss_fn(params, microbatch) -> losses`` of shape ``(m,)``, one per example
         (not their mean); `microbatch` is `microbatches` without its leading axis.
       params: the pytree to differentiate with respect to (floating leaves).
-      microbatches: pytree whose leaves all have shape ``(num_micro_batches, m, ...)``.
-      mask: bool ``(num_micro_batches, m)``, True for a real example and False for padding
-        (see `stack_microbatches`); None means every row is real. Padded rows are computed and
+      microbatches: a `Microbatches` (from `stack_microbatches`, whose mask is used), or a
+        pytree whose leaves all have shape ``(num_micro_batches, m, ...)``.
+      mask: for a plain pytree only: bool ``(num_micro_batches, m)``, True for a real example
+        and False for padding; None means every row is real. Padded rows are computed and
         then excluded with ``jnp.where``, so they must give finite losses (copies of real rows,
         as `stack_microbatches` makes them, do).
       value_and_grad: the differentiation transform, ``jax.value_and_grad`` or one with its
@@ -104,8 +139,9 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree, microbatches: Py
     Raises:
       ValueError: if the leaves of `microbatches` disagree on their two leading axes, the mask
         has another shape, or `loss_fn` does not return shape ``(m,)``.
-      TypeError: if the mask is not boolean.
+      TypeError: if the mask is not boolean, or a `Microbatches` comes with ``mask=`` too.
     """
+    microbatches, mask = _unpacked(microbatches, mask)
     num, size = _leading_axes(microbatches)
     mask = _checked_mask(mask, num, size)
     return _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
@@ -225,8 +261,8 @@ def make_accumulating_step(
         updates, in `apply_update`).
       jit: if False the step is returned un-jitted (for debugging with prints).
     Returns:
-      ``step(state, microbatches, mask=None)`` with `microbatches` and `mask` as in
-      `accumulate_grads`. It returns the state after U updates (U = ``M // K``, plus 1 for a
+      ``step(state, microbatches, mask=None)`` with `microbatches` (a `Microbatches`, or a
+      plain pytree) and `mask` as in `accumulate_grads`. It returns the state after U updates (U = ``M // K``, plus 1 for a
       partial group under "apply") and the metrics of `apply_update` stacked along a new
       leading axis of length U, plus ``"examples": (U,) int32`` (examples averaged by each
       update) and ``"dropped_examples": () int32``. A group without real examples gives a NaN
@@ -241,7 +277,9 @@ def make_accumulating_step(
         raise ValueError(f"tail must be one of {list(TAIL_POLICIES)} (what to do with a final "
                          f"group of fewer than accumulate={k} micro-batches), got {tail!r}.")
 
-    def step(state, microbatches: PyTree, mask: jax.typing.ArrayLike | None = None):
+    def step(state, microbatches: Microbatches | PyTree,
+             mask: jax.typing.ArrayLike | None = None):
+        microbatches, mask = _unpacked(microbatches, mask)
         num, size = _leading_axes(microbatches)
         mask = _checked_mask(mask, num, size)
         groups, rest = divmod(num, k)
@@ -278,6 +316,16 @@ def make_accumulating_step(
         return state, {**metrics, "dropped_examples": dropped}
 
     return jax.jit(step) if jit else step
+
+
+def _unpacked(microbatches, mask) -> tuple[PyTree, Any]:
+    """The stacked arrays and the mask, from a `Microbatches` or from a pytree and `mask`."""
+    if isinstance(microbatches, Microbatches):
+        if mask is not None:
+            raise TypeError("accumulate: the Microbatches already carry the mask of their real "
+                            "rows; drop mask= (or pass mbs.data with mask=).")
+        return microbatches.data, microbatches.mask
+    return microbatches, mask
 
 
 def _positive_int(value, name: str) -> int:
@@ -317,7 +365,7 @@ def _checked_mask(mask, num: int, size: int) -> jax.Array | None:
 
 
 def stack_microbatches(microbatches: Sequence[PyTree], *,
-                       size: int | None = None) -> tuple[PyTree, np.ndarray]:
+                       size: int | None = None) -> Microbatches:
     """Pads micro-batches of possibly unequal sizes to one size and stacks them, with a mask.
 
     Runs on the host, in NumPy. A micro-batch with n < `size` rows is padded with copies of its
@@ -330,8 +378,9 @@ def stack_microbatches(microbatches: Sequence[PyTree], *,
         leading length n_j >= 1. JAX arrays are copied to the host.
       size: the padded size m; default the largest n_j.
     Returns:
-      ``(stacked, mask)``: `stacked` has the structure of a micro-batch with leaves of shape
-      ``(len(microbatches), m, ...)``; `mask` is bool ``(len(microbatches), m)``.
+      a `Microbatches`: ``.data`` has the structure of a micro-batch with leaves of shape
+      ``(len(microbatches), m, ...)`` (NumPy); ``.mask`` is bool ``(len(microbatches), m)``.
+      Pass it whole to `accumulate_grads` or an accumulating step.
     Raises:
       ValueError: if there are no micro-batches, one is empty, its leaves disagree on their
         leading length, it has more than `size` rows, or the structures differ.
@@ -358,11 +407,11 @@ def stack_microbatches(microbatches: Sequence[PyTree], *,
     stacked = jax.tree.map(lambda *leaves: np.stack([pad(np.asarray(a)) for a in leaves]),
                            *microbatches)
     mask = np.arange(size)[None, :] < np.asarray(counts)[:, None]
-    return stacked, mask
+    return Microbatches(stacked, mask)
 
 
 def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
-                       size: int | None = None) -> Iterator[tuple[PyTree, np.ndarray]]:
+                       size: int | None = None) -> Iterator[Microbatches]:
     """Yields ``stack_microbatches`` of each `accumulate` consecutive micro-batches.
 
     The last group holds the remaining 1 .. accumulate - 1 micro-batches when their number is
@@ -376,8 +425,8 @@ def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
       accumulate: micro-batches per group, a positive int.
       size: the padded micro-batch size; default the size of the first micro-batch.
     Yields:
-      ``(stacked, mask)`` as `stack_microbatches` returns them, leading axis `accumulate`
-      (fewer for the last group).
+      a `Microbatches` per group, as `stack_microbatches` returns it, leading axis
+      `accumulate` (fewer for the last group).
     Raises:
       ValueError: if `accumulate` is not a positive int, or as `stack_microbatches`.
       TypeError: if `microbatches` is one batch (a dict or an array), not an iterable of them.

@@ -245,7 +245,7 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
             first, first_skip = len(history.step_loss), len(history.skipped_steps)
             micro = batches(x, y, batch_size=batch_size, seed=seed, epoch=epoch - 1)
             calls = (((b,) for b in micro) if accumulate == 1
-                     else group_microbatches(micro, accumulate, size=batch_size))
+                     else ((g,) for g in group_microbatches(micro, accumulate, size=batch_size)))
             for i, call in enumerate(calls):
                 new_state, metrics = _called(step, state, call, first=run_step == 0)
                 if accumulate > 1:  # one group per call: metrics of 1 update, or 0 if dropped

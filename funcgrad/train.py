@@ -200,8 +200,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       accumulate: K, to accumulate gradients over micro-batches (`funcgrad.accumulate`): the
         step becomes ``step(state, microbatches, mask=None)`` with `microbatches` a pytree
         whose leaves have shape ``(M, m, ...)`` (M micro-batches of m examples, padded; `mask`
-        bool ``(M, m)`` marks the real ones; `funcgrad.accumulate.group_microbatches` builds
-        both), and `loss_fn` must return one loss per example, shape ``(m,)``. Each group of
+        bool ``(M, m)`` marks the real ones), or one `funcgrad.accumulate.Microbatches` that
+        carries both (``step(state, mbs)``; `funcgrad.accumulate.group_microbatches` builds
+        them), and `loss_fn` must return one loss per example, shape ``(m,)``. Each group of
         K micro-batches gives one update with the exact mean gradient over its examples (the
         norm, clipping, guard and optimizer run once per update, inside one ``lax.scan``);
         the metrics gain a leading axis of length U (updates in the call) plus
@@ -463,10 +464,11 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
     """The accumulating `step`; after a call with a NaN/inf update, `find_nonfinite` on each
     micro-batch of the first such update, from the params it started from, until one is not
     finite. Its report (context: which micro-batch) is ``metrics["anomaly"]``."""
-    from funcgrad.accumulate import _checked_mask, _leading_axes
+    from funcgrad.accumulate import _checked_mask, _leading_axes, _unpacked
 
     def checked(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
         new_state, metrics = step(state, microbatches, mask)
+        microbatches, mask = _unpacked(microbatches, mask)
         losses, norms, examples = jax.device_get(
             (metrics["loss"], metrics["grad_norm"], metrics["examples"]))
         bad = ~(np.isfinite(losses) & np.isfinite(norms)) & (examples > 0)

@@ -90,11 +90,10 @@ def test_hand_example_weights_each_micro_batch_by_its_count(strict_dtypes):
     def loss_fn(params, batch):
         return 0.5 * (params["w"] * batch["x"]) ** 2
 
-    stacked, mask = stack_microbatches([{"x": np.float32([1, 2])}, {"x": np.float32([3])}])
-    np.testing.assert_array_equal(stacked["x"], [[1, 2], [3, 3]])
-    np.testing.assert_array_equal(mask, [[True, True], [True, False]])
-    acc = jax.jit(lambda p, b, m: accumulate_grads(loss_fn, p, b, mask=m))(
-        {"w": jnp.float32(1.0)}, stacked, mask)
+    mbs = stack_microbatches([{"x": np.float32([1, 2])}, {"x": np.float32([3])}])
+    np.testing.assert_array_equal(mbs.data["x"], [[1, 2], [3, 3]])
+    np.testing.assert_array_equal(mbs.mask, [[True, True], [True, False]])
+    acc = jax.jit(lambda p, b: accumulate_grads(loss_fn, p, b))({"w": jnp.float32(1.0)}, mbs)
     assert float(acc.grads["w"]) == np.float32(14) / np.float32(3) != 5.75
     assert float(acc.loss) == np.float32(7) / np.float32(3)  # 0.5 + 2 + 4.5 = 7, exact
     assert int(acc.count) == 3
@@ -104,9 +103,8 @@ def test_hand_example_weights_each_micro_batch_by_its_count(strict_dtypes):
                          ids=["equal_4x4", "unequal_5_3_7_1", "one_micro_batch"])
 def test_accumulated_grads_equal_the_full_batch_grads(sizes, strict_dtypes):
     params, batch = _params(), _examples(sum(sizes))
-    stacked, mask = stack_microbatches(_split(batch, sizes))
-    acc = jax.jit(lambda p, b, m: accumulate_grads(per_example_loss, p, b, mask=m))(
-        params, stacked, mask)
+    mbs = stack_microbatches(_split(batch, sizes))
+    acc = jax.jit(lambda p, b: accumulate_grads(per_example_loss, p, b))(params, mbs)
     loss, grads = full_value_and_grad(params, batch)
     assert _rel_err(acc.grads, grads) <= REL
     assert float(acc.loss) == pytest.approx(float(loss), rel=REL)
@@ -124,9 +122,10 @@ def test_any_partition_gives_the_full_batch_grads(sizes):
     # 6 micro-batches of 6 rows, those beyond len(sizes) copies with every row masked out.
     params, batch = _params(), _examples(sum(sizes), seed=len(sizes))
     parts = _split(batch, sizes)
-    stacked, mask = stack_microbatches(parts + parts[-1:] * (6 - len(parts)), size=6)
+    mbs = stack_microbatches(parts + parts[-1:] * (6 - len(parts)), size=6)
+    mask = mbs.mask.copy()
     mask[len(parts):] = False
-    acc = _accumulate_jit(params, stacked, mask)
+    acc = _accumulate_jit(params, mbs.data, mask)
     assert int(acc.count) == sum(sizes)
     assert _rel_err(acc.grads, full_grad(params, batch)) <= REL
 
@@ -191,11 +190,11 @@ SIZES = [4, 4, 4, 4, 3]  # five micro-batches, the last one short; accumulate=2 
 def test_tail_policy_and_one_inner_update_per_applied_update(tail, updates, dropped):
     params, batch = _params(), _examples(sum(SIZES))
     microbatches = _split(batch, SIZES)
-    stacked, mask = stack_microbatches(microbatches)
+    mbs = stack_microbatches(microbatches)
     calls = []
     tx = _recording(optax.sgd(0.5), calls)
     step = make_train_step(per_example_loss, tx, accumulate=2, tail=tail)
-    state, metrics = step(fg.init_train_state(params, tx), stacked, mask)
+    state, metrics = step(fg.init_train_state(params, tx), mbs)
     jax.effects_barrier()
 
     groups = [_concat(microbatches[0:2]), _concat(microbatches[2:4]), microbatches[4]][:updates]
@@ -216,11 +215,11 @@ def test_tail_policy_and_one_inner_update_per_applied_update(tail, updates, drop
 
 def test_drop_with_fewer_micro_batches_than_accumulate_changes_nothing():
     params, batch = _params(), _examples(7)
-    stacked, mask = stack_microbatches(_split(batch, [4, 3]))
+    mbs = stack_microbatches(_split(batch, [4, 3]))
     tx = optax.adam(1e-2)
     state = fg.init_train_state(params, tx)
     step = make_train_step(per_example_loss, tx, accumulate=3, tail="drop")
-    new, metrics = step(state, stacked, mask)
+    new, metrics = step(state, mbs)
     assert _bits(new) == _bits(state)  # params, Adam moments, count, step: bit-identical
     assert metrics["loss"].shape == (0,) and int(metrics["dropped_examples"]) == 7  # 4 + 3
 
@@ -229,10 +228,10 @@ def test_adam_step_equals_the_hand_written_full_batch_loop():
     # Second method: jit(value_and_grad + optax update) on each group's examples as one batch.
     params, batch = _params(), _examples(20)
     microbatches = _split(batch, [5, 3, 7, 1, 4])
-    stacked, mask = stack_microbatches(microbatches)
+    mbs = stack_microbatches(microbatches)
     tx = optax.adam(1e-2)
     step = make_train_step(per_example_loss, tx, accumulate=2)
-    state, metrics = step(fg.init_train_state(params, tx), stacked, mask)
+    state, metrics = step(fg.init_train_state(params, tx), mbs)
     ref, opt = params, tx.init(params)
     for group in [microbatches[0:2], microbatches[2:4], microbatches[4:]]:
         grads = full_grad(ref, _concat(group))
@@ -266,13 +265,13 @@ def test_loss_scaled_accumulation_equals_the_unscaled_one():
     # the float32 division undoes it exactly, so the updates agree to float rounding; the
     # scale grows by 2 after growth_interval = 2 finite updates (PyTorch/jmp convention).
     params, batch = _params(), _examples(20)
-    stacked, mask = stack_microbatches(_split(batch, [5, 3, 7, 1, 4]))
+    mbs = stack_microbatches(_split(batch, [5, 3, 7, 1, 4]))
     tx = optax.adam(1e-2)
     scale = fg.dynamic_loss_scale(init_scale=2.0**10, growth_interval=2)
     scaled = make_train_step(per_example_loss, tx, accumulate=2, loss_scale=scale)
     plain = make_train_step(per_example_loss, tx, accumulate=2)
-    s_state, s_metrics = scaled(fg.init_train_state(params, tx, loss_scale=scale), stacked, mask)
-    p_state, p_metrics = plain(fg.init_train_state(params, tx), stacked, mask)
+    s_state, s_metrics = scaled(fg.init_train_state(params, tx, loss_scale=scale), mbs)
+    p_state, p_metrics = plain(fg.init_train_state(params, tx), mbs)
     for a, b in zip(jax.tree.leaves(s_state.params), jax.tree.leaves(p_state.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(s_metrics["grad_norm"], p_metrics["grad_norm"], rtol=1e-6)
@@ -319,11 +318,11 @@ def test_half_precision_accumulation_is_close_to_the_float32_full_batch(dtype):
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
     params, batch = _params(), _examples(24)
-    stacked, mask = stack_microbatches(_split(batch, [8, 8, 8]))
+    mbs = stack_microbatches(_split(batch, [8, 8, 8]))
     tx = optax.sgd(1.0)
     scale = fg.dynamic_loss_scale(init_scale=2.0**8)
     step = make_train_step(loss_fn, tx, accumulate=3, compute_dtype=dtype, loss_scale=scale)
-    state, metrics = step(fg.init_train_state(params, tx, loss_scale=scale), stacked, mask)
+    state, metrics = step(fg.init_train_state(params, tx, loss_scale=scale), mbs)
     assert int(metrics["skipped"][0]) == 0
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state.params))
     grads = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
@@ -412,7 +411,7 @@ def test_any_update_function_and_differentiation_plug_in():
     # mask: layer 0 frozen, so its gradient is exactly zero and layer 1's equals the full-batch
     # gradient. The update is SGD with lr 1 and reports a metric of its own.
     params, batch = _params(), _examples(11)
-    stacked, mask = stack_microbatches(_split(batch, [4, 4, 3]))
+    mbs = stack_microbatches(_split(batch, [4, 4, 3]))
     frozen = trainable_mask(params, freeze="0/*")
 
     def apply_update(state, loss, grads):
@@ -424,7 +423,7 @@ def test_any_update_function_and_differentiation_plug_in():
         per_example_loss, apply_update, accumulate=3,
         value_and_grad=lambda f: value_and_grad_trainable(f, frozen))
     state = fg.TrainState(params, (), jnp.zeros((), jnp.int32))
-    new, metrics = step(state, stacked, mask)
+    new, metrics = step(state, mbs)
     grads = full_grad(params, batch)
     np.testing.assert_array_equal(new.params[0]["w"], params[0]["w"])  # frozen: zero gradient
     # p - (p - g) recovers g up to the rounding of two subtractions: float32 ulps of p (~1).
@@ -470,9 +469,9 @@ def test_multisteps_runs_the_inner_update_every_mini_step_and_keeps_the_tail():
     # run 3 times, all 20 examples used, nothing left in any state.
     calls.clear()
     tx = _recording(optax.sgd(0.5), calls)
-    stacked, mask = stack_microbatches(microbatches)
+    mbs = stack_microbatches(microbatches)
     step = make_train_step(per_example_loss, tx, accumulate=2)
-    state, metrics = step(fg.init_train_state(params, tx), stacked, mask)
+    state, metrics = step(fg.init_train_state(params, tx), mbs)
     jax.effects_barrier()
     assert len(calls) == 3 and int(np.sum(metrics["examples"])) == 20
     # Where both applied the same two updates (equal micro-batches of 4: mean of the two
@@ -486,9 +485,9 @@ def test_group_microbatches_yields_every_example_once_with_the_short_group_last(
     # 10 examples in micro-batches of 3: sizes 3, 3, 3, 1; groups of 3: (3, 3, 3) and (1,).
     x = np.arange(10, dtype=np.float32)[:, None]
     groups = list(group_microbatches(fg.batches(x, np.arange(10), batch_size=3, seed=0), 3))
-    assert [g["x"].shape for g, _ in groups] == [(3, 3, 1), (1, 3, 1)]
-    np.testing.assert_array_equal(groups[1][1], [[True, False, False]])
-    real = np.concatenate([g["x"][m] for g, m in groups])
+    assert [g.data["x"].shape for g in groups] == [(3, 3, 1), (1, 3, 1)]
+    np.testing.assert_array_equal(groups[1].mask, [[True, False, False]])
+    real = np.concatenate([g.data["x"][g.mask] for g in groups])
     np.testing.assert_array_equal(np.sort(real[:, 0]), np.arange(10))
 
 
@@ -547,3 +546,27 @@ def test_leaves_with_different_leading_axes_are_named():
 def test_step_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_train_step(per_example_loss, optax.sgd(0.1), **kwargs)
+
+
+def test_padded_micro_batches_carry_their_mask_and_refuse_to_unpack():
+    # Issue 11, point 8: `stacked, mask = stack_microbatches(...)` followed by
+    # accumulate_grads(loss_fn, params, stacked) counted the padding rows. The stacked arrays
+    # and the mask now travel as one Microbatches: passed whole, only real rows count.
+    # Hand value: loss_i = w * x_i, x = [1, 2] and [3] (padded with a copy of 3): the mean
+    # over the 3 real examples is w * 6 / 3 = 2 at w = 1, its gradient 2 (with the padding
+    # row counted it would be 9 / 4 = 2.25).
+    loss_fn = lambda p, b: p["w"] * b["x"]
+    mbs = stack_microbatches([{"x": np.float32([1, 2])}, {"x": np.float32([3])}])
+    acc = jax.jit(lambda p, b: accumulate_grads(loss_fn, p, b))({"w": jnp.float32(1.0)}, mbs)
+    assert int(acc.count) == 3
+    assert float(acc.loss) == 2.0 and float(acc.grads["w"]) == 2.0
+    with pytest.raises(TypeError, match=r"does not unpack.*mbs\.data and mbs\.mask"):
+        stacked, mask = stack_microbatches([{"x": np.float32([1, 2])}, {"x": np.float32([3])}])
+    with pytest.raises(TypeError, match=r"already carry the mask"):
+        accumulate_grads(loss_fn, {"w": jnp.float32(1.0)}, mbs, mask=mbs.mask)
+    # The accumulating step takes it whole too: one update over the 3 real examples.
+    tx = optax.sgd(1.0)
+    step = make_train_step(loss_fn, tx, accumulate=2)
+    state, metrics = step(fg.init_train_state({"w": jnp.float32(1.0)}, tx), mbs)
+    assert int(metrics["examples"][0]) == 3
+    assert float(state.params["w"]) == 1.0 - 2.0  # w - lr * 2
