@@ -48,6 +48,8 @@ from funcgrad.accumulate import accumulate_grads as accumulate_grads
 from funcgrad.accumulate import group_microbatches as group_microbatches
 from funcgrad.accumulate import make_accumulating_step as make_accumulating_step
 from funcgrad.accumulate import stack_microbatches as stack_microbatches
+from funcgrad.accumulate import Microbatches as Microbatches
+from funcgrad.coupling import CoupledExamplesWarning as CoupledExamplesWarning
 from funcgrad.anomaly import AnomalyReport as AnomalyReport
 from funcgrad.anomaly import find_nonfinite as find_nonfinite
 from funcgrad.custom import CustomVJP as CustomVJP

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad.coupling import warn_if_coupled
 from funcgrad.precision import scaled_value_and_grad
 
 PyTree = Any
@@ -144,8 +145,10 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
     microbatches, mask = _unpacked(microbatches, mask)
     num, size = _leading_axes(microbatches)
     mask = _checked_mask(mask, num, size)
-    return _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
-                       value_and_grad=value_and_grad)
+    acc = _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
+                      value_and_grad=value_and_grad)
+    warn_if_coupled(loss_fn, params, _one(microbatches))  # once per trace, see funcgrad.coupling
+    return acc
 
 
 def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
@@ -161,8 +164,7 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     before it is added (`funcgrad.precision.scaled_value_and_grad`), so the sums only ever
     hold true, float32 gradients.
     """
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)),
-                       microbatches)
+    one = _one(microbatches)
     out = jax.eval_shape(loss_fn, params, one)
     size = jax.tree.leaves(one)[0].shape[0]
     if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != (size,):
@@ -313,6 +315,7 @@ def make_accumulating_step(
         else:  # fewer than K micro-batches, dropped: no update, empty metrics of the right kind
             shapes = jax.eval_shape(lambda s: update(s, 0, rest)[1], state)
             metrics = jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), shapes)
+        warn_if_coupled(loss_fn, state.params, _one(microbatches))  # once per trace
         return state, {**metrics, "dropped_examples": dropped}
 
     return jax.jit(step) if jit else step
@@ -326,6 +329,12 @@ def _unpacked(microbatches, mask) -> tuple[PyTree, Any]:
                             "rows; drop mask= (or pass mbs.data with mask=).")
         return microbatches.data, microbatches.mask
     return microbatches, mask
+
+
+def _one(microbatches: PyTree) -> PyTree:
+    """The shapes and dtypes of one micro-batch: `microbatches` without its leading axis."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)),
+                        microbatches)
 
 
 def _positive_int(value, name: str) -> int:

@@ -1,0 +1,115 @@
+"""Coupled examples under accumulation: detected once per trace, never for a per-example loss.
+
+Issue 11, point 4: a loss in which one example's value depends on the other examples of its
+batch (centred on the batch mean, BatchNorm in training mode) gives another gradient when
+accumulated, and nothing said so.
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import funcgrad as fg
+from funcgrad.accumulate import accumulate_grads, stack_microbatches
+from funcgrad.coupling import CoupledExamplesWarning, find_coupling
+from funcgrad.train import make_train_step
+
+
+def centred(params, batch):  # (w x_i - mean_k w x_k)^2: the batch mean couples the examples
+    h = params["w"] * batch["x"]
+    return (h - jnp.mean(h)) ** 2
+
+
+def batch_norm(params, batch):  # BatchNorm in training mode: statistics over the batch axis
+    h = batch["x"] @ params["w"]
+    h = (h - h.mean(0, keepdims=True)) / jnp.sqrt(h.var(0, keepdims=True) + 1e-5)
+    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"])
+
+
+def label_frequency(params, batch):  # coupled through the integer labels alone
+    same = jnp.sum(batch["y"][:, None] == batch["y"][None, :], axis=1)
+    return same.astype(jnp.float32) * jnp.sum(batch["x"] @ params["w"], axis=1) ** 2
+
+
+def per_example(params, batch):  # an MLP: example i's loss reads example i alone
+    return optax.softmax_cross_entropy_with_integer_labels(fg.mlp_apply(params, batch["x"]),
+                                                           batch["y"])
+
+
+def _linear_batch(n, key=0):
+    x = np.asarray(jax.random.normal(jax.random.key(key), (n, 6)))
+    return {"x": x, "y": np.arange(n, dtype=np.int32) % 3}
+
+
+def test_a_centred_loss_over_micro_batches_of_one_warns_and_shows_why():
+    # x = [0, 2] at w = 1: x - mean = [-1, 1]. Full batch: d/dw mean_i (w (x_i - xbar))^2 =
+    # mean_i 2 w (x_i - xbar)^2 = 2. Micro-batches of one example: each is its own mean, loss
+    # 0 and gradient 0.0 -- the silent wrong answer the warning now names.
+    params = {"w": jnp.float32(1.0)}
+    full = jax.grad(lambda p: jnp.mean(centred(p, {"x": jnp.float32([0.0, 2.0])})))(params)
+    assert float(full["w"]) == 2.0
+    mbs = stack_microbatches([{"x": np.float32([0.0])}, {"x": np.float32([2.0])}])
+    with pytest.warns(CoupledExamplesWarning, match=r"(?s)loss_fn centred \(test_coupling"
+                      r"\.py:\d+\) couples the examples.*full-batch gradient"):
+        acc = jax.jit(lambda p, b: accumulate_grads(centred, p, b))(params, mbs)
+    assert float(acc.grads["w"]) == 0.0
+
+
+def test_batch_norm_in_training_mode_warns_in_the_accumulating_step_once_per_trace():
+    params = {"w": jax.random.normal(jax.random.key(1), (6, 3))}
+    tx = optax.sgd(0.1)
+    step = make_train_step(batch_norm, tx, accumulate=2)
+    state = fg.init_train_state(params, tx)
+    mbs = {k: v.reshape(4, 4, *v.shape[1:]) for k, v in _linear_batch(16).items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, _ = step(state, mbs)
+        state, _ = step(state, mbs)  # same shapes: no retrace, no second probe
+    coupled = [w for w in caught if issubclass(w.category, CoupledExamplesWarning)]
+    assert len(coupled) == 1, [str(w.message) for w in caught]
+    assert "BatchNorm in training mode" in str(coupled[0].message)
+
+
+@pytest.mark.parametrize("loss_fn", [centred, batch_norm, label_frequency],
+                         ids=["centred", "batch_norm", "integer_labels"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_find_coupling_finds_each_kind_at_any_micro_batch_size(loss_fn, m):
+    params = {"w": jax.ShapeDtypeStruct((6, 3) if loss_fn is not centred else (), jnp.float32)}
+    batch = ({"x": jax.ShapeDtypeStruct((m,), jnp.float32)} if loss_fn is centred else
+             {"x": jax.ShapeDtypeStruct((m, 6), jnp.float32),
+              "y": jax.ShapeDtypeStruct((m,), jnp.int32)})
+    found = find_coupling(loss_fn, params, batch)
+    assert found is not None and found.rows == max(m, 3)
+    # The claim it reports holds: the example's loss in the batch and alone differ.
+    assert abs(found.in_batch - found.alone) > 1e-3 * max(abs(found.in_batch), abs(found.alone))
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_per_example_loss_raises_no_false_alarm(m):
+    # The MLP with integer labels, in accumulate_grads under jit and in the step: no warning
+    # (pytest turns any warning into an error; the filter here makes that explicit).
+    params = fg.mlp_init(jax.random.key(0), (6, 8, 3))
+    assert find_coupling(per_example, params, {"x": jnp.zeros((m, 6)),
+                                               "y": jnp.zeros((m,), jnp.int32)}) is None
+    mbs = {k: v.reshape(8 // m, m, *v.shape[1:]) for k, v in _linear_batch(8).items()}
+    tx = optax.sgd(0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(lambda p, b: accumulate_grads(per_example, p, b))(params, mbs)
+        make_train_step(per_example, tx, accumulate=2)(fg.init_train_state(params, tx), mbs)
+
+
+def test_a_loss_the_probe_cannot_run_is_not_judged():
+    # A batch size written into the loss (reshape to 1 row) runs on micro-batches of one but
+    # not on the probe's 2 rows: the probe claims nothing and the accumulation runs as before.
+    # Hand value: loss_i = x_i . w with x_i = [1] * 6 and [2] * 6: d mean / dw = (1 + 2) / 2.
+    def one_row(params, batch):
+        return batch["x"].reshape(1, 6) @ params["w"]
+    params = {"w": jnp.ones((6,))}
+    assert find_coupling(one_row, params, {"x": jnp.zeros((1, 6))}) is None
+    mbs = {"x": np.float32([[[1] * 6], [[2] * 6]])}
+    acc = jax.jit(lambda p, b: accumulate_grads(one_row, p, b))(params, mbs)
+    np.testing.assert_array_equal(acc.grads["w"], np.full(6, 1.5, np.float32))
