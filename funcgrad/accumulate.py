@@ -63,7 +63,10 @@ _PER_EXAMPLE_HELP = """\
 Accumulation sums per-example losses over micro-batches and divides by the total example count,
 so loss_fn must return one loss per example of the micro-batch, not their mean.
   failing:  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  fixed:    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])"""
+  fixed:    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+Return the per-example losses as they are: do not divide them (or a mean) by the number of
+micro-batches, as PyTorch's `loss / accum_steps` does. The division by the example count is
+done here, and dividing again would shrink every gradient that many times."""
 
 
 @dataclasses.dataclass(frozen=True)

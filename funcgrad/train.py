@@ -65,7 +65,12 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
     Args:
       optimizer: "sgd", "momentum" (SGD with heavy-ball momentum), "adam", or an
         ``optax.GradientTransformation``, which is returned as is.
-      learning_rate: step size, > 0 (units of params per unit of gradient for SGD).
+      learning_rate: step size, > 0 (units of params per unit of gradient for SGD), or an
+        optax schedule ``count -> rate``. A schedule is wrapped in ``optax.inject_hyperparams``
+        so that the optimizer state holds the rate of each update and the train step reports
+        it as ``metrics["learning_rate"]``. It counts optimizer updates: with
+        ``make_train_step(..., accumulate=K)`` one per K micro-batches (not per micro-batch or
+        example), and a skipped (non-finite) update does not advance it.
       momentum: the momentum coefficient beta in [0, 1) for "momentum".
     Raises:
       ValueError: for an unknown name, a non-positive learning rate or a momentum outside [0, 1).
@@ -98,14 +103,17 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
                              f"schedule, got {learning_rate!r}"
                              + (" (a string: pass the number, e.g. 1e-3)."
                                 if isinstance(learning_rate, str) else "."))
+    # A schedule's current rate lives in the state (InjectStatefulHyperparamsState), where the
+    # step reads it for metrics["learning_rate"]; a constant rate needs no state.
+    build = optax.inject_hyperparams if callable(learning_rate) else (lambda factory: factory)
     if optimizer == "sgd":
-        return optax.sgd(learning_rate)
+        return build(optax.sgd)(learning_rate)
     if optimizer == "momentum":
         if (isinstance(momentum, (bool, str)) or not isinstance(momentum, (int, float, np.number))
                 or not 0.0 <= momentum < 1.0):
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}.")
-        return optax.sgd(learning_rate, momentum=momentum)
-    return optax.adam(learning_rate)
+        return build(optax.sgd)(learning_rate, momentum=momentum)
+    return build(optax.adam)(learning_rate)
 
 
 def _check_kinds(monitor: Any, loss_scale: Any) -> None:
@@ -206,7 +214,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         K micro-batches gives one update with the exact mean gradient over its examples (the
         norm, clipping, guard and optimizer run once per update, inside one ``lax.scan``);
         the metrics gain a leading axis of length U (updates in the call) plus
-        ``"examples": (U,)`` and ``"dropped_examples": ()``. With `compute_dtype` and/or
+        ``"examples": (U,)`` and ``"dropped_examples": ()``. A learning-rate schedule counts
+        updates, one per K micro-batches (see "learning_rate" below). The mean is the
+        full-batch gradient only if each example's loss depends on that example alone: a
+        loss coupled through the micro-batch (BatchNorm in training mode, centring on the
+        batch mean) raises a `funcgrad.coupling.CoupledExamplesWarning` at the first call. With `compute_dtype` and/or
         `loss_scale` every micro-batch of an update runs in the compute dtype at that update's
         scale and is unscaled in float32 before it is summed; an overflow in any micro-batch
         skips the whole update and backs the scale off once (PyTorch: one
@@ -248,7 +260,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       units (with ``nonfinite="zero"``, of the gradient after its non-finite leaves were
       zeroed: the norm of what the update used; "nonfinite_leaves" counts the zeroed leaves,
       and a monitor still sees the raw gradient and raises its nonfinite alert). Without "skipped", a step was skipped exactly when its loss or grad_norm is not
-      finite (`step_was_skipped`). The step has attributes ``nonfinite`` (the policy) and ``accumulate``.
+      finite (`step_was_skipped`). With a learning-rate schedule that the optimizer state
+      holds (`make_optimizer` with a schedule, or ``optax.inject_hyperparams``), metrics gain
+      ``"learning_rate": ()``, the rate of this update (`applied_learning_rate`).
+      The step has attributes ``nonfinite`` (the policy) and ``accumulate``.
     Raises:
       TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
         ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``); at the first call,
@@ -313,6 +328,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             metrics["clip_coef"] = info.clip_coef
         ok = jnp.isfinite(loss) & (jnp.bool_(True) if zero else jnp.isfinite(grad_norm))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        if (rate := applied_learning_rate(opt_state)) is not None:  # a schedule's, this update
+            metrics["learning_rate"] = rate
         params, opt_state = jax.tree.map(
             lambda n, o: jnp.where(ok, n, o),
             (optax.apply_updates(state.params, updates), opt_state), (state.params, state.opt_state))
@@ -371,6 +388,23 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     out.accumulate = accumulate
     out.tail = tail if accumulate is not None else None
     return out
+
+
+def applied_learning_rate(opt_state: optax.OptState) -> jax.Array | None:
+    """The learning rate of the update that produced `opt_state`, when the state holds one.
+
+    It does when the optimizer was built with ``optax.inject_hyperparams`` (as `make_optimizer`
+    builds a scheduled one): the state's ``hyperparams["learning_rate"]`` is the rate its
+    last update used. Returns that array (shape (), the params' float dtype), or None when no
+    such state or more than one is found: a rate passed as a schedule straight into an optax
+    optimizer (``optax.adam(schedule)``) is computed inside its update and kept nowhere; build
+    it as ``optax.inject_hyperparams(optax.adam)(learning_rate=schedule)`` to have it reported.
+    """
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    found = [s.hyperparams["learning_rate"]
+             for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
+             if isinstance(s, kinds) and "learning_rate" in s.hyperparams]
+    return found[0] if len(found) == 1 else None
 
 
 def _attach_monitor(step: Callable) -> Callable:

@@ -570,3 +570,70 @@ def test_padded_micro_batches_carry_their_mask_and_refuse_to_unpack():
     state, metrics = step(fg.init_train_state({"w": jnp.float32(1.0)}, tx), mbs)
     assert int(metrics["examples"][0]) == 3
     assert float(state.params["w"]) == 1.0 - 2.0  # w - lr * 2
+
+
+# --- learning-rate schedules under accumulation (issue 11, point 7) ----------------------------
+
+def _halving(count):  # lr(c) = 0.1 * 0.5**c over the optimizer's update count c
+    return 0.1 * 0.5 ** count
+
+
+def test_a_schedule_counts_updates_and_the_step_reports_the_rate_applied():
+    # 6 micro-batches, accumulate=2: 3 updates at rates 0.1, 0.05, 0.025. (Counted per
+    # micro-batch the second and third would be 0.025 and 0.00625.) Second method: the hand
+    # loop of full-batch SGD steps over the same groups with those rates.
+    params, batch = _params(), _examples(24)
+    parts = _split(batch, [4] * 6)
+    tx = fg.make_optimizer("sgd", _halving)
+    step = make_train_step(per_example_loss, tx, accumulate=2)
+    state, metrics = step(fg.init_train_state(params, tx), stack_microbatches(parts))
+    rates = [0.1, 0.05, 0.025]
+    np.testing.assert_allclose(metrics["learning_rate"], rates, rtol=1e-7)
+    hand = params
+    for u, rate in enumerate(rates):
+        grads = full_grad(hand, _concat(parts[2 * u:2 * u + 2]))
+        hand = jax.tree.map(lambda p, g: p - rate * g, hand, grads)
+    assert _rel_err(state.params, hand) < 1e-5
+
+
+def test_the_rate_is_reported_wherever_the_state_holds_it():
+    params, batch = _params(), _examples(8)
+    mbs = stack_microbatches(_split(batch, [4, 4]))
+    injected = optax.inject_hyperparams(optax.adam)(learning_rate=_halving)
+    frozen = trainable_mask(params, freeze="0/*")
+    # A user's own inject_hyperparams, a frozen layer (the freeze wraps the state), and the
+    # step without accumulation: the first update's rate, 0.1 in each.
+    for step, state, args in [
+            (make_train_step(per_example_loss, injected, accumulate=2),
+             fg.init_train_state(params, injected), (mbs,)),
+            (make_train_step(per_example_loss, injected, accumulate=2, trainable=frozen),
+             fg.init_train_state(params, injected, trainable=frozen), (mbs,)),
+            (make_train_step(mean_loss, fg.make_optimizer("adam", _halving)),
+             fg.init_train_state(params, fg.make_optimizer("adam", _halving)), (batch,))]:
+        _, metrics = step(state, *args)
+        np.testing.assert_allclose(np.ravel(metrics["learning_rate"])[0], 0.1, rtol=1e-7)
+    # A constant rate, or a schedule inside optax.adam (kept nowhere): no "learning_rate".
+    for tx in (optax.adam(1e-3), optax.adam(_halving)):
+        _, metrics = make_train_step(per_example_loss, tx, accumulate=2)(
+            fg.init_train_state(params, tx), mbs)
+        assert "learning_rate" not in metrics
+
+
+def test_fit_runs_a_scheduled_accumulating_step():
+    x, y = _examples(32)["x"], _examples(32)["y"]
+    tx = fg.make_optimizer("sgd", _halving)
+    step = make_train_step(per_example_loss, tx, accumulate=2)
+    result = fg.fit(step, fg.init_train_state(_params(), tx), x, y, epochs=1, batch_size=8,
+                    progress=False)
+    # 4 batches of 8, 2 per update: 2 updates, the count the schedule saw; the last used 0.05.
+    assert len(result.history.step_loss) == 2
+    assert int(result.state.opt_state.count) == 2
+    assert float(result.state.opt_state.hyperparams["learning_rate"]) == np.float32(0.05)
+
+
+def test_the_mean_loss_refusal_says_not_to_divide_by_the_micro_batch_count():
+    params, batch = _params(), _examples(8)
+    stacked = {k: v.reshape(2, 4, *v.shape[1:]) for k, v in batch.items()}
+    with pytest.raises(ValueError, match=r"(?s)do not divide them.*by the number of\s+"
+                                         r"micro-batches.*shrink every gradient"):
+        accumulate_grads(lambda p, b: mean_loss(p, b) / 2, params, stacked)
