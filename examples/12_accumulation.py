@@ -6,11 +6,16 @@ full-batch gradient of the mean loss up to float rounding; PyTorch's ``loss / ac
 habit (the mean of the micro-batch means) does not when the sizes differ. The seven
 micro-batches make groups of 3, 3 and 1: the last, partial group is applied ("apply") or
 dropped and counted ("drop"), never left behind. optax.MultiSteps, fed the same seven, applies
-two updates and keeps the seventh micro-batch's gradient in its state.
+two updates and keeps the seventh micro-batch's gradient in its state. Last, the condition:
+a loss centred on its batch's mean couples the examples, so accumulated over micro-batches of
+one its gradient is 0, not the full batch's 2; the first call warns (CoupledExamplesWarning).
 
     $ python examples/12_accumulation.py
 """
+import warnings
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from _check import Check
@@ -106,6 +111,27 @@ def multisteps(params, microbatches) -> Check:
     return c
 
 
+def coupled() -> Check:
+    def centred(params, batch):  # (w x_i - mean_k w x_k)^2: every loss reads the batch mean
+        h = params["w"] * batch["x"]
+        return (h - jnp.mean(h)) ** 2
+
+    params, x = {"w": jnp.float32(1.0)}, np.float32([0.0, 2.0])
+    # Full batch at w = 1: x - mean = [-1, 1], d/dw mean (w (x_i - mean))^2 = 2 * mean 1 = 2.
+    full = jax.grad(lambda p: jnp.mean(centred(p, {"x": x})))(params)["w"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc = accumulate_grads(centred, params, stack_microbatches([{"x": x[:1]}, {"x": x[1:]}]))
+    # Each micro-batch of one example is its own mean: loss 0, gradient 0.
+    c = Check("a loss centred on the batch mean, micro-batches of one example",
+              left="computed", right="by hand")
+    c.same("dL/dw accumulated / full batch", f"{float(acc.grads['w']):g} / {float(full):g}",
+           "0 / 2")
+    c.same("CoupledExamplesWarning raised",
+           any(issubclass(w.category, fg.CoupledExamplesWarning) for w in caught), True)
+    return c
+
+
 def main() -> None:
     data = fg.load_digits(seed=0)
     batch = {"x": data.x_train[:sum(SIZES)], "y": data.y_train[:sum(SIZES)]}
@@ -117,6 +143,8 @@ def main() -> None:
         checks.append(tail_policy(params, microbatches, tail))
     print()
     checks.append(multisteps(params, microbatches))
+    print()
+    checks.append(coupled())
     for other in checks[1:]:
         checks[0].failed += other.failed
     checks[0].done()

@@ -9,7 +9,12 @@ than ``accum_steps`` micro-batches is silently left in ``.grad``. Here the gradi
       = sum_j (n_j / N) * mean gradient of micro-batch j,
 
 N = sum_j n_j: each micro-batch weighted by its example count; this is the gradient of the mean
-loss over all N examples (the full-batch gradient), up to float rounding. ``lax.scan`` needs
+loss over all N examples (the full-batch gradient), up to float rounding, provided each
+example's loss depends on that example alone. A loss that couples the examples of a batch
+(BatchNorm in training mode, a loss centred on the batch mean) is evaluated per micro-batch and
+gives another gradient; `funcgrad.coupling` probes for that once per trace and warns
+(`CoupledExamplesWarning`). An optimizer's learning-rate schedule counts updates, one per
+group of micro-batches. ``lax.scan`` needs
 equal shapes, so micro-batches are padded to one size with a boolean mask of real rows, and
 the loss function returns **per-example** losses:
 
@@ -119,7 +124,9 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
 
     The scan carries the running sums ``sum_i loss_i``, ``sum_i grad loss_i`` and the count;
     after the last micro-batch both sums are divided by the count N (formula in the module
-    docstring, which equals the full-batch gradient of the mean loss up to float rounding).
+    docstring, which equals the full-batch gradient of the mean loss up to float rounding when
+    each example's loss depends on that example alone: a loss coupled through the micro-batch
+    warns once per trace, see `funcgrad.coupling`).
     Sums are kept in at least float32 (bfloat16/float16 gradients are accumulated in float32),
     and the mean is cast back to each leaf's dtype. Memory: the scan keeps one micro-batch's
     activations and one accumulator the size of `params`, so the compiled temporary memory does
@@ -144,6 +151,9 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
       ValueError: if the leaves of `microbatches` disagree on their two leading axes, the mask
         has another shape, or `loss_fn` does not return shape ``(m,)``.
       TypeError: if the mask is not boolean, or a `Microbatches` comes with ``mask=`` too.
+    Warns:
+      funcgrad.coupling.CoupledExamplesWarning: once per trace, if `loss_fn` couples the
+        examples of a micro-batch (the mean is then not the full-batch gradient).
     """
     microbatches, mask = _unpacked(microbatches, mask)
     num, size = _leading_axes(microbatches)
@@ -276,6 +286,9 @@ def make_accumulating_step(
     Raises:
       ValueError: if `accumulate` is not a positive int or `tail` not a policy; at the first
         call, for the shape errors of `accumulate_grads`.
+    Warns:
+      funcgrad.coupling.CoupledExamplesWarning: at the first call (once per trace), if
+        `loss_fn` couples the examples of a micro-batch.
     """
     k = _positive_int(accumulate, "accumulate")
     if tail not in TAIL_POLICIES:
