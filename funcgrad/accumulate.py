@@ -35,23 +35,25 @@ the loss function returns **per-example** losses:
   contrast, runs the inner update on every mini-step (and discards it on all but every k-th)
   and keeps an incomplete final window in its state until more mini-steps come (both shown in
   ``tests/test_accumulate.py`` and ``examples/12_accumulation.py``).
-* `stack_microbatches` and `group_microbatches` pad and stack host (NumPy) micro-batches, e.g.
-  those of `funcgrad.data.batches`, into that layout, as a `Microbatches`: the stacked arrays
-  and their padding mask in one object, passed whole (``accumulate_grads(loss_fn, params,
-  mbs)``, ``step(state, mbs)``), so the padding rows cannot be counted by forgetting ``mask=``.
+* `stack_microbatches` and `group_microbatches` (`funcgrad.microbatches`, re-exported here) pad
+  and stack host (NumPy) micro-batches, e.g. those of `funcgrad.data.batches`, into that
+  layout, as a `Microbatches`: the stacked arrays and their padding mask in one object, passed
+  whole (``accumulate_grads(loss_fn, params, mbs)``, ``step(state, mbs)``), so the padding rows
+  cannot be counted by forgetting ``mask=``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from funcgrad.coupling import warn_if_coupled
+from funcgrad.microbatches import Microbatches as Microbatches
+from funcgrad.microbatches import _positive_int
+from funcgrad.microbatches import group_microbatches as group_microbatches
+from funcgrad.microbatches import stack_microbatches as stack_microbatches
 from funcgrad.precision import scaled_value_and_grad
 
 PyTree = Any
@@ -72,35 +74,6 @@ so loss_fn must return one loss per example of the micro-batch, not their mean.
 Return the per-example losses as they are: do not divide them (or a mean) by the number of
 micro-batches, as PyTorch's `loss / accum_steps` does. The division by the example count is
 done here, and dividing again would shrink every gradient that many times."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Microbatches:
-    """Stacked, padded micro-batches and the mask of their real rows, travelling together.
-
-    Made by `stack_microbatches` and `group_microbatches`; `accumulate_grads` and an
-    accumulating step (``make_train_step(..., accumulate=K)``) take it whole and use its mask,
-    so padding rows are never counted as examples. A pytree (its leaves are those of `data`,
-    then `mask`), so it passes through ``jax.jit``. It does not unpack: the PyTorch-style
-    ``stacked, mask = stack_microbatches(...)`` raises, because dropping the mask later would
-    silently average the padding rows in.
-
-    Attributes:
-      data: pytree of arrays of shape ``(num_micro_batches, m, ...)``, padded to m rows.
-      mask: bool ``(num_micro_batches, m)``, True for a real example, False for padding.
-    """
-    data: PyTree
-    mask: Any
-
-    def __iter__(self):
-        raise TypeError(
-            "a Microbatches does not unpack: it keeps the stacked micro-batches and the mask of "
-            "their real rows together, so the padding cannot be counted by accident. Pass it "
-            "whole: accumulate_grads(loss_fn, params, mbs) or step(state, mbs); read the arrays "
-            "as mbs.data and mbs.mask.")
-
-
-jax.tree_util.register_dataclass(Microbatches, data_fields=["data", "mask"], meta_fields=[])
 
 
 class AccumulatedGrads(NamedTuple):
@@ -353,13 +326,6 @@ def _one(microbatches: PyTree) -> PyTree:
                         microbatches)
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int (micro-batches per update), got "
-                         f"{value!r}.")
-    return int(value)
-
-
 def _leading_axes(microbatches: PyTree) -> tuple[int, int]:
     leaves = jax.tree_util.tree_flatten_with_path(microbatches)[0]
     if not leaves:
@@ -387,92 +353,3 @@ def _checked_mask(mask, num: int, size: int) -> jax.Array | None:
         raise ValueError(f"accumulate: mask has shape {jnp.shape(mask)} but the micro-batches "
                          f"need ({num}, {size}) = (num_micro_batches, micro_batch_size).")
     return jnp.asarray(mask)
-
-
-def stack_microbatches(microbatches: Sequence[PyTree], *,
-                       size: int | None = None) -> Microbatches:
-    """Pads micro-batches of possibly unequal sizes to one size and stacks them, with a mask.
-
-    Runs on the host, in NumPy. A micro-batch with n < `size` rows is padded with copies of its
-    last row (so the padded losses are finite whenever the real ones are), and the mask marks
-    its first n rows as real.
-
-    Args:
-      microbatches: a non-empty sequence of pytrees with one structure (e.g. dicts
-        ``{"x": (n_j, ...), "y": (n_j,)}``); within a micro-batch every leaf has the same
-        leading length n_j >= 1. JAX arrays are copied to the host.
-      size: the padded size m; default the largest n_j.
-    Returns:
-      a `Microbatches`: ``.data`` has the structure of a micro-batch with leaves of shape
-      ``(len(microbatches), m, ...)`` (NumPy); ``.mask`` is bool ``(len(microbatches), m)``.
-      Pass it whole to `accumulate_grads` or an accumulating step.
-    Raises:
-      ValueError: if there are no micro-batches, one is empty, its leaves disagree on their
-        leading length, it has more than `size` rows, or the structures differ.
-    """
-    if not microbatches:
-        raise ValueError("stack_microbatches: got no micro-batches; pass at least one.")
-    treedef = jax.tree.structure(microbatches[0])
-    counts = []
-    for j, mb in enumerate(microbatches):
-        if jax.tree.structure(mb) != treedef:
-            raise ValueError(f"stack_microbatches: micro-batch {j} has structure "
-                             f"{jax.tree.structure(mb)}, but micro-batch 0 has {treedef}.")
-        lengths = {len(np.asarray(leaf)) for leaf in jax.tree.leaves(mb)}
-        if len(lengths) != 1 or 0 in lengths:
-            raise ValueError(f"stack_microbatches: the leaves of micro-batch {j} have leading "
-                             f"lengths {sorted(lengths)}; they must be one length >= 1.")
-        counts.append(lengths.pop())
-    size = max(counts) if size is None else size
-    if max(counts) > size:
-        raise ValueError(f"stack_microbatches: micro-batch {counts.index(max(counts))} has "
-                         f"{max(counts)} rows, more than size={size}. Pass a larger size.")
-
-    pad = lambda a: np.concatenate([a, np.repeat(a[-1:], size - len(a), axis=0)])
-    stacked = jax.tree.map(lambda *leaves: np.stack([pad(np.asarray(a)) for a in leaves]),
-                           *microbatches)
-    mask = np.arange(size)[None, :] < np.asarray(counts)[:, None]
-    return Microbatches(stacked, mask)
-
-
-def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
-                       size: int | None = None) -> Iterator[Microbatches]:
-    """Yields ``stack_microbatches`` of each `accumulate` consecutive micro-batches.
-
-    The last group holds the remaining 1 .. accumulate - 1 micro-batches when their number is
-    not a multiple of `accumulate`; it is yielded, never dropped here, so that the step's
-    `tail` policy decides. All groups pad to one size, so a jitted step compiles at most twice
-    (full groups, and the shorter last one).
-
-    Args:
-      microbatches: an iterable of micro-batches, e.g. ``funcgrad.data.batches(x, y,
-        batch_size=m, ...)``, whose last one may be smaller.
-      accumulate: micro-batches per group, a positive int.
-      size: the padded micro-batch size; default the size of the first micro-batch.
-    Yields:
-      a `Microbatches` per group, as `stack_microbatches` returns it, leading axis
-      `accumulate` (fewer for the last group).
-    Raises:
-      ValueError: if `accumulate` is not a positive int, or as `stack_microbatches`.
-      TypeError: if `microbatches` is one batch (a dict or an array), not an iterable of them.
-    """
-    k = _positive_int(accumulate, "group_microbatches: accumulate")  # checked at the call
-    if isinstance(microbatches, Mapping) or hasattr(microbatches, "shape"):
-        raise TypeError(
-            "group_microbatches takes an iterable of micro-batches (e.g. a list of dicts, or "
-            "funcgrad.data.batches(x, y, batch_size=m)), got one "
-            f"{type(microbatches).__name__}; iterating it would give its "
-            f"{'keys' if isinstance(microbatches, Mapping) else 'rows'}. Split the batch "
-            "first, or pass [batch].")
-
-    def groups(size):
-        group: list[PyTree] = []
-        for mb in microbatches:
-            size = len(np.asarray(jax.tree.leaves(mb)[0])) if size is None else size
-            group.append(mb)
-            if len(group) == k:
-                yield stack_microbatches(group, size=size)
-                group = []
-        if group:
-            yield stack_microbatches(group, size=size)
-    return groups(size)
