@@ -1,23 +1,24 @@
 """Coupled examples: whether one example's loss depends on the other examples of its batch.
 
 Accumulation (`funcgrad.accumulate`) equals the full-batch gradient only when each example's
-loss depends on that example alone: ``loss_fn(params, batch)[i]`` must equal
-``loss_fn(params, batch[i:i+1])[0]``. A loss centred on the batch mean, or BatchNorm in
+loss depends on that example alone: ``loss_fn(params, batch)[i]`` must not change when the other
+examples of `batch` change (then it is the same in any micro-batch). A loss centred on the batch mean, or BatchNorm in
 training mode (mean and variance over the batch axis), breaks that: each micro-batch then uses
 its own statistics, and a centred loss over micro-batches of one example has gradient 0.
 
-`find_coupling` tests that condition once, when an accumulating computation is traced: it
-evaluates the loss on a probe batch of P rows (P = m clipped to 3 .. 8) and on each row alone
-(``jax.vmap`` over batches of one), and reports the first example whose two losses differ by
-more than `RTOL` of the largest |loss|. The probe runs on synthetic values of the micro-batch's
-and the params' shapes and dtypes (under ``jax.jit`` the real values are not known at trace
-time): floating leaves are standard normal, params scaled by 1/sqrt(fan-in) (the leaf's size
-over its last axis) so activations stay O(1); integer leaves are 0/1 in a checkerboard (valid
-labels and token ids for any 2 classes; with at least 3 rows, some rows share their integers
-and some differ, so a coupling through labels shows); booleans are True; PRNG keys are
-distinct. It costs two forward passes of at most 8 examples, once per trace, and no host
+`find_coupling` tests that condition once, when an accumulating computation is traced. It
+evaluates the loss on a probe batch of P rows (P = m clipped to 3 .. 8), then on the same
+batch with every row but i replaced, for i the first and the last row, and reports an example
+whose loss moved by more than `RTOL` of the largest |loss|. The batch keeps its size and each
+example its position, so a loss that depends on those alone (dropout drawn from one key for the
+whole batch) is not flagged. The probe runs on synthetic values of the micro-batch's and the
+params' shapes and dtypes (under ``jax.jit`` the real values are not known at trace time):
+floating leaves are standard normal, params scaled by 1/sqrt(fan-in) (the leaf's size over its
+last axis) so activations stay O(1); integer leaves are 0/1 in a checkerboard (valid labels and
+token ids for any 2 classes), 0 in the replaced rows; booleans are True; PRNG keys are
+distinct. It costs three forward passes of at most 8 examples, once per trace, and no host
 round-trip in the compiled step. A loss that cannot run on the probe (a batch size hard-coded
-in it) or gives non-finite values there is not judged.
+in it) or gives non-finite losses there is not judged.
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ import numpy as np
 
 PyTree = Any
 
-#: Two losses of one example, in the batch and alone, differ when |a - b| > RTOL * max |loss|
-#: (or 32 float eps of the loss's dtype, if larger): batched and single-row evaluation only
-#: reorder float sums, a few ulps; a coupled loss differs at O(1) relative.
+#: Example i's loss "moved" when |a - b| > RTOL * max |loss| (or 32 float eps of the loss's
+#: dtype, if larger): with the batch's shape unchanged an uncoupled loss gives the same bits;
+#: a coupled one moves at O(1) relative.
 RTOL = 1e-3
 
 
@@ -45,23 +46,24 @@ class CoupledExamplesWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class Coupling:
-    """One example whose loss changes with the other examples of its batch.
+    """One example whose loss changes when only the other examples of its batch change.
 
     Attributes:
       example: the row i of the probe batch (0-based).
       rows: P, the probe batch's size.
-      in_batch: ``loss_fn(params, probe)[i]``, as a float.
-      alone: ``loss_fn(params, probe[i:i+1])[0]``, as a float.
+      loss: ``loss_fn(params, probe)[i]``, as a float.
+      loss_others_changed: ``loss_fn(params, probe2)[i]``, as a float, where `probe2` equals
+        `probe` in row i and differs in every other row.
     """
     example: int
     rows: int
-    in_batch: float
-    alone: float
+    loss: float
+    loss_others_changed: float
 
 
 def find_coupling(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
                   microbatch: PyTree) -> Coupling | None:
-    """Returns the first example whose loss depends on the other examples of its batch, or None.
+    """Returns an example whose loss changes when the other examples of its batch change, or None.
 
     Safe to call while tracing (inside ``jax.jit`` or ``lax.scan``): only the shapes and dtypes
     of `params` and `microbatch` are used, and the probe runs on concrete synthetic values (see
@@ -72,42 +74,42 @@ def find_coupling(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree
       params: a pytree of arrays or ``jax.ShapeDtypeStruct``s (values are not read).
       microbatch: a pytree whose leaves have shape ``(m, ...)``; values are not read.
     Returns:
-      a `Coupling`, or None when every example's loss is the same alone as in the batch, or
-      when the probe could not run or gave no finite pair (then nothing is claimed).
+      a `Coupling`, or None when the first and the last example's losses do not move with the
+      other examples, or when the probe could not run or gave non-finite losses (then nothing
+      is claimed).
     """
     m = jax.tree.leaves(microbatch)[0].shape[0]
     rows = min(max(m, 3), 8)
     rng = np.random.default_rng(0)
-
-    def alone(example):
-        return loss_fn(probe_params, jax.tree.map(lambda a: a[None], example))[0]
-
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]),
+                                                         jnp.result_type(a)), microbatch)
     try:  # under a trace even constants are staged, unless evaluated at compile time
         with jax.ensure_compile_time_eval(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the user's own warnings come from the real trace
             probe_params = jax.tree.map(lambda a: _synthetic(a, rng, fan_in=True), params)
-            probe = jax.tree.map(
-                lambda a: _synthetic(jax.ShapeDtypeStruct((rows, *a.shape[1:]),
-                                                          jnp.result_type(a)), rng), microbatch)
-            together = loss_fn(probe_params, probe)
-            single = jax.vmap(alone)(probe)
-            dtype = jnp.result_type(together)
-            together = np.asarray(jnp.asarray(together, jnp.float32), np.float64)
-            single = np.asarray(jnp.asarray(single, jnp.float32), np.float64)
+            probe = jax.tree.map(lambda a: _synthetic(a, rng), shapes)
+            others = jax.tree.map(lambda a: _synthetic(a, rng, other=True), shapes)
+            losses = lambda batch: np.asarray(
+                jnp.asarray(loss_fn(probe_params, batch), jnp.float32), np.float64)
+            base = losses(probe)
+            dtype = jnp.result_type(loss_fn(probe_params, probe))
+            found = []
+            for i in (0, rows - 1):  # example i kept, every other example changed
+                moved = losses(jax.tree.map(lambda a, b: b.at[i].set(a[i]), probe, others))
+                found.append((i, moved))
     except Exception:  # noqa: BLE001 -- a loss the probe cannot run is not judged
         return None
-    if together.shape != (rows,) or single.shape != (rows,):
-        return None
-    finite = np.isfinite(together) & np.isfinite(single)
-    if not finite.any():
-        return None
     eps = float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.floating) else 0.0
-    scale = max(np.abs(together[finite]).max(), np.abs(single[finite]).max(), 1e-30)
-    far = finite & (np.abs(together - single) > max(RTOL, 32 * eps) * scale)
-    if not far.any():
-        return None
-    i = int(np.flatnonzero(far)[0])
-    return Coupling(i, rows, float(together[i]), float(single[i]))
+    for i, moved in found:
+        if base.shape != (rows,) or moved.shape != (rows,):
+            return None
+        a, b = base[i], moved[i]
+        if not (np.isfinite(a) and np.isfinite(b)):
+            continue
+        scale = max(np.abs(base[np.isfinite(base)]).max(), abs(b), 1e-30)
+        if abs(a - b) > max(RTOL, 32 * eps) * scale:
+            return Coupling(i, rows, float(a), float(b))
+    return None
 
 
 def warn_if_coupled(loss_fn: Callable, params: PyTree, microbatch: PyTree) -> None:
@@ -116,9 +118,10 @@ def warn_if_coupled(loss_fn: Callable, params: PyTree, microbatch: PyTree) -> No
     if found is None:
         return
     warnings.warn(
-        f"accumulate: {_name(loss_fn)} couples the examples of a micro-batch: example "
-        f"{found.example}'s loss is {found.in_batch:.4g} in a batch of {found.rows} and "
-        f"{found.alone:.4g} alone (probed at synthetic inputs of the micro-batch's shapes). "
+        f"accumulate: {_name(loss_fn)} couples the examples of a micro-batch: in a probe batch "
+        f"of {found.rows}, example {found.example}'s loss is {found.loss:.4g}, and "
+        f"{found.loss_others_changed:.4g} when only the other examples change (probed at "
+        "synthetic inputs of the micro-batch's shapes). "
         "Accumulation averages micro-batches computed separately, so with such a loss (batch "
         "statistics, as BatchNorm in training mode, or a loss centred on the batch mean) its "
         "gradient is not the full-batch gradient: each micro-batch uses its own statistics, "
@@ -130,17 +133,22 @@ def warn_if_coupled(loss_fn: Callable, params: PyTree, microbatch: PyTree) -> No
         CoupledExamplesWarning, stacklevel=3)
 
 
-def _synthetic(like, rng: np.random.Generator, *, fan_in: bool = False) -> jax.Array:
+def _synthetic(like, rng: np.random.Generator, *, fan_in: bool = False,
+               other: bool = False) -> jax.Array:
+    """Probe values of `like`'s shape and dtype (module docstring); `other`: the values of the
+    replaced rows: other floats and keys, integers 0 (booleans stay True)."""
     shape, dtype = tuple(like.shape), jnp.result_type(like)
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return jax.random.split(jax.random.key(0), max(math.prod(shape), 1)).reshape(shape)
+        return jax.random.split(jax.random.key(int(other)),
+                                max(math.prod(shape), 1)).reshape(shape)
     if jnp.issubdtype(dtype, jnp.inexact):
         values = rng.standard_normal(shape)
         if fan_in and len(shape) >= 1 and shape[-1]:
             values = values / math.sqrt(max(math.prod(shape) // shape[-1], 1))
         return jnp.asarray(values, dtype)
     if jnp.issubdtype(dtype, jnp.integer):
-        return jnp.asarray(np.indices(shape).sum(0) % 2 if shape else 0, dtype)
+        board = np.indices(shape).sum(0) % 2 if shape else np.int64(0)
+        return jnp.asarray(np.zeros_like(board) if other else board, dtype)
     if dtype == jnp.bool_:
         return jnp.ones(shape, jnp.bool_)
     return jnp.zeros(shape, dtype)

@@ -83,8 +83,8 @@ def test_find_coupling_finds_each_kind_at_any_micro_batch_size(loss_fn, m):
               "y": jax.ShapeDtypeStruct((m,), jnp.int32)})
     found = find_coupling(loss_fn, params, batch)
     assert found is not None and found.rows == max(m, 3)
-    # The claim it reports holds: the example's loss in the batch and alone differ.
-    assert abs(found.in_batch - found.alone) > 1e-3 * max(abs(found.in_batch), abs(found.alone))
+    # The claim it reports holds: the example's loss moved with the other examples.
+    assert abs(found.loss - found.loss_others_changed) > 1e-3 * abs(found.loss)
 
 
 @pytest.mark.parametrize("m", [1, 4])
@@ -100,6 +100,19 @@ def test_a_per_example_loss_raises_no_false_alarm(m):
         warnings.simplefilter("error")
         jax.jit(lambda p, b: accumulate_grads(per_example, p, b))(params, mbs)
         make_train_step(per_example, tx, accumulate=2)(fg.init_train_state(params, tx), mbs)
+
+
+def test_dropout_drawn_for_the_whole_batch_is_not_a_coupling():
+    # One key for the batch: example i's mask depends on its position and the batch size,
+    # not on the other examples' values, and accumulation averages the same distribution.
+    def dropout(params, batch):
+        keep = jax.random.bernoulli(jax.random.key(7), 0.5, batch["x"].shape)
+        h = jnp.where(keep, batch["x"], 0.0) @ params["w"]
+        return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"])
+    params = {"w": jax.ShapeDtypeStruct((6, 3), jnp.float32)}
+    for m in (1, 4):
+        assert find_coupling(dropout, params, {"x": jnp.zeros((m, 6)),
+                                               "y": jnp.zeros((m,), jnp.int32)}) is None
 
 
 def test_a_loss_the_probe_cannot_run_is_not_judged():
