@@ -89,14 +89,17 @@ def find_coupling(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree
             probe_params = jax.tree.map(lambda a: _synthetic(a, rng, fan_in=True), params)
             probe = jax.tree.map(lambda a: _synthetic(a, rng), shapes)
             others = jax.tree.map(lambda a: _synthetic(a, rng, other=True), shapes)
+            # One compiled program for the three evaluations (op-by-op, each primitive would
+            # compile on its own the first time: seconds for a small MLP).
+            # jit(loss_fn) is cached on loss_fn: a later probe of the same loss and shapes
+            # reuses the program.
+            evaluate = jax.jit(loss_fn)
+            dtype = jnp.result_type(evaluate(probe_params, probe))
             losses = lambda batch: np.asarray(
-                jnp.asarray(loss_fn(probe_params, batch), jnp.float32), np.float64)
+                jnp.asarray(evaluate(probe_params, batch), jnp.float32), np.float64)
             base = losses(probe)
-            dtype = jnp.result_type(loss_fn(probe_params, probe))
-            found = []
-            for i in (0, rows - 1):  # example i kept, every other example changed
-                moved = losses(jax.tree.map(lambda a, b: b.at[i].set(a[i]), probe, others))
-                found.append((i, moved))
+            # example i kept, every other example changed
+            found = [(i, losses(_keep(probe, others, i))) for i in (0, rows - 1)]
     except Exception:  # noqa: BLE001 -- a loss the probe cannot run is not judged
         return None
     eps = float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.floating) else 0.0
@@ -110,6 +113,12 @@ def find_coupling(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree
         if abs(a - b) > max(RTOL, 32 * eps) * scale:
             return Coupling(i, rows, float(a), float(b))
     return None
+
+
+@jax.jit
+def _keep(probe: PyTree, others: PyTree, i: jax.Array) -> PyTree:
+    """`others` with row i of `probe`."""
+    return jax.tree.map(lambda a, b: b.at[i].set(a[i]), probe, others)
 
 
 def warn_if_coupled(loss_fn: Callable, params: PyTree, microbatch: PyTree) -> None:
