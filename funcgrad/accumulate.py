@@ -268,6 +268,8 @@ def make_accumulating_step(
         raise ValueError(f"tail must be one of {list(TAIL_POLICIES)} (what to do with a final "
                          f"group of fewer than accumulate={k} micro-batches), got {tail!r}.")
 
+    probed: set[str] = set()  # the shapes whose loss was probed for coupled examples
+
     def step(state, microbatches: Microbatches | PyTree,
              mask: jax.typing.ArrayLike | None = None):
         microbatches, mask = _unpacked(microbatches, mask)
@@ -304,7 +306,10 @@ def make_accumulating_step(
         else:  # fewer than K micro-batches, dropped: no update, empty metrics of the right kind
             shapes = jax.eval_shape(lambda s: update(s, 0, rest)[1], state)
             metrics = jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), shapes)
-        warn_if_coupled(loss_fn, state.params, _one(microbatches))  # once per trace
+        probe = jax.tree.map(lambda a: (a.shape, a.dtype), (_one(microbatches), state.params))
+        if repr(probe) not in probed:  # once per shapes, also when not jitted (jit=False)
+            probed.add(repr(probe))
+            warn_if_coupled(loss_fn, state.params, _one(microbatches))
         return state, {**metrics, "dropped_examples": dropped}
 
     return jax.jit(step) if jit else step

@@ -58,16 +58,17 @@ def test_a_centred_loss_over_micro_batches_of_one_warns_and_shows_why():
     assert float(acc.grads["w"]) == 0.0
 
 
-def test_batch_norm_in_training_mode_warns_in_the_accumulating_step_once_per_trace():
+@pytest.mark.parametrize("jit", [True, False])
+def test_batch_norm_in_training_mode_warns_in_the_accumulating_step_once(jit):
     params = {"w": jax.random.normal(jax.random.key(1), (6, 3))}
     tx = optax.sgd(0.1)
-    step = make_train_step(batch_norm, tx, accumulate=2)
+    step = make_train_step(batch_norm, tx, accumulate=2, jit=jit)
     state = fg.init_train_state(params, tx)
     mbs = {k: v.reshape(4, 4, *v.shape[1:]) for k, v in _linear_batch(16).items()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state, _ = step(state, mbs)
-        state, _ = step(state, mbs)  # same shapes: no retrace, no second probe
+        state, _ = step(state, mbs)  # same shapes: no second probe (jitted or not)
     coupled = [w for w in caught if issubclass(w.category, CoupledExamplesWarning)]
     assert len(coupled) == 1, [str(w.message) for w in caught]
     assert "BatchNorm in training mode" in str(coupled[0].message)
