@@ -211,17 +211,18 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         bool ``(M, m)`` marks the real ones), or one `funcgrad.accumulate.Microbatches` that
         carries both (``step(state, mbs)``; `funcgrad.accumulate.group_microbatches` builds
         them), and `loss_fn` must return one loss per example, shape ``(m,)``. Each group of
-        K micro-batches gives one update with the exact mean gradient over its examples (the
+        K micro-batches gives one update with the mean gradient over its examples (the
         norm, clipping, guard and optimizer run once per update, inside one ``lax.scan``);
         the metrics gain a leading axis of length U (updates in the call) plus
         ``"examples": (U,)`` and ``"dropped_examples": ()``. A learning-rate schedule counts
         updates, one per K micro-batches (see "learning_rate" below). The mean is the
         full-batch gradient only if each example's loss depends on that example alone: a
         loss coupled through the micro-batch (BatchNorm in training mode, centring on the
-        batch mean) raises a `funcgrad.coupling.CoupledExamplesWarning` at the first call. With `compute_dtype` and/or
-        `loss_scale` every micro-batch of an update runs in the compute dtype at that update's
-        scale and is unscaled in float32 before it is summed; an overflow in any micro-batch
-        skips the whole update and backs the scale off once (PyTorch: one
+        batch mean) warns at the first call (`funcgrad.coupling.CoupledExamplesWarning`).
+        With `compute_dtype` and/or `loss_scale` every micro-batch of an update runs in the
+        compute dtype at that update's scale and is unscaled in float32 before it is summed;
+        an overflow in any micro-batch skips the whole update and backs the scale off once
+        (PyTorch: one
         ``GradScaler.update()`` per optimizer step). Each micro-batch's pass sees the
         cotangents of its mean loss, as a step without accumulation does, so the compute dtype
         overflows no sooner and a dynamic scale settles at the same level.
