@@ -222,10 +222,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         With `compute_dtype` and/or `loss_scale` every micro-batch of an update runs in the
         compute dtype at that update's scale and is unscaled in float32 before it is summed;
         an overflow in any micro-batch skips the whole update and backs the scale off once
-        (PyTorch: one
-        ``GradScaler.update()`` per optimizer step). Each micro-batch's pass sees the
-        cotangents of its mean loss, as a step without accumulation does, so the compute dtype
-        overflows no sooner and a dynamic scale settles at the same level.
+        (PyTorch: one ``GradScaler.update()`` per optimizer step). Each micro-batch's pass
+        sees the cotangents of its mean loss, as a step without accumulation does, so the
+        compute dtype overflows no sooner and a dynamic scale settles at the same level.
       tail: with `accumulate`, what a final group of fewer than K micro-batches does:
         "apply" (one more update over its examples, the default) or "drop" (counted in
         "dropped_examples").
