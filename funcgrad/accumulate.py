@@ -306,7 +306,8 @@ def make_accumulating_step(
         else:  # fewer than K micro-batches, dropped: no update, empty metrics of the right kind
             shapes = jax.eval_shape(lambda s: update(s, 0, rest)[1], state)
             metrics = jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), shapes)
-        probe = jax.tree.map(lambda a: (a.shape, a.dtype), (_one(microbatches), state.params))
+        probe = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)),
+                             (_one(microbatches), state.params))
         if repr(probe) not in probed:  # once per shapes, also when not jitted (jit=False)
             probed.add(repr(probe))
             warn_if_coupled(loss_fn, state.params, _one(microbatches))

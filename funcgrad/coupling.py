@@ -78,10 +78,10 @@ def find_coupling(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree
       other examples, or when the probe could not run or gave non-finite losses (then nothing
       is claimed).
     """
-    m = jax.tree.leaves(microbatch)[0].shape[0]
+    m = jnp.shape(jax.tree.leaves(microbatch)[0])[0]
     rows = min(max(m, 3), 8)
     rng = np.random.default_rng(0)
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]),
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *jnp.shape(a)[1:]),
                                                          jnp.result_type(a)), microbatch)
     try:  # under a trace even constants are staged, unless evaluated at compile time
         with jax.ensure_compile_time_eval(), warnings.catch_warnings():
@@ -146,7 +146,7 @@ def _synthetic(like, rng: np.random.Generator, *, fan_in: bool = False,
                other: bool = False) -> jax.Array:
     """Probe values of `like`'s shape and dtype (module docstring); `other`: the values of the
     replaced rows: other floats and keys, integers 0 (booleans stay True)."""
-    shape, dtype = tuple(like.shape), jnp.result_type(like)
+    shape, dtype = tuple(jnp.shape(like)), jnp.result_type(like)
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return jax.random.split(jax.random.key(int(other)),
                                 max(math.prod(shape), 1)).reshape(shape)
