@@ -3,8 +3,11 @@
 `with_dead_relu` traces the function to a jaxpr and evaluates it equation by equation at trace
 time, binding the same primitives; at every ``max(x, 0)`` (``jax.nn.relu`` or
 ``jnp.maximum(x, 0)``, also inside ``jit``, ``custom_jvp`` and ``checkpoint``) it also
-returns, as a ``jnp`` value, which units (last axis) have a pre-activation ``x <= 0`` for every
-example. Sites are named by order and source line. `funcgrad.monitor` turns the result into
+returns, as a ``jnp`` value, which units have a pre-activation ``x <= 0`` for every example.
+Units lie along the feature axis of the layer feeding the ReLU (the channel axis of a
+convolution in any layout, the output axis of a dense layer; `funcgrad._relu_axes`), and the
+variance clamps of normalisation layers are not ReLUs. Sites are named by order and source
+line. `funcgrad.monitor` turns the result into
 dead fractions and alerts (concept 16 of CONCEPTS.md).
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from funcgrad._jaxpr import closed_parts, interpret, source_line
+from funcgrad._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +31,16 @@ class DeadReLU:
 
     Attributes:
       dead: one bool array of shape (units,) per site: True where the unit's pre-activation
-        (the ReLU's input; units are its last axis) is <= 0 for every example of the batch.
-      names: static; one name per site in program order, ``"relu 0 at nn.py:96:16 (mlp_apply)"``.
+        (the ReLU's input) is <= 0 for every example of the batch and every position (a
+        convolution's channel is one unit over all its pixels).
+      names: static; one name per site in program order, ``"relu 0 at nn.py:96:16 (mlp_apply)"``;
+        when the feature axis could not be found from the program, the name ends with
+        ``" [units on the last axis: feature axis not found ...]"``.
+      axes: static; the axis of each site's input that holds its units.
     """
     dead: tuple[jax.Array, ...] = ()
     names: tuple[str, ...] = ()
+    axes: tuple[int, ...] = ()
 
     @property
     def fraction(self) -> jax.Array:
@@ -39,7 +48,7 @@ class DeadReLU:
         return jnp.asarray([jnp.mean(d, dtype=jnp.float32) for d in self.dead], jnp.float32)
 
 
-jax.tree_util.register_dataclass(DeadReLU, data_fields=["dead"], meta_fields=["names"])
+jax.tree_util.register_dataclass(DeadReLU, data_fields=["dead"], meta_fields=["names", "axes"])
 
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
            "core_call": "call_jaxpr"}
@@ -53,11 +62,6 @@ def _is_zero(v) -> bool:
     return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
 
 
-def _is_relu(eqn) -> bool:
-    return (eqn.primitive.name == "max" and len(eqn.invars) == 2
-            and any(map(_is_zero, eqn.invars)) and not all(map(_is_zero, eqn.invars)))
-
-
 def _body(eqn) -> tuple[jex_core.Jaxpr, tuple] | None:
     """``(jaxpr, consts)`` of the call `eqn` makes, if it is in `_INLINE` or `_OPAQUE`."""
     name = eqn.primitive.name
@@ -65,32 +69,37 @@ def _body(eqn) -> tuple[jex_core.Jaxpr, tuple] | None:
     return closed_parts(eqn.params[key]) if key in eqn.params else None
 
 
-def _has_relu(jaxpr) -> bool:
+def _has_relu(jaxpr, relus: ReluAxes) -> bool:
     for eqn in jaxpr.eqns:
         sub = _body(eqn)
-        if _is_relu(eqn) or (sub is not None and _has_relu(sub[0])):
+        if relus.is_relu(eqn) or (sub is not None and _has_relu(sub[0], relus)):
             return True
     return False
 
 
-def _dead_units(x: jax.Array) -> jax.Array:
-    return ~jnp.any(jax.lax.stop_gradient(x) > 0, axis=tuple(range(x.ndim - 1)))
+def _dead_units(x: jax.Array, axis: int) -> jax.Array:
+    others = tuple(d for d in range(x.ndim) if d != axis)
+    return ~jnp.any(jax.lax.stop_gradient(x) > 0, axis=others)
 
 
-def _eval(jaxpr, consts, args, sites: list, where: str) -> list:
-    """Evaluates `jaxpr`; appends ``(name, dead units)`` to `sites` at every ``max(x, 0)``."""
+def _eval(jaxpr, consts, args, sites: list, where: str, relus: ReluAxes) -> list:
+    """Evaluates `jaxpr`; appends ``(name, dead units, axis)`` to `sites` at every ReLU."""
     def rule(eqn, ins):
         here = source_line(eqn) or where
         sub = _body(eqn)
-        if sub is not None and eqn.primitive.name in _INLINE and _has_relu(sub[0]):
-            return _eval(*sub, ins[len(ins) - len(sub[0].invars):], sites, here)
-        if _is_relu(eqn):
+        if sub is not None and eqn.primitive.name in _INLINE and _has_relu(sub[0], relus):
+            return _eval(*sub, ins[len(ins) - len(sub[0].invars):], sites, here, relus)
+        if relus.is_relu(eqn):
             x = ins[1] if _is_zero(eqn.invars[0]) else ins[0]
             if jnp.ndim(x):
-                sites.append((f"relu {len(sites)} at {here or '?'}", _dead_units(x)))
-        elif sub is not None and _has_relu(sub[0]):
+                axis, known = relus.unit_axis(eqn, jnp.ndim(x))
+                name = f"relu {len(sites)} at {here or '?'}"
+                if not known and jnp.ndim(x) > 1:
+                    name += f" [{UNKNOWN_AXIS_NOTE}]"
+                sites.append((name, _dead_units(x, axis), axis))
+        elif sub is not None and _has_relu(sub[0], relus):
             inner = [jax.lax.stop_gradient(a) for a in ins[len(ins) - len(sub[0].invars):]]
-            _eval(*sub, inner, sites, here)
+            _eval(*sub, inner, sites, here, relus)
         return None  # bind the primitive as is
     return interpret(jaxpr, consts, args, rule)
 
@@ -103,7 +112,15 @@ def with_dead_relu(fn: Callable) -> Callable[..., tuple[Any, DeadReLU]]:
     kept) plus a `DeadReLU`, so ``jax.value_and_grad(with_dead_relu(loss_fn), has_aux=True)``
     gives gradients and dead units in one compiled pass. A unit is dead for the batch when
     its pre-activation is <= 0 for every example (relu'(z) = 0 there in JAX, so it passes no
-    gradient); "units" are the last axis, "examples" all the others.
+    gradient). The units are the feature axis of the layer feeding the ReLU, found from the
+    program: the output feature dimension of a convolution (axis 1 for channel-first NCHW as
+    in equinox, the last axis for flax's NHWC), the output axis of a dense layer's weight
+    (the ``dot_general`` operand that depends on the params and not on the data); every other
+    axis (batch, pixels) counts as examples. Where the axis cannot be found the last axis is
+    used and the site's name says so. The params are argument 0 (``loss_fn(params, batch)``),
+    the data the other arguments; a dense layer whose weight or input is closed over falls
+    back to the last axis. ``max(var, 0)`` clamps on a variance (inside flax or equinox
+    LayerNorm / BatchNorm) are not ReLUs.
 
     ReLUs are found as ``max(x, 0)`` with a literal zero, at top level and inside ``jit``,
     ``custom_jvp`` / ``custom_vjp`` functions and ``checkpoint``; ReLUs inside ``scan``,
@@ -121,9 +138,11 @@ def with_dead_relu(fn: Callable) -> Callable[..., tuple[Any, DeadReLU]]:
 
     def transformed(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        sites: list[tuple[str, jax.Array]] = []
-        outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), sites, "")
+        sites: list[tuple[str, jax.Array, int]] = []
+        relus = ReluAxes(closed.jaxpr, len(jax.tree.leaves(args[:1])))
+        outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), sites, "", relus)
         out = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-        return out, DeadReLU(tuple(d for _, d in sites), tuple(n for n, _ in sites))
+        return out, DeadReLU(tuple(s[1] for s in sites), tuple(s[0] for s in sites),
+                             tuple(s[2] for s in sites))
 
     return transformed

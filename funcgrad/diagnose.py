@@ -49,10 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from funcgrad._jaxpr import (arg_names, check_array_args, interpret, leaf_paths, source_line,
-                             sub_jaxprs)
-from funcgrad._traced import traced_values
+from funcgrad._jaxpr import arg_names, check_array_args, interpret, leaf_paths, source_line
 from funcgrad._jaxpr import closed_parts as _closed
+from funcgrad._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
+from funcgrad._traced import traced_values
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
             "numerically_zero", "nonfinite", "not_differentiable")
@@ -148,18 +148,25 @@ class ReluSite:
 
     Attributes:
       where: the source line of the ReLU (``file.py:LINE (function)``).
-      units: number of units (the size of the last axis of its input).
-      dead: units whose pre-activation is <= 0 for every example of the batch (inside
-        ``scan``: at every iteration).
+      units: number of units: the size of the feature axis of the layer feeding the ReLU
+        (a convolution's output channels in its own layout, NCHW or NHWC; a dense layer's
+        outputs), found from the program (`funcgrad._relu_axes`).
+      dead: units whose pre-activation is <= 0 for every example of the batch and every
+        position (pixel) (inside ``scan``: at every iteration).
       dead_per_iteration: inside ``scan``, the dead units of each time the ReLU ran, in the
         order run: once per iteration (a scan over stacked layers runs one layer each), or,
         inside a ``cond`` in the scan body, once per iteration that took its branch; () when
         it ran once.
+      axis: the axis of the ReLU's input that holds the units.
+      note: "" or, when the feature axis could not be found from the program, why the last
+        axis was used.
     """
     where: str
     units: int
     dead: int
     dead_per_iteration: tuple[int, ...] = ()
+    axis: int = -1
+    note: str = ""
 
     @property
     def dead_fraction(self) -> float:
@@ -222,6 +229,10 @@ class GradExplanation:
         for s in self.relus:
             line = (f"  ReLU at {s.where or '?'}: {s.dead}/{s.units} units dead for this "
                     f"batch ({100 * s.dead_fraction:.0f}%)")
+            if s.axis >= 0:
+                line += f", units along axis {s.axis}"
+            if s.note:
+                line += f" [{s.note}]"
             if s.dead_per_iteration:
                 line += (f" every one of the {len(s.dead_per_iteration)} times it ran in a "
                          f"scan; dead per run: {_counts(s.dead_per_iteration)}")
@@ -304,7 +315,7 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
             "lax.while_loop (or a fori_loop with traced bounds) that depends on params, which "
             "JAX cannot differentiate in reverse mode. Write the loop as lax.scan, or as "
             "fori_loop with Python int bounds (it then lowers to scan).") from error
-    relus = _relu_sites(closed, params, args)
+    relus = _relu_sites(closed, params, args, len(p_leaves))
 
     rows = []
     for i, (path, leaf) in enumerate(zip(paths, p_leaves)):
@@ -362,20 +373,24 @@ def _counts(values: tuple[int, ...], most: int = 12) -> str:
 
 # --- ReLU sites: evaluate the program once and look at every max(x, 0) -------------------
 
-def _relu_sites(closed, params, args) -> list[ReluSite]:
-    # call path -> [where, units, alive in any evaluation, dead count of each evaluation]
+def _relu_sites(closed, params, args, n_params) -> list[ReluSite]:
+    # call path -> [where, units, alive in any evaluation, dead count of each evaluation,
+    #               axis, note]
     found: dict[tuple, list] = {}
-    _record(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), found, "", ())
+    # A loss of the params alone closes over its batch: its constants are then data.
+    relus = ReluAxes(closed.jaxpr, n_params, consts_are="unknown" if args else "data")
+    _record(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), found, "", (),
+            relus)
     return [ReluSite(where, units, int(units - alive.sum()),
-                     tuple(per) if len(per) > 1 else ())
-            for where, units, alive, per in found.values()]
+                     tuple(per) if len(per) > 1 else (), axis, note)
+            for where, units, alive, per, axis, note in found.values()]
 
 
 def _is_zero_literal(v) -> bool:
     return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
 
 
-def _record(jaxpr, consts, args, found, where, path):
+def _record(jaxpr, consts, args, found, where, path, relus: ReluAxes):
     """Evaluates `jaxpr`; for each ReLU, ORs into ``found[key][2]`` which units were alive and
     appends to ``found[key][3]`` how many were dead in this evaluation.
 
@@ -388,38 +403,30 @@ def _record(jaxpr, consts, args, found, where, path):
         key = (*path, id(eqn))
         if name in _CALLS and _CALLS[name] in eqn.params:
             sub, sub_consts = _closed(eqn.params[_CALLS[name]])
-            return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], found, here, key)
-        if name == "scan" and _has_relu(eqn.params["jaxpr"].jaxpr):  # else: one bind, fast
-            return _record_scan(eqn, ins, found, here, key)
+            return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], found, here, key,
+                           relus)
+        if name == "scan" and relus.has_relu(eqn.params["jaxpr"].jaxpr):  # else: one bind
+            return _record_scan(eqn, ins, found, here, key, relus)
         if name == "cond":
             branch = eqn.params["branches"][int(np.clip(ins[0], 0,
                                                         len(eqn.params["branches"]) - 1))]
-            return _record(branch.jaxpr, branch.consts, ins[1:], found, here, key)
-        if _is_relu(eqn):  # a float max(x, 0): integer clamps are not ReLUs
+            return _record(branch.jaxpr, branch.consts, ins[1:], found, here, key, relus)
+        if relus.is_relu(eqn):  # a float max(x, 0), not a variance clamp
             x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
             if x.ndim:
-                units = x.shape[-1]
-                alive = np.any(x.reshape(-1, units) > 0, axis=0)
-                site = found.setdefault(key, [here, units, np.zeros(units, bool), []])
+                axis, known = relus.unit_axis(eqn, x.ndim)
+                units = x.shape[axis]
+                alive = np.any(np.moveaxis(x, axis, -1).reshape(-1, units) > 0, axis=0)
+                note = "" if known or x.ndim == 1 else UNKNOWN_AXIS_NOTE
+                site = found.setdefault(key, [here, units, np.zeros(units, bool), [], axis,
+                                              note])
                 site[2] |= alive
                 site[3].append(int(units - alive.sum()))
         return None
     return interpret(jaxpr, consts, args, rule)
 
 
-def _is_relu(eqn) -> bool:
-    return (eqn.primitive.name == "max" and len(eqn.invars) == 2
-            and any(map(_is_zero_literal, eqn.invars))
-            and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating))
-
-
-def _has_relu(jaxpr) -> bool:
-    """Whether `jaxpr` (or a jaxpr nested in it) holds a ReLU, ``max(x, 0.0)``."""
-    return any(_is_relu(eqn) or any(_has_relu(sub) for _, sub, _ in sub_jaxprs(eqn))
-               for eqn in jaxpr.eqns)
-
-
-def _record_scan(eqn, ins, found, where, key):
+def _record_scan(eqn, ins, found, where, key, relus):
     """A scan, one iteration at a time, so that the ReLUs of its body are seen."""
     p = eqn.params
     nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
@@ -428,7 +435,7 @@ def _record_scan(eqn, ins, found, where, key):
     ys = []
     for t in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
         outs = _record(body, body_consts, [*consts, *carry, *(x[t] for x in xs)], found,
-                       where, key)
+                       where, key, relus)
         carry, y = outs[:nk], outs[nk:]
         ys.append(y)
     if p["reverse"]:

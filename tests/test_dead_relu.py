@@ -1,0 +1,162 @@
+"""Dead ReLU units along the feature axis of the layer feeding the ReLU, and normalisation
+clamps that are not ReLUs: `explain_grads` and `with_dead_relu` (the monitor's source).
+
+Concept 15/16 (issue 11, point 3)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funcgrad as fg
+
+
+def _eqx_conv_model(dead_channel=2):
+    """equinox Conv2d(3 -> 8, 3x3), channel-first (C, H, W) per example, then jax.nn.relu.
+
+    Inputs lie in [0, 1) and |w| <= 1/sqrt(27) (equinox's uniform init, fan-in 3*3*3), so a
+    pre-activation is within bias +- 27/sqrt(27) = bias +- 5.2: a bias of -1000 kills the
+    channel for every example and pixel."""
+    eqx = pytest.importorskip("equinox")
+    conv = eqx.nn.Conv2d(3, 8, 3, key=jax.random.key(0))
+    conv = eqx.tree_at(lambda m: m.bias, conv, conv.bias.at[dead_channel].set(-1000.0))
+    x = jax.random.uniform(jax.random.key(1), (4, 3, 6, 6))  # NCHW: 4 examples, 6x6 pixels
+
+    def loss_fn(model, x):
+        return jnp.mean(jax.nn.relu(jax.vmap(model)(x)) ** 2)
+    return conv, x, loss_fn
+
+
+def _alive_channels(pre: np.ndarray, axis: int) -> np.ndarray:
+    """Second method: a channel is alive if any example at any pixel has pre-activation > 0."""
+    return np.asarray([np.any(np.take(pre, c, axis=axis) > 0) for c in range(pre.shape[axis])])
+
+
+def test_channel_first_conv_counts_channels_in_explain_grads():
+    conv, x, loss_fn = _eqx_conv_model(dead_channel=2)
+    pre = np.asarray(jax.vmap(conv)(x))  # (4, 8, 4, 4): channels on axis 1
+    alive = _alive_channels(pre, axis=1)
+    assert alive.tolist() == [c != 2 for c in range(8)]  # only channel 2 dead (derived above)
+    report = fg.explain_grads(loss_fn, conv, x)
+    (site,) = report.relus
+    # Before: units were the last axis (4 image columns), "0/4 units dead".
+    assert (site.units, site.dead, site.axis, site.note) == (8, 1, 1, "")
+    assert "1/8 units dead" in str(report)
+
+
+def test_channel_first_conv_counts_channels_in_with_dead_relu_and_monitor():
+    conv, x, loss_fn = _eqx_conv_model(dead_channel=5)
+    loss, dead = jax.jit(fg.with_dead_relu(loss_fn))(conv, x)
+    np.testing.assert_allclose(loss, loss_fn(conv, x), rtol=1e-6)
+    (mask,) = dead.dead
+    assert mask.shape == (8,) and np.flatnonzero(np.asarray(mask)).tolist() == [5]
+    assert dead.axes == (1,)
+    np.testing.assert_allclose(dead.fraction, [1 / 8])
+    # The monitor reads the same masks: one dead channel out of eight.
+    eqx = pytest.importorskip("equinox")
+    params = eqx.filter(conv, eqx.is_array)
+    monitor = fg.grad_monitor(dead_threshold=0.1)
+    grads = jax.grad(loss_fn)(conv, x)
+    _, metrics = monitor.update(monitor.init(eqx.filter(grads, eqx.is_array)),
+                                eqx.filter(grads, eqx.is_array), dead_relu=dead)
+    np.testing.assert_allclose(metrics.dead_fraction, [1 / 8])
+    assert params is not None
+
+
+def test_flax_nhwc_conv_counts_channels_and_skips_layernorm_clamp():
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm()(nn.Conv(8, (3, 3), padding="VALID")(x))  # NHWC
+            return jax.nn.relu(h)
+
+    x = jax.random.uniform(jax.random.key(1), (4, 6, 6, 3))
+    net = Net()
+    variables = net.init(jax.random.key(0), x)
+    # LayerNorm's bias set to -1000 on channel 3: after normalising each pixel to mean 0,
+    # variance 1 over 8 channels, |normalised| <= sqrt(7) < 1000 (scale 1), so channel 3 is
+    # dead for every example and pixel; others may be dead too (counted by NumPy below).
+    ln_bias = variables["params"]["LayerNorm_0"]["bias"].at[3].set(-1000.0)
+    variables = jax.tree_util.tree_map_with_path(
+        lambda p, v: ln_bias if "LayerNorm_0" in jax.tree_util.keystr(p) and
+        "bias" in jax.tree_util.keystr(p) else v, variables)
+
+    def loss_fn(v, x):
+        return jnp.mean(net.apply(v, x) ** 2)
+
+    alive = _alive_channels(np.asarray(_flax_pre(variables, x)), axis=3)
+    assert not alive[3]
+    report = fg.explain_grads(loss_fn, variables, x)
+    # Before: the LayerNorm's max(0, E[x^2] - E[x]^2) was listed as a second "ReLU".
+    (site,) = report.relus
+    assert (site.units, site.dead, site.axis) == (8, int((~alive).sum()), 3)
+    _, dead = fg.with_dead_relu(loss_fn)(variables, x)
+    assert len(dead.dead) == 1
+    np.testing.assert_array_equal(dead.dead[0], ~alive)
+
+
+def _flax_pre(variables, x):
+    """The ReLU's input, by running the same layers without the activation."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Pre(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.LayerNorm()(nn.Conv(8, (3, 3), padding="VALID")(x))
+    return Pre().apply(variables, x)
+
+
+def test_equinox_layernorm_and_batchnorm_clamps_are_not_relus():
+    eqx = pytest.importorskip("equinox")
+    key1, key2 = jax.random.split(jax.random.key(0))
+    linear = eqx.nn.Linear(5, 6, key=key1)
+    norm = eqx.nn.LayerNorm(6)
+    bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(6, axis_name="batch", mode="batch")
+    x = jax.random.normal(key2, (8, 5))
+
+    params, static = eqx.partition((linear, norm, bn), eqx.is_array)
+
+    def loss_fn(params, x):
+        linear, norm, bn = eqx.combine(params, static)
+        h = jax.vmap(lambda v: norm(linear(v)))(x)
+        h, _ = jax.vmap(bn, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(h, state)
+        return jnp.mean(jax.nn.relu(h))
+
+    report = fg.explain_grads(loss_fn, params, x)
+    # One activation: jax.nn.relu on (8, 6), units the 6 features. The clamps of LayerNorm
+    # (on the (8,) per-example variance) and BatchNorm (on the (6,) batch variance) are not.
+    (site,) = report.relus
+    assert site.units == 6 and site.axis == 1
+    _, dead = fg.with_dead_relu(loss_fn)(params, x)
+    assert [d.shape for d in dead.dead] == [(6,)]
+
+
+def test_unknown_feature_axis_falls_back_to_last_axis_and_says_so():
+    # q @ k.T: both operands depend on the data, so no weight names the units.
+    def loss_fn(w, x):
+        q = x @ w
+        return jnp.sum(jax.nn.relu(q @ x.T))
+
+    w, x = jnp.ones((3, 3)), -jnp.ones((4, 3))
+    (site,) = fg.explain_grads(loss_fn, w, x).relus
+    assert site.axis == 1 and site.units == 4 and "last axis" in site.note
+    _, dead = fg.with_dead_relu(loss_fn)(w, x)
+    assert "last axis" in dead.names[0]
+
+
+def test_dense_layer_with_weight_first_counts_output_units():
+    # h = W x per example (PyTorch's and equinox's (out, in) weight), vmapped over 5 examples:
+    # the units are W's 4 rows wherever vmap puts the batch axis. Row 1 has bias -100 and
+    # |W x| <= 3 (|W| <= 1, |x| <= 1, 3 inputs), so exactly unit 1 is dead.
+    w = jnp.asarray(np.linspace(-1, 1, 12).reshape(4, 3), jnp.float32)
+    b = jnp.array([0.5, -100.0, 0.5, 0.5])
+    x = jnp.asarray(np.linspace(-1, 1, 15).reshape(5, 3), jnp.float32)
+
+    def loss_fn(p, x):
+        return jnp.sum(jax.nn.relu(jax.vmap(lambda v: p["w"] @ v + p["b"])(x)))
+
+    pre = np.asarray(x @ w.T + b[None, :])
+    alive = _alive_channels(pre, axis=1)
+    (site,) = fg.explain_grads(loss_fn, {"w": w, "b": b}, x).relus
+    assert site.units == 4 and site.dead == int((~alive).sum()) == 1
