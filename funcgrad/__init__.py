@@ -53,6 +53,7 @@ from funcgrad.coupling import CoupledExamplesWarning as CoupledExamplesWarning
 from funcgrad.anomaly import AnomalyReport as AnomalyReport
 from funcgrad.anomaly import find_nonfinite as find_nonfinite
 from funcgrad.custom import CustomVJP as CustomVJP
+from funcgrad.custom import DroppedCotangentWarning as DroppedCotangentWarning
 from funcgrad.monitor import Alert as Alert
 from funcgrad.monitor import GradMonitor as GradMonitor
 from funcgrad.monitor import MonitorMetrics as MonitorMetrics

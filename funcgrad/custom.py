@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,7 +53,13 @@ input, in order, each with the input's pytree structure, shapes and dtypes:
 None stands for a zero cotangent (PyTorch's None for an input that needs no gradient), for a
 whole input or any subtree of it. An integer or boolean input has no gradient: return None for
 it (or np.zeros(x.shape, jax.dtypes.float0)). Inputs listed in nondiff_argnums get no entry.
+A None for a floating input that the output depends on zeroes every gradient upstream of it:
+funcgrad warns (DroppedCotangentWarning) unless defvjp declares it, zero_cotangents=("w",).
 """
+
+
+class DroppedCotangentWarning(UserWarning):
+    """A custom VJP rule returned None for a floating input that its output depends on."""
 
 
 def custom_vjp(fun: Callable | None = None, *,
@@ -73,6 +80,14 @@ def custom_vjp(fun: Callable | None = None, *,
     A Python scalar counts as a JAX value would (``1.0`` is float32 of shape ()). See
     `BWD_CONTRACT` for a worked example.
 
+    A None for a floating input leaf that the output depends on through a differentiable
+    path (found by tracing a ``jax.jvp`` of `fun` with a tangent for that leaf alone, and
+    following it to the output tangent in the jaxpr) drops its cotangent: every gradient
+    upstream of that input is zero. That is warned about (`DroppedCotangentWarning`, naming
+    the function, the bwd rule and the input leaf) unless declared with
+    ``defvjp(fwd, bwd, zero_cotangents=("w",))``. If `fun` cannot be traced under ``jvp``
+    (the reason for some custom rules), no warning is given.
+
     Not supported (use ``jax.custom_vjp`` directly): ``defvjp``'s ``symbolic_zeros`` and
     ``optimize_remat`` options, and ``nondiff_argnames``.
 
@@ -91,6 +106,9 @@ def custom_vjp(fun: Callable | None = None, *,
         input (``params['w']``) and gives the expected and the received structure.
       ValueError: a cotangent leaf's shape or dtype differs from its primal's; the message
         names every such leaf with the expected and received ``dtype[shape]``.
+    Warns (when a backward pass is traced):
+      DroppedCotangentWarning: bwd returned None for an input leaf the output depends on,
+        not declared in ``zero_cotangents``.
     Example:
       >>> @custom_vjp
       ... def clipped_identity(x):
@@ -124,8 +142,10 @@ class CustomVJP:
         self.nondiff_argnums = tuple(sorted(set(nondiff_argnums)))
         self.fwd: Callable | None = None
         self.bwd: Callable | None = None
+        self.zero_cotangents: tuple[str, ...] = ()
 
-    def defvjp(self, fwd: Callable, bwd: Callable, **options: Any) -> None:
+    def defvjp(self, fwd: Callable, bwd: Callable, *, zero_cotangents: Sequence[str] = (),
+               **options: Any) -> None:
         """Attaches the rule, as ``jax.custom_vjp.defvjp``.
 
         Args:
@@ -134,6 +154,9 @@ class CustomVJP:
           bwd: ``bwd(*nondiff_args, residuals, g) -> tuple`` with one cotangent per
             differentiable argument, in order; `g` has the structure, shapes and dtypes of
             ``out``. Checked as described in `custom_vjp`.
+          zero_cotangents: inputs (parameter names, ``"w"``) or input leaves / subtrees
+            (``"p['b']"``) for which a None cotangent is intended although the output depends
+            on them (a straight-through or gradient-blocking rule); no warning for those.
           **options: ``jax.custom_vjp.defvjp``'s ``symbolic_zeros`` and ``optimize_remat``
             are not supported: TypeError, with the advice to use ``jax.custom_vjp``.
         """
@@ -144,7 +167,12 @@ class CustomVJP:
         if not callable(fwd) or not callable(bwd):
             raise TypeError("custom_vjp.defvjp: fwd and bwd must be callables, got "
                             f"{type(fwd).__name__} and {type(bwd).__name__}.")
+        if isinstance(zero_cotangents, str) or not all(
+                isinstance(z, str) for z in zero_cotangents):
+            raise TypeError("custom_vjp.defvjp: zero_cotangents must be a tuple of input "
+                            f"names, e.g. ('w',), got {zero_cotangents!r}.")
         self.fwd, self.bwd = fwd, bwd
+        self.zero_cotangents = tuple(zero_cotangents)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = getattr(self.fun, "__name__", repr(self.fun))
@@ -162,10 +190,19 @@ class CustomVJP:
         spec = _Spec(name, getattr(self.bwd, "__name__", repr(self.bwd)),
                      tuple(names[i] for i in diff), tuple(args[i] for i in diff),
                      tuple(names[i] for i in self.nondiff_argnums))
-        user_bwd = self.bwd
+        user_bwd, fun, declared = self.bwd, self.fun, self.zero_cotangents
+        unknown = [z for z in declared
+                   if not any(z == n or z.startswith(n + "[") for n in spec.names)]
+        if unknown:
+            raise ValueError(f"custom_vjp: zero_cotangents={declared} of {name} names "
+                             f"{unknown}, which are not differentiable inputs; expected input "
+                             f"names ({', '.join(spec.names)}) or their leaves (\"x['w']\").")
 
+        @functools.wraps(user_bwd)  # JAX and explain_grads then name the user's rule
         def checked_bwd(*bwd_args):
-            return _check_cotangents(spec, user_bwd(*bwd_args))
+            cts = _check_cotangents(spec, user_bwd(*bwd_args))
+            _warn_dropped(spec, cts, fun, args, self.nondiff_argnums, declared)
+            return cts
 
         # A fresh jax.custom_vjp per call: checked_bwd closes over this call's primals, whose
         # shapes and dtypes are static even when they are tracers (inside jit or vmap).
@@ -175,6 +212,102 @@ class CustomVJP:
 
     def __repr__(self) -> str:
         return f"<funcgrad.custom_vjp of {getattr(self.fun, '__name__', repr(self.fun))}>"
+
+
+# --- dropped cotangents ------------------------------------------------------------------------
+
+def _warn_dropped(spec, cts, fun, args, nondiff_argnums, declared) -> None:
+    """Warns when a None cotangent stands for a floating leaf the output depends on."""
+    dropped = []  # (name of the leaf, position among the differentiable args, leaf index)
+    for k, (name, primal, ct) in enumerate(zip(spec.names, spec.primals, cts)):
+        flat = jax.tree_util.tree_flatten_with_path(primal)[0]
+        if ct is None:
+            none_paths = [path for path, _ in flat]
+        else:
+            ct_flat = jax.tree_util.tree_flatten_with_path(ct, is_leaf=lambda x: x is None)[0]
+            covered = [path for path, c in ct_flat if c is None]
+            none_paths = [path for path, _ in flat
+                          if any(path[:len(c)] == c for c in covered)]
+        for j, (path, leaf) in enumerate(flat):
+            leaf_name = name + jax.tree_util.keystr(path)
+            if (path in none_paths and _is_float_leaf(leaf)
+                    and not any(leaf_name == z or leaf_name.startswith(z) for z in declared)):
+                dropped.append((leaf_name, k, j))
+    if not dropped:
+        return
+    used = _depends(fun, args, nondiff_argnums, [(k, j) for _, k, j in dropped])
+    for (leaf_name, _, _), dep in zip(dropped, used):
+        if dep:
+            primal_leaf = _leaf_of(spec, leaf_name, dropped)
+            warnings.warn(
+                f"{spec.where} returned None (a zero cotangent) for {leaf_name} "
+                f"({primal_leaf}), but {spec.fun_name}'s output depends on it through a "
+                f"differentiable path: every gradient upstream of {leaf_name} will be zero. "
+                f"Return its cotangent, or, if blocking it is intended, declare it: "
+                f"{spec.fun_name}.defvjp(fwd, "
+                f"{'bwd' if spec.bwd_name == '<lambda>' else spec.bwd_name}, "
+                f"zero_cotangents=({leaf_name!r},)).",
+                DroppedCotangentWarning, stacklevel=2)
+
+
+def _leaf_of(spec, leaf_name, dropped) -> str:
+    for name, k, j in dropped:
+        if name == leaf_name:
+            return _describe(jax.tree.leaves(spec.primals[k])[j])
+    return "?"
+
+
+def _is_float_leaf(x) -> bool:
+    try:
+        return bool(jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact))
+    except TypeError:
+        return False
+
+
+def _depends(fun, args, nondiff_argnums, leaves) -> list[bool]:
+    """For each ``(differentiable arg position, leaf index)``: whether ``fun``'s output
+    tangent depends on a tangent of that leaf alone, read from the jaxpr of ``jax.jvp``
+    (JAX drops symbolic-zero tangents at stop_gradient, round, comparisons, ...). False for
+    every leaf when `fun` cannot be traced under jvp: no verdict, no warning."""
+    from funcgrad.diagnose import _DIFF, _flow, _Path  # the shared dependence analysis
+
+    diff = [i for i in range(len(args)) if i not in nondiff_argnums]
+    avals = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype),
+                          args[i]) for i in diff]
+
+    def tangent_out(primals, seeds):
+        full = list(args)
+        for i, p in zip(diff, primals):
+            full[i] = p
+        tangents = []
+        for k, p in enumerate(primals):
+            flat, tree = jax.tree.flatten(p)
+            ts = [jnp.zeros_like(x) if _is_float_leaf(x) else
+                  np.zeros(jnp.shape(x), jax.dtypes.float0) for x in flat]
+            for n, (kk, j) in enumerate(leaves):
+                if kk == k:
+                    ts[j] = seeds[n]
+            tangents.append(jax.tree.unflatten(tree, ts))
+
+        def of_diff(*ps):
+            inner = list(full)
+            for i, q in zip(diff, ps):
+                inner[i] = q
+            return fun(*inner)
+        return jax.jvp(of_diff, tuple(primals), tuple(tangents))[1]
+
+    seed_avals = [jax.tree.leaves(avals[k])[j] for k, j in leaves]
+    try:
+        closed = jax.make_jaxpr(tangent_out)(avals, seed_avals)
+    except Exception:  # noqa: BLE001 - fun has no jvp (pure_callback, ...): no verdict
+        return [False] * len(leaves)
+    n_seed = len(seed_avals)
+    n_all = len(closed.jaxpr.invars)
+    in_deps = [{} for _ in range(n_all - n_seed)] + [{n: _Path(_DIFF, "")} for n in range(n_seed)]
+    reached = set()
+    for deps in _flow(closed.jaxpr, in_deps):
+        reached |= set(deps)
+    return [n in reached for n in range(n_seed)]
 
 
 # --- helpers --------------------------------------------------------------------------------

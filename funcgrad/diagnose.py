@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from funcgrad._custom_rules import dropped_inputs
 from funcgrad._jaxpr import arg_names, check_array_args, interpret, leaf_paths, source_line
 from funcgrad._jaxpr import closed_parts as _closed
 from funcgrad._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
@@ -89,8 +90,12 @@ def _cut(deps: dict[int, _Path], kind: int, where: str) -> dict[int, _Path]:
     return {leaf: (p if p.kind <= kind else _Path(kind, where)) for leaf, p in deps.items()}
 
 
-def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "") -> list[dict[int, _Path]]:
-    """For each output of `jaxpr`, the leaves it depends on and the best kind of path."""
+def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "",
+          drops: dict | None = None) -> list[dict[int, _Path]]:
+    """For each output of `jaxpr`, the leaves it depends on and the best kind of path.
+
+    `drops` (from `funcgrad._custom_rules.dropped_inputs`): custom_vjp calls whose rule drops
+    the cotangent of some inputs; a path through such an input is cut there (_ZERO)."""
     env: dict[Any, dict[int, _Path]] = {}
     for var, deps in zip(jaxpr.invars, in_deps):
         env[var] = deps
@@ -100,31 +105,35 @@ def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "") -> list[dict[
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        for var, deps in zip(eqn.outvars, _transfer(eqn, ins, source_line(eqn) or where)):
+        if drops and id(eqn) in drops:
+            ins = [_cut(d, _ZERO, drops[id(eqn)][k]) if k in drops[id(eqn)] else d
+                   for k, d in enumerate(ins)]
+        for var, deps in zip(eqn.outvars, _transfer(eqn, ins, source_line(eqn) or where,
+                                                    drops)):
             env[var] = deps
     return [read(v) for v in jaxpr.outvars]
 
 
-def _transfer(eqn, ins, where):
+def _transfer(eqn, ins, where, drops=None):
     name = eqn.primitive.name
     at = f"{name} at {where}" if where else name
     if name in _CALLS and _CALLS[name] in eqn.params:
         sub, consts = _closed(eqn.params[_CALLS[name]])
         n = len(sub.invars)
-        return _flow(sub, ins[len(ins) - n:], where)
+        return _flow(sub, ins[len(ins) - n:], where, drops)
     if name == "scan":
         p = eqn.params
         nc, nk = p["num_consts"], p["num_carry"]
         consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
         while True:  # fixpoint over the carry; kinds only grow, so this ends
-            outs = _flow(p["jaxpr"].jaxpr, [*consts, *carry, *xs], where)
+            outs = _flow(p["jaxpr"].jaxpr, [*consts, *carry, *xs], where, drops)
             new = [_merge(c, o) for c, o in zip(carry, outs[:nk])]
             if new == carry:
                 return outs[:nk] + outs[nk:]
             carry = new
     if name == "cond":
         index = _cut(ins[0], _ZERO, f"the branch index of cond at {where}")
-        branches = [_flow(b.jaxpr, ins[1:], where) for b in eqn.params["branches"]]
+        branches = [_flow(b.jaxpr, ins[1:], where, drops) for b in eqn.params["branches"]]
         return [_merge(index, *outs) for outs in zip(*branches)]
     merged = _merge(*ins)
     if name == "stop_gradient":
@@ -290,7 +299,8 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     n_all = len(closed.jaxpr.invars)
     in_deps = [({i: _Path(_DIFF, "")} if i < len(p_leaves) and floating[i] else {})
                for i in range(n_all)]
-    primal = _flow(closed.jaxpr, in_deps)[0]
+    drops = dropped_inputs(closed.jaxpr, _flow, _Path(_DIFF, ""))
+    primal = _flow(closed.jaxpr, in_deps, drops=drops)[0]
 
     diff_idx = [i for i, f in enumerate(floating) if f]
 
@@ -337,11 +347,10 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
                 "...) locates the primitive and line that made it")
         elif i not in primal:
             status, detail = "unused", "the loss does not depend on this leaf (PyTorch: grad None)"
-        elif j in reach:
-            if np.any(g != 0):
-                status, detail = "connected", ""
-            else:
-                status, detail = "numerically_zero", _numeric_detail(relus)
+        elif j in reach and np.any(g != 0):
+            status, detail = "connected", ""
+        elif j in reach and primal[i].kind == _DIFF:
+            status, detail = "numerically_zero", _numeric_detail(relus)
         elif primal[i].kind == _STOP:
             status, detail = "blocked_by_stop_gradient", f"cut by {primal[i].where}"
         elif primal[i].kind == _ZERO:

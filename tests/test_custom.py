@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from funcgrad.check import check_grads
-from funcgrad.custom import custom_vjp
+from funcgrad.custom import DroppedCotangentWarning, custom_vjp
 
 
 def make_scale(bwd):
@@ -124,7 +124,8 @@ def test_none_for_a_whole_input_or_a_subtree(strict_dtypes):
     def f(p, n):
         return p["a"] + p["b"]["c"] * n.astype(jnp.float32)
 
-    f.defvjp(lambda p, n: (f(p, n), None), lambda _, g: ({"a": g, "b": None}, None))
+    f.defvjp(lambda p, n: (f(p, n), None), lambda _, g: ({"a": g, "b": None}, None),
+             zero_cotangents=("p['b']",))  # out depends on c: the drop is declared
     g = jax.grad(f)({"a": jnp.float32(1.0), "b": {"c": jnp.float32(2.0)}}, jnp.int32(3))
     assert float(g["a"]) == 1.0 and float(g["b"]["c"]) == 0.0
 
@@ -340,3 +341,55 @@ def test_unsupported_defvjp_options_are_named():
         return x
     with pytest.raises(TypeError, match=r"does not support symbolic_zeros.*jax.custom_vjp"):
         f.defvjp(lambda x: (x, None), lambda _, g: (g,), symbolic_zeros=True)
+
+
+# --- dropped cotangents (issue 11, point 2) -----------------------------------------------------
+
+def _scale(**defvjp_kwargs):
+    """out = x * w; the rule returns x's cotangent g * w and None for w, which out depends on
+    (d out / d w = x != 0), so every gradient reaching w is dropped."""
+    @custom_vjp
+    def scale(x, w):
+        return x * w
+
+    def scale_bwd(res, g):
+        x, w = res
+        return g * w, None
+
+    scale.defvjp(lambda x, w: (x * w, (x, w)), scale_bwd, **defvjp_kwargs)
+    return scale
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_none_for_a_used_input_warns_naming_the_function_and_the_input(jit):
+    scale = _scale()
+    grad = jax.grad(lambda w, x: jnp.sum(scale(x, w)))
+    grad = jax.jit(grad) if jit else grad
+    with pytest.warns(DroppedCotangentWarning,
+                      match=r"scale_bwd of scale returned None .* for w \(float32\[\]\), but "
+                            r"scale's output depends on it.*zero_cotangents=\('w',\)"):
+        g = grad(jnp.float32(2.0), jnp.ones(3))
+    assert float(g) == 0.0  # the true gradient is sum(x) = 3: the rule dropped it
+
+
+def test_declared_zero_cotangent_does_not_warn():
+    scale = _scale(zero_cotangents=("w",))
+    # No warning (pytest turns warnings into errors); the rule's zero is kept.
+    assert float(jax.grad(lambda w, x: jnp.sum(scale(x, w)))(jnp.float32(2.0), jnp.ones(3))) == 0.0
+
+
+def test_none_for_an_input_with_no_differentiable_path_does_not_warn():
+    # out = x * stop_gradient(w): w has no differentiable path, so None for it is right.
+    @custom_vjp
+    def f(x, w):
+        return x * jax.lax.stop_gradient(w)
+
+    f.defvjp(lambda x, w: (f(x, w), w), lambda w, g: (g * w, None))
+    assert float(jax.grad(lambda x: f(x, jnp.float32(3.0)))(jnp.float32(1.0))) == 3.0
+
+
+def test_zero_cotangents_naming_no_input_is_refused():
+    scale = _scale(zero_cotangents=("v",))
+    with pytest.raises(ValueError, match=r"zero_cotangents=\('v',\) of scale names \['v'\].*"
+                                         r"expected input names \(x, w\)"):
+        scale(jnp.ones(3), jnp.float32(2.0))

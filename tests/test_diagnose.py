@@ -276,3 +276,48 @@ def test_a_param_dependent_while_loop_gets_a_clear_error():
                                   (0, x))[1].sum()
     with pytest.raises(ValueError, match="reverse mode.*lax.while_loop.*Write the loop as lax.scan"):
         explain_grads(loss, jnp.float32(2.0), jnp.ones(2))
+
+
+# --- custom VJP rules that drop a cotangent (issue 11, point 2) ---------------------------------
+
+def _dropping_rule(kind):
+    """out = x * w with a rule that returns x's cotangent g * w and no cotangent for w (None, or
+    zeros that ignore g), although d out / d w = x != 0."""
+    if kind == "funcgrad":
+        scale = fg.custom_vjp(lambda x, w: x * w)
+        decorate = dict(zero_cotangents=("w",))  # declared, so no warning; still a cut
+    else:
+        scale, decorate = jax.custom_vjp(lambda x, w: x * w), {}
+
+    def scale_bwd(res, g):
+        x, w = res
+        return g * w, (None if kind != "zeros" else jnp.zeros_like(w))
+
+    scale.defvjp(lambda x, w: (x * w, (x, w)), scale_bwd, **decorate)
+    return scale
+
+
+@pytest.mark.parametrize("kind", ["jax_none", "zeros", "funcgrad"])
+def test_a_custom_vjp_rule_that_drops_a_cotangent_is_named_as_the_blocker(kind):
+    scale = _dropping_rule(kind)
+
+    def loss_fn(p, x):
+        return jnp.sum(scale(jnp.tanh(x * p["a"]), p["w"]) ** 2)
+
+    params = {"a": jnp.ones(3), "w": jnp.float32(2.0)}
+    report = explain_grads(loss_fn, params, jnp.ones(3))
+    # d loss / d a flows through the rule's cotangent for x (g * w != 0): connected. w's
+    # cotangent is dropped by the rule: before, "numerically_zero ... dead ReLU units".
+    assert report.status("p['a']") == "connected"
+    row = report["p['w']"]
+    assert row.status == "blocked_by_zero_derivative_op" and row.grad_norm == 0.0
+    assert "custom_vjp rule of" in row.detail and "scale_bwd" in row.detail
+    assert "test_diagnose.py" in row.detail and "dead ReLU" not in row.detail
+
+
+def test_a_custom_vjp_rule_with_a_real_cotangent_stays_connected():
+    scale = jax.custom_vjp(lambda x, w: x * w)
+    scale.defvjp(lambda x, w: (x * w, (x, w)), lambda res, g: (g * res[1], jnp.sum(g * res[0])))
+    report = explain_grads(lambda p, x: jnp.sum(scale(x, p)), jnp.float32(2.0), jnp.ones(3))
+    # d/dw sum(x * w) = sum(x) = 3.
+    assert report.status("p") == "connected" and report["p"].grad_norm == 3.0
