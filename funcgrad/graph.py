@@ -229,6 +229,10 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
         weakly typed arrays) or ``jax.ShapeDtypeStruct`` (shapes only, nothing is computed).
       residuals: also list what ``jax.vjp(fn, *args)`` saves for the backward pass, with every
         floating leaf differentiated (integer and boolean leaves have no cotangent).
+    A jitted `fn` (``trace(jax.jit(f), ...)``, whose record is one ``jit`` equation) is traced
+    through: the nodes and residuals are those of its body, at the user's source lines, as
+    for ``trace(f, ...)``. A ``jit`` called inside `fn` stays one expandable node.
+
     Returns:
       a `Graph`: one `Node` per equation, nested jaxprs as single expandable nodes; leaves named
       by pytree path (``params[0]['w']``) with ``reaches_output``; outputs ``out``, ``out[0]``,
@@ -273,10 +277,26 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
         raise
     out_paths = ["out" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
-    graph = _build(closed.jaxpr, paths, out_paths, _fn_name(fn), "")
+    inner = _unwrap_jit(closed)
+    graph = _build((inner or closed).jaxpr, paths, out_paths, _fn_name(fn), "")
     if not residuals:
         return graph
-    return dataclasses.replace(graph, residuals=_residuals(fn, args, paths, graph))
+    return dataclasses.replace(graph, residuals=_residuals(fn, args, paths, graph, inner))
+
+
+def _unwrap_jit(closed) -> jex_core.ClosedJaxpr | None:
+    """The body of a function that is one jitted call (``trace(jax.jit(f), ...)``): a jaxpr
+    whose only equation is a ``jit`` (pjit) taking its inputs in order and returning its
+    outputs. None otherwise. Nested levels of such wrapping are all removed."""
+    found = None
+    while (len(closed.jaxpr.eqns) == 1 and not closed.jaxpr.constvars
+           and closed.jaxpr.eqns[0].primitive.name in ("pjit", "jit")
+           and list(closed.jaxpr.eqns[0].invars) == list(closed.jaxpr.invars)
+           and list(closed.jaxpr.eqns[0].outvars) == list(closed.jaxpr.outvars)):
+        sub = closed.jaxpr.eqns[0].params["jaxpr"]
+        closed = found = sub if isinstance(sub, jex_core.ClosedJaxpr) else \
+            jex_core.ClosedJaxpr(sub, ())
+    return found
 
 
 # --- building ------------------------------------------------------------------------------
@@ -376,7 +396,10 @@ _OUTPUT = re.compile(r"^(output|named '[^']*') of (?:jitted function '(?P<jit>[^
 _ARG = re.compile(r"^from the argument \w+\[(?P<i>\d+)\]$")
 
 
-def _residuals(fn, args, paths, graph) -> tuple[Residual, ...]:
+def _residuals(fn, args, paths, graph, inner=None) -> tuple[Residual, ...]:
+    """What ``jax.vjp`` saves. For a jitted `fn`, its body `inner` is evaluated instead (JAX's
+    evaluator replays each equation under the user's source line), so the residuals are the
+    body's values at the user's lines, not one output of the jitted call at funcgrad's."""
     try:
         from jax._src.ad_checkpoint import saved_residuals
     except ImportError as e:
@@ -388,6 +411,9 @@ def _residuals(fn, args, paths, graph) -> tuple[Residual, ...]:
     floats = [i for i, x in enumerate(leaves) if is_float(str(_leaf_dtype(x)))]
     if not floats:
         return ()
+    if inner is not None:
+        body = jex_core.jaxpr_as_fun(inner)
+        fn = lambda *a: body(*jax.tree.leaves(a))  # noqa: E731 - the body, on the same args
 
     def on_leaves(*flat):  # every leaf an argument, as under jax.jit(jax.grad(fn))
         return fn(*jax.tree.unflatten(treedef, flat))
