@@ -8,6 +8,7 @@ from funcgrad.data import Dataset as Dataset
 from funcgrad.data import batches as batches
 from funcgrad.data import load_digits as load_digits
 from funcgrad.manual import two_layer_grads as two_layer_grads
+from funcgrad.nn import MLPParams as MLPParams
 from funcgrad.nn import accuracy as accuracy
 from funcgrad.nn import mean_squared_error as mean_squared_error
 from funcgrad.nn import mlp_apply as mlp_apply

@@ -1,7 +1,9 @@
 """Models as pure functions: a multilayer perceptron as a parameter pytree plus an apply function.
 
 The parameters are a list of layers, each a dict ``{"w": (in, out), "b": (out,)}``, so a leaf's
-pytree path reads ``[0]['w']``. Losses come from optax where optax has them.
+pytree path reads ``[0]['w']``. Parameters made with a hidden activation other than ReLU are an
+`MLPParams`, a list that also carries the activation's name, so `mlp_apply` runs the network
+they were initialised for. Losses come from optax where optax has them.
 """
 from __future__ import annotations
 
@@ -28,6 +30,39 @@ ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], Callable[..., jax
 }
 
 
+class MLPParams(list):
+    """The layers of a perceptron (a list of ``{"w", "b"}`` dicts) and its hidden activation.
+
+    A pytree whose children are the layers (paths ``[0]['w']`` as for a plain list) and whose
+    static metadata is `activation`, so it survives ``jit``, ``grad`` and optimizer updates:
+    ``jax.tree.map`` over it returns an `MLPParams` with the same activation. A mask or other
+    pytree combined with it by ``jax.tree.map`` must be an `MLPParams` too (make it with
+    ``funcgrad.trainable_mask(params, ...)``, which keeps the structure).
+
+    Attributes:
+      activation: a key of `ACTIVATIONS`.
+    """
+
+    def __init__(self, layers=(), activation: str = "relu"):
+        super().__init__(layers)
+        self.activation = activation
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return MLPParams(item, self.activation) if isinstance(index, slice) else item
+
+    def __repr__(self) -> str:
+        return f"MLPParams({list.__repr__(self)}, activation={self.activation!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    MLPParams,
+    lambda p: ([(jax.tree_util.SequenceKey(i), layer) for i, layer in enumerate(p)],
+               p.activation),
+    lambda activation, layers: MLPParams(layers, activation),
+    lambda p: (list(p), p.activation))
+
+
 def _activation(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(
@@ -44,11 +79,15 @@ def mlp_init(key: jax.Array, sizes: Sequence[int], *, activation: str = "relu",
       sizes: layer widths ``(in, hidden..., out)``, at least two positive ints; e.g.
         ``(64, 128, 10)`` gives two layers.
       activation: name of the hidden activation (a key of `ACTIVATIONS`); it picks the weight
-        initializer: He normal for "relu"/"gelu", Glorot normal for the others.
+        initializer (He normal for "relu"/"gelu", Glorot normal for the others) and, for
+        any activation but "relu", travels with the params, so ``mlp_apply(params, x)``
+        applies it.
       dtype: floating dtype of every leaf.
     Returns:
       a list of ``len(sizes) - 1`` dicts; layer ``i`` has ``"w"`` of shape
-      ``(sizes[i], sizes[i+1])`` and ``"b"`` of shape ``(sizes[i+1],)``, zeros.
+      ``(sizes[i], sizes[i+1])`` and ``"b"`` of shape ``(sizes[i+1],)``, zeros. For
+      ``activation="relu"`` (the default) a plain list; otherwise an `MLPParams` (a list that
+      carries the activation's name).
     Raises:
       ValueError: if `sizes` has fewer than two entries or a non-positive one, or the
         activation is unknown.
@@ -68,24 +107,40 @@ def mlp_init(key: jax.Array, sizes: Sequence[int], *, activation: str = "relu",
             "Example: mlp_init(key, (64, 128, 10)).")
     _, init = _activation(activation)
     keys = jax.random.split(key, len(sizes) - 1)
-    return [
+    layers = [
         {"w": init(k, (fan_in, fan_out), dtype), "b": jnp.zeros((fan_out,), dtype)}
         for k, fan_in, fan_out in zip(keys, sizes[:-1], sizes[1:])
     ]
+    # ReLU params stay a plain list, as before: masks and pytrees written as plain lists
+    # (prefix masks such as [False, True]) keep matching them.
+    return layers if activation == "relu" else MLPParams(layers, activation)
 
 
-def mlp_apply(params: Params, x: jax.Array, *, activation: str = "relu") -> jax.Array:
+def mlp_apply(params: Params, x: jax.Array, *, activation: str | None = None) -> jax.Array:
     """Returns the logits of the perceptron: ``act(x W0 + b0) ... W_last + b_last``.
 
     Args:
-      params: the list of ``{"w": (in, out), "b": (out,)}`` dicts made by `mlp_init`.
+      params: the list of ``{"w": (in, out), "b": (out,)}`` dicts made by `mlp_init` (an
+        `MLPParams` when it was given an activation other than "relu").
       x: inputs of shape ``(batch, in)``, floating.
-      activation: the hidden activation's name; the last layer is linear.
+      activation: the hidden activation's name; the last layer is linear. Default: the one
+        `params` carry (`MLPParams.activation`), else "relu".
     Returns:
       logits of shape ``(batch, out)`` in the dtype of the parameters and `x` combined.
     Raises:
-      ValueError: if `x` is not 2-D or its width does not match the first layer.
+      ValueError: if `x` is not 2-D or its width does not match the first layer, or if
+        `activation` differs from the one `params` were initialised for (the message says
+        which).
     """
+    carried = params.activation if isinstance(params, MLPParams) else None
+    if activation is None:
+        activation = carried or "relu"
+    elif carried is not None and activation != carried:
+        raise ValueError(
+            f"mlp_apply: activation={activation!r}, but params were made by "
+            f"mlp_init(..., activation={carried!r}) (its initializer is chosen for "
+            f"{carried}). Leave activation out (the params carry it), or make the params "
+            f"with mlp_init(..., activation={activation!r}).")
     act, _ = _activation(activation)
     x = jnp.asarray(x)
     if x.ndim != 2:

@@ -32,6 +32,35 @@ def test_apply_equals_numpy_forward(key, strict_dtypes):
     np.testing.assert_allclose(jax.jit(fg.mlp_apply)(params, x), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_the_init_activation_travels_with_the_params(key, strict_dtypes):
+    # mlp_init(activation="tanh") then mlp_apply(params, x): a tanh network (before: ReLU).
+    params = fg.mlp_init(key, (5, 7, 3), activation="tanh")
+    x = jax.random.normal(jax.random.key(1), (4, 5))
+    (w1, b1), (w2, b2) = ((np.asarray(p["w"], np.float64), np.asarray(p["b"], np.float64))
+                          for p in params)
+    ref = np.tanh(np.asarray(x, np.float64) @ w1 + b1) @ w2 + b2  # second method: NumPy
+    np.testing.assert_allclose(fg.mlp_apply(params, x), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(fg.mlp_apply)(params, x), ref, rtol=1e-5, atol=1e-5)
+    # It survives grad and an optimizer step (static pytree metadata); paths are unchanged.
+    grads = jax.grad(lambda p: jnp.sum(fg.mlp_apply(p, x)))(params)
+    stepped = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    assert stepped.activation == "tanh" and stepped[:1].activation == "tanh"
+    assert [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(stepped)[0]] \
+        == ["[0]['b']", "[0]['w']", "[1]['b']", "[1]['w']"]
+    np.testing.assert_allclose(fg.mlp_apply(stepped, x),
+                               fg.mlp_apply(stepped, x, activation="tanh"), rtol=0)
+
+
+def test_a_mismatched_activation_is_refused(key):
+    params = fg.mlp_init(key, (5, 7, 3), activation="tanh")
+    with pytest.raises(ValueError, match=r"activation='relu', but params were made by "
+                                         r"mlp_init\(\.\.\., activation='tanh'\).*Leave "
+                                         r"activation out"):
+        fg.mlp_apply(params, jnp.ones((2, 5)), activation="relu")
+    # ReLU params stay a plain list (plain-list masks keep matching them).
+    assert type(fg.mlp_init(key, (5, 3))) is list
+
+
 def test_losses_by_hand(strict_dtypes):
     # Uniform logits over 4 classes: cross-entropy = log 4 for any label.
     np.testing.assert_allclose(fg.softmax_cross_entropy(jnp.zeros((3, 4)), jnp.array([0, 1, 3])),
