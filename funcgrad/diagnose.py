@@ -31,10 +31,15 @@ The structural questions are answered from the program, not from the numbers:
     connected);
   * *what blocks it* — the dependence analysis again, now tracking for each leaf the best
     kind of path (differentiable > through stop_gradient > through a zero-derivative op) and
-    where the path was cut (primitive and source line).
+    where the path was cut (primitive and source line). A ``custom_vjp`` rule whose pullback
+    gives an input a cotangent that ignores the output cotangent (``bwd`` returned None or
+    zeros) while the function's output depends on that input cuts the path there: the row
+    names the function, its ``bwd`` and their lines (`funcgrad._custom_rules`).
 Only ``numerically_zero`` and ``nonfinite`` need the numbers: the gradient itself, and the
 ReLU units' activations (a unit is *dead for this batch* when its pre-activation is <= 0 for
 every example, so its derivative, relu'(z) = 0 for z <= 0 in JAX, is zero for every example;
+units lie along the feature axis of the layer feeding the ReLU, found from the program by
+`funcgrad._relu_axes`, and variance clamps in normalisation layers are not ReLUs;
 inside ``scan`` a unit is dead when that holds at every iteration, inside ``cond`` the branch
 taken is the one looked at).
 """
