@@ -133,8 +133,9 @@ def _out_axis(eqn, vals) -> int | None:
     name, p = eqn.primitive.name, eqn.params
     out_shape = tuple(eqn.outvars[0].aval.shape)
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
-    if name == "conv_general_dilated":
-        return int(p["dimension_numbers"].out_spec[1])
+    if name == "conv_general_dilated":  # out_spec = (batch dim, feature dim, spatial dims...)
+        spec = getattr(p.get("dimension_numbers"), "out_spec", None)
+        return int(spec[1]) if spec is not None else None
     if name == "dot_general":
         (lc, rc), (lb, rb) = p["dimension_numbers"]
         weight = [not d and q for _, d, q in vals]  # depends on the params, not on the data
