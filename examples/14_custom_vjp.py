@@ -8,10 +8,14 @@
    difference is the point of an STE, shown next to the hand-derived rule.
 3. A backward rule with the classic broadcast bug (a bias cotangent not summed over the
    batch): caught by funcgrad before JAX, naming the input and both shapes.
+4. A backward rule that forgets a cotangent (None for the scale w, which the output depends
+   on): funcgrad warns while the backward pass is traced, and explain_grads names the rule
+   as what blocks w (not "numerically zero").
 
     $ python examples/14_custom_vjp.py
 """
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +65,21 @@ def add_bias_bwd_buggy(residuals, g):
 
 
 add_bias.defvjp(lambda x, b: (add_bias(x, b), None), add_bias_bwd_buggy)
+
+
+# --- 4. a bwd rule that forgets a cotangent --------------------------------------------------
+
+@custom_vjp
+def scale(x, w):                                    # x: (n,), w: () ; out = x * w
+    return x * w
+
+
+def scale_bwd_forgetful(residuals, g):
+    x, w = residuals
+    return g * w, None                              # bug: dL/dw = sum(g * x) is dropped
+
+
+scale.defvjp(lambda x, w: (x * w, (x, w)), scale_bwd_forgetful)
 
 
 def main() -> None:
@@ -118,7 +137,23 @@ def main() -> None:
     b.same("raised by funcgrad, not JAX", message.startswith("custom_vjp: the bwd rule"), True)
     b.same("names the input", "  b: expected float32[3]" in message, True)
     b.same("and what it got", "got float32[4,3]" in message, True)
-    c.failed += s.failed + b.failed
+
+    print()
+    d = Check("a bwd rule that forgets a cotangent", left="found", right="expected")
+    loss = lambda p, x: jnp.sum(scale(x, p["w"]) ** 2)
+    params, xs = {"w": jnp.float32(2.0)}, jnp.array([1.0, 2.0, 3.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = fg.explain_grads(loss, params, xs)
+    messages = [str(w.message) for w in caught if w.category is fg.DroppedCotangentWarning]
+    print("  warning: " + (messages[0] if messages else "none"))
+    print("  " + str(report).replace("\n", "\n  "))
+    d.same("warned, naming w", bool(messages) and "for w (float32[])" in messages[0], True)
+    # The true dL/dw = sum(2 (x w) x) = 2 w sum(x^2) = 2 * 2 * 14 = 56; the rule gives 0.
+    d.row("true dL/dw = 2 w sum(x^2)", jax.grad(lambda w: jnp.sum((xs * w) ** 2))(2.0), 56.0)
+    d.same("explain_grads status of w", report.status("p['w']"), "blocked_by_zero_derivative_op")
+    d.same("  names the rule", "scale_bwd_forgetful" in report["p['w']"].detail, True)
+    c.failed += s.failed + b.failed + d.failed
     c.done()
 
 

@@ -80,9 +80,9 @@ def _describe(eqn, k, where) -> str:
     name = name or str(eqn.params.get("name", "")) or "a custom_vjp function"
     if at:
         name += f" ({os.path.basename(at)})"
-    names = getattr(info, "arg_names", None) or ()
-    arg = names[k] if k < len(names) and names[k] else f"its input {k} (0-based)"
     bwd = getattr(eqn.params.get("bwd"), "f", eqn.params.get("bwd"))
+    names = getattr(bwd, "input_names", None) or getattr(info, "arg_names", None) or ()
+    arg = names[k] if k < len(names) and names[k] else f"its input {k} (0-based)"
     bwd = inspect.unwrap(bwd) if callable(bwd) else bwd
     bwd_name = getattr(bwd, "__name__", "bwd")
     try:

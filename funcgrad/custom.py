@@ -26,6 +26,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import source_info_util
+
+# Lines of this file are never "the user's line": the custom_vjp_call a CustomVJP makes is
+# credited to the user's call of the function (explain_grads, find_nonfinite, trace).
+source_info_util.register_exclusion(__file__)
 
 PyTree = Any
 
@@ -203,6 +208,7 @@ class CustomVJP:
             cts = _check_cotangents(spec, user_bwd(*bwd_args))
             _warn_dropped(spec, cts, fun, args, self.nondiff_argnums, declared)
             return cts
+        checked_bwd.input_names = spec.names  # read by explain_grads to name an input
 
         # A fresh jax.custom_vjp per call: checked_bwd closes over this call's primals, whose
         # shapes and dtypes are static even when they are tracers (inside jit or vmap).

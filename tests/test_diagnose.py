@@ -313,6 +313,9 @@ def test_a_custom_vjp_rule_that_drops_a_cotangent_is_named_as_the_blocker(kind):
     assert row.status == "blocked_by_zero_derivative_op" and row.grad_norm == 0.0
     assert "custom_vjp rule of" in row.detail and "scale_bwd" in row.detail
     assert "test_diagnose.py" in row.detail and "dead ReLU" not in row.detail
+    assert "custom.py" not in row.detail  # the user's call, not funcgrad's wrapper
+    if kind == "funcgrad":
+        assert "(None) for w," in row.detail  # funcgrad's rule knows the parameter names
 
 
 def test_a_custom_vjp_rule_with_a_real_cotangent_stays_connected():
