@@ -237,7 +237,8 @@ def _warn_dropped(spec, cts, fun, args, nondiff_argnums, declared) -> None:
         for j, (path, leaf) in enumerate(flat):
             leaf_name = name + jax.tree_util.keystr(path)
             if (path in none_paths and _is_float_leaf(leaf)
-                    and not any(leaf_name == z or leaf_name.startswith(z) for z in declared)):
+                    and not any(leaf_name == z or leaf_name.startswith((z + "[", z + "."))
+                                for z in declared)):
                 dropped.append((leaf_name, k, j))
     if not dropped:
         return
