@@ -209,7 +209,7 @@ def _literal_or_param_scale(eqn) -> bool:
 
 def _is_square(var, producer) -> bool:
     eqn = producer.get(var)
-    while eqn is not None and eqn.primitive.name in _PASS | {"div", "reduce_sum"}:
+    while eqn is not None and eqn.primitive.name in _PASS:
         eqn = producer.get(eqn.invars[0])
     if eqn is None:
         return False

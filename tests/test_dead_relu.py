@@ -160,3 +160,17 @@ def test_dense_layer_with_weight_first_counts_output_units():
     alive = _alive_channels(pre, axis=1)
     (site,) = fg.explain_grads(loss_fn, {"w": w, "b": b}, x).relus
     assert site.units == 4 and site.dead == int((~alive).sum()) == 1
+
+
+def test_a_relu_of_centred_or_squared_activations_is_still_a_relu():
+    # Only a variance (E[x^2] - E[x]^2, a mean of squares, var()) is a clamp; relu(h - mean h)
+    # and relu(h^2 - 1) are activations the user wrote: both listed, 4 units each.
+    def loss_fn(w, x):
+        h = x @ w
+        a = jax.nn.relu(h - jnp.mean(h, axis=0, keepdims=True))
+        b = jax.nn.relu(h * h - 1.0)
+        return jnp.sum(a) + jnp.sum(b)
+
+    w, x = jnp.ones((3, 4)), jnp.ones((5, 3))
+    sites = fg.explain_grads(loss_fn, w, x).relus
+    assert [(s.units, s.axis) for s in sites] == [(4, 1), (4, 1)]
