@@ -42,6 +42,9 @@ class NonFiniteReport(NamedTuple):
         the first non-finite value; with accumulation its context names the micro-batch);
         None otherwise.
       batches: how many batches the step took (1, or up to K with accumulation).
+      update: when the loss and the norm are finite but the optimizer's update or the new
+        params were not (the step's guard skipped it), which leaves and how to fix it (from
+        the step's ``explain_skipped_update``); "" otherwise.
     """
     step: int
     epoch: int
@@ -50,12 +53,15 @@ class NonFiniteReport(NamedTuple):
     grad_norm: float
     anomaly: Any = None
     batches: int = 1
+    update: str = ""
 
     def __str__(self) -> str:
         where = (f"batch {self.batch}" if self.batches == 1 else
                  f"batches {self.batch}-{self.batch + self.batches - 1}, accumulated")
         these = 'that batch' if self.batches == 1 else 'those batches'
-        if not math.isfinite(self.loss) and math.isfinite(self.grad_norm):
+        if self.update:
+            hint = self.update
+        elif not math.isfinite(self.loss) and math.isfinite(self.grad_norm):
             # The gradient is fine, so no update blew up: the loss itself made the NaN/inf.
             hint = (f"The gradient norm is finite, so the loss itself is not: check the "
                     f"targets and inputs of {these} (e.g. a label outside [0, classes) in "
@@ -285,8 +291,12 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
                        else step_was_skipped({"loss": loss, "grad_norm": grad_norm}))
                 if bad:
                     taken = 1 if accumulate == 1 else int(jax.tree.leaves(call[0])[0].shape[0])
+                    update = ""
+                    if (math.isfinite(loss) and math.isfinite(grad_norm)
+                            and hasattr(step, "explain_skipped_update")):
+                        update = step.explain_skipped_update(state, *call)  # which leaf, why
                     report = NonFiniteReport(run_step, epoch, i * accumulate, loss, grad_norm,
-                                             metrics.get("anomaly"), taken)
+                                             metrics.get("anomaly"), taken, update)
                     if getattr(step, "nonfinite", None) == "raise":
                         raise FloatingPointError(str(report))
                     if not _all_finite(state.params):

@@ -130,8 +130,20 @@ def trainable_mask(params: PyTree, *, train: Selector | None = None,
     return jax.tree.unflatten(jax.tree.structure(params), trainable)
 
 
+class _AllOf:
+    """Several masks over the same params: a leaf is trainable when every one says so (the
+    masks of nested `freeze` calls, or `make_train_step`'s ``trainable=`` over a frozen
+    optimizer). Not a pytree, so `_leaf_flags` sees it whole."""
+
+    def __init__(self, masks: Sequence[PyTree]):
+        self.masks = tuple(masks)
+
+
 def _leaf_flags(mask: PyTree, params: PyTree, where: str) -> list[bool]:
     """One bool per leaf of `params` (in ``jax.tree.leaves`` order), broadcasting a prefix mask."""
+    if isinstance(mask, _AllOf):
+        per_mask = [_leaf_flags(m, params, where) for m in mask.masks]
+        return [all(flags) for flags in zip(*per_mask)]
     mask_def = jax.tree.structure(mask)
     try:
         subtrees = mask_def.flatten_up_to(params)
@@ -165,13 +177,38 @@ def _split(params: PyTree, mask: PyTree, where: str):
         t, z = iter(trainable_leaves), iter(frozen_leaves)
         return jax.tree.unflatten(treedef, [next(t) if f else next(z) for f in flags])
 
-    for path, x, f in zip(_paths_and_leaves(params)[0], leaves, flags):
-        if f and not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-            raise TypeError(
-                f"{where}: the trainable leaf {path} has dtype {jnp.result_type(x)}, which has "
-                f"no gradient. Freeze it (trainable_mask(params, freeze={path!r})) or keep it "
-                "out of params.")
+    check_differentiable(params, where, flags)
     return trainable, frozen, merge
+
+
+def check_differentiable(params: PyTree, where: str, flags: Sequence[bool] | None = None) -> None:
+    """Raises TypeError, naming the leaf and the fix, if a trainable leaf has no gradient.
+
+    JAX differentiates floating-point (and complex) leaves only; an integer or bool leaf in
+    the differentiated params makes ``jax.grad`` fail with a message that names no leaf.
+
+    Args:
+      params: the parameter pytree.
+      where: the tool's name, to start the message.
+      flags: one bool per leaf, True where it is trainable (`_leaf_flags`); None: all.
+    Raises:
+      TypeError: for the first trainable leaf whose dtype is not inexact: its path
+        (``params['count']``), its dtype, and the two fixes: make it floating point if it is a
+        weight, or freeze it with `trainable_mask` if it is not trained.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    flags = [True] * len(flat) if flags is None else flags
+    for (kp, x), f in zip(flat, flags):
+        dtype = jnp.result_type(x)
+        if f and not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"{where}: params{jax.tree_util.keystr(kp)} has dtype {dtype}, which has no "
+                "gradient (JAX differentiates floating-point leaves only). If it is a weight, "
+                "make it floating point (e.g. jnp.array(0.0) rather than jnp.array(0), or "
+                ".astype(jnp.float32)); if it is not trained (a step counter, an index table), "
+                f"freeze it: trainable = trainable_mask(params, freeze={_path(kp)!r}), given "
+                "to make_train_step(..., trainable=trainable) and init_train_state(..., "
+                "trainable=trainable), or keep it out of params.")
 
 
 def value_and_grad_trainable(fn: Callable, mask: PyTree, *,
@@ -223,9 +260,16 @@ def freeze(optimizer: optax.GradientTransformation, mask: PyTree) -> optax.Gradi
     Args:
       optimizer: any optax ``GradientTransformation`` (e.g. ``optax.adam(1e-3)``).
       mask: Python bools with the structure of the params or a prefix of it (`trainable_mask`).
+    Given to `funcgrad.train.make_train_step`, a frozen optimizer acts as its
+    ``trainable=mask``: the frozen leaves are not differentiated, so the global norm (the
+    "grad_norm" metric), the clipping by `clip_norm`, the non-finite guard and the monitor
+    see only the gradient that is applied. A frozen leaf with a large gradient does not
+    shrink the clipped update of the others.
+
     Returns:
-      an optax ``GradientTransformation``; its ``init`` and ``update`` check `mask` against the
-      params and updates they receive.
+      a `FrozenOptimizer`: an optax ``GradientTransformationExtraArgs`` with the mask as its
+      ``trainable`` attribute; its ``init`` and ``update`` check `mask` against the params and
+      updates they receive.
     Raises:
       TypeError: if `optimizer` is not an optax GradientTransformation; at ``init``/``update``,
         if a mask leaf is not a bool.
@@ -240,7 +284,29 @@ def freeze(optimizer: optax.GradientTransformation, mask: PyTree) -> optax.Gradi
         return jax.tree.unflatten(jax.tree.structure(tree),
                                   ["trainable" if f else "frozen" for f in flags])
 
-    return optax.partition({"trainable": optimizer, "frozen": optax.set_to_zero()}, labels)
+    frozen = FrozenOptimizer(
+        *optax.partition({"trainable": optimizer, "frozen": optax.set_to_zero()}, labels))
+    frozen.trainable = mask
+    frozen._masks = (mask, *frozen_masks(optimizer))
+    return frozen
+
+
+class FrozenOptimizer(optax.GradientTransformationExtraArgs):
+    """The optax transformation `freeze` returns; it also carries its mask as ``trainable``.
+
+    An ``optax.GradientTransformationExtraArgs`` (``init``, ``update``) like any other; the
+    mask lets `funcgrad.train.make_train_step` see the freeze and treat it as its own
+    ``trainable=``: frozen leaves are not differentiated, and the global norm, the clipping,
+    the non-finite guard and the monitor see only the gradient that is applied. (optax's
+    own ``optax.partition``/``optax.masked`` cannot be seen into: with them the step's norm
+    and clipping also count the gradients of the leaves they leave alone.)
+    """
+
+
+def frozen_masks(optimizer: Any) -> tuple[PyTree, ...]:
+    """The masks of the `freeze` calls wrapped around `optimizer`, outermost first; () if it is
+    not a `FrozenOptimizer` (a freeze hidden inside ``optax.chain`` is not seen)."""
+    return getattr(optimizer, "_masks", ()) if isinstance(optimizer, FrozenOptimizer) else ()
 
 
 def requires_grad(fn: Callable, mask: PyTree) -> Callable[..., PyTree]:

@@ -19,8 +19,9 @@ import optax
 
 from funcgrad._traced import naming_traced_values
 from funcgrad.accumulate import make_accumulating_step
-from funcgrad.clipping import clip_by_global_norm, global_norm, zero_nonfinite_leaves
-from funcgrad.masks import freeze, value_and_grad_trainable
+from funcgrad.clipping import all_finite, clip_by_global_norm, global_norm, zero_nonfinite_leaves
+from funcgrad.masks import (_AllOf, _leaf_flags, check_differentiable, freeze, frozen_masks,
+                            value_and_grad_trainable)
 from funcgrad.monitor import GradMonitor, MonitorState, with_dead_relu
 from funcgrad.precision import (LossScale, LossScaleState, first_half_leaf,
                                 scaled_value_and_grad)
@@ -145,11 +146,21 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     optimizer = make_optimizer(optimizer)
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
+    mask = _trainable_of(optimizer)
+    if mask is not None:  # the monitor skips layers frozen by trainable= or by fg.freeze
+        mask = jax.tree.unflatten(jax.tree.structure(params),
+                                  _leaf_flags(mask, params, "init_train_state"))
     return TrainState(params=params, opt_state=optimizer.init(params),
                       step=jnp.zeros((), jnp.int32),
                       loss_scale=None if loss_scale is None else loss_scale.init(),
-                      monitor=None if monitor is None else monitor.init(params,
-                                                                        trainable=trainable))
+                      monitor=None if monitor is None else monitor.init(params, trainable=mask))
+
+
+def _trainable_of(optimizer: optax.GradientTransformation) -> PyTree | None:
+    """The trainable mask of an optimizer wrapped by `funcgrad.masks.freeze` (all its masks
+    together when nested), or None."""
+    masks = frozen_masks(optimizer)
+    return None if not masks else masks[0] if len(masks) == 1 else _AllOf(masks)
 
 
 #: What a train step does when the loss or the global gradient norm is NaN or inf.
@@ -288,9 +299,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                          "non-finite leaves zeroed.")
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
+    # trainable= and an optimizer from fg.freeze are one thing: the frozen leaves are not
+    # differentiated, so the norm, the clipping, the guard and the monitor see only the
+    # gradient that is applied (frozen leaves add exact zeros and are left out of them).
+    trainable = _trainable_of(optimizer)
+    if trainable is not None:
         differentiate = functools.partial(value_and_grad_trainable, mask=trainable)
     else:
-        differentiate = jax.value_and_grad
+        differentiate = _value_and_grad_checked
     # Dead ReLUs come from interpreting loss_fn's jaxpr; the mixed-precision and accumulating
     # paths differentiate their own wrappers of loss_fn, so there the monitor has norms only.
     dead_relu = (monitor is not None and monitor.dead_relu and compute_dtype is None
@@ -303,13 +319,24 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             _scalar_loss(loss_fn), value_and_grad=differentiate,
             compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
 
-    def apply_update(state: TrainState, loss: jax.Array, grads: PyTree, dead=None):
-        """Norm, clipping, the non-finite guard and the optimizer update: once per update."""
+    def trained_flags(params: PyTree) -> list[bool]:
+        """Per leaf of `params`, at trace time: is it trained (differentiated and updated)?"""
+        return ([True] * len(jax.tree.leaves(params)) if trainable is None
+                else _leaf_flags(trainable, params, "make_train_step"))
+
+    def apply_update(state: TrainState, loss: jax.Array, grads: PyTree, dead=None, *,
+                     locate: bool = False):
+        """Norm, clipping, the non-finite guard and the optimizer update: once per update.
+
+        With `locate` the metrics also hold, per leaf, whether its update and its new value
+        are finite (`_explain_skipped_update` reads them after a skip)."""
         zero = nonfinite == "zero"
         metrics = {"loss": loss, "grad_norm": None}
         grad_norm, monitor_state = None, state.monitor
+        leaves, treedef = jax.tree.flatten(grads)
+        flags = trained_flags(state.params)
         if monitor is not None:  # on the raw gradient; its fused sums include the global norm
-            monitor_state, report = monitor.update(state.monitor, grads, loss=loss,
+            monitor_state, report = monitor.update(state.monitor, _floating(grads), loss=loss,
                                                    dead_relu=dead)
             grad_norm = report.grad_norm
             # Its packed values leave the step once, in the new state; `_attach_monitor` puts
@@ -317,66 +344,86 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             # a copy kernel after the norm: see funcgrad.monitor.MonitorState). Under the
             # accumulating scan each update's metrics are stacked, so they keep their values.
             metrics["monitor"] = report if accumulate is not None else report._detached()
+        # Norm, zeroing and clipping see the trained leaves only: a frozen leaf's gradient is
+        # exactly zero (or an integer leaf's zeros, which have no norm).
+        trained = [g for g, f in zip(leaves, flags) if f]
         if zero:  # the norm reported and clipped against is that of the gradient applied
-            grads, metrics["nonfinite_leaves"] = zero_nonfinite_leaves(grads)
+            trained, metrics["nonfinite_leaves"] = zero_nonfinite_leaves(trained)
             grad_norm = None
         if grad_norm is None:
-            grad_norm = global_norm(grads)
+            grad_norm = global_norm(trained)
         metrics["grad_norm"] = grad_norm
         if clip_norm is not None:
-            grads, info = clip_by_global_norm(grads, clip_norm, grad_norm=grad_norm)
+            trained, info = clip_by_global_norm(trained, clip_norm, grad_norm=grad_norm)
             metrics["clip_coef"] = info.clip_coef
-        ok = jnp.isfinite(loss) & (jnp.bool_(True) if zero else jnp.isfinite(grad_norm))
+        if zero or clip_norm is not None:
+            it = iter(trained)
+            grads = jax.tree.unflatten(treedef, [next(it) if f else g
+                                                 for g, f in zip(leaves, flags)])
+        grads_ok = jnp.isfinite(loss) & (jnp.bool_(True) if zero else jnp.isfinite(grad_norm))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         if (rate := applied_learning_rate(opt_state)) is not None:  # a schedule's, this update
             metrics["learning_rate"] = rate
+        new_params = optax.apply_updates(state.params, updates)
+        # The guard: an update is applied only if every trained leaf's new value is finite,
+        # so no NaN/inf the optimizer makes from a finite gradient (Adam's eps is 0 in
+        # float16: 0/0 where a gradient is 0) and no overflow of a param gets in. One fused
+        # reduction over the new values (`all_finite`), read by the jnp.where per leaf.
+        ok = grads_ok & all_finite([p for p, f in zip(jax.tree.leaves(new_params), flags) if f])
         params, opt_state = jax.tree.map(
             lambda n, o: jnp.where(ok, n, o),
-            (optax.apply_updates(state.params, updates), opt_state), (state.params, state.opt_state))
-        # Neither the counter nor a "skipped" output depends on `ok` in the plain step: with
-        # one, a small CPU step measured 1.8x. The norm's kernel makes every guarded update
-        # ready at once, and one more small kernel ready beside them (more than 8 in the
-        # queue) makes XLA:CPU's thunk executor hand half of them to its thread pool, which
-        # on a small CPU costs far more than it saves (funcgrad.monitor.MonitorState keeps the
-        # monitor off that point). A skip is visible as a non-finite loss or grad_norm
-        # (`step_was_skipped`).
-        if zero or loss_scale is not None:
-            metrics["skipped"] = (~ok).astype(jnp.int32)
+            (new_params, opt_state), (state.params, state.opt_state))
+        # "skipped" depends on the whole guard, so it is the one output that tells a skip
+        # (a step skipped for its update has a finite loss and norm). The counter does not
+        # depend on `ok`.
+        metrics["skipped"] = (~ok).astype(jnp.int32)
+        if locate:
+            finite = lambda x: (jnp.all(jnp.isfinite(x))
+                                if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+                                else jnp.bool_(True))
+            metrics["update_finite"] = [finite(u) for u in jax.tree.leaves(updates)]
+            metrics["params_finite"] = [finite(p) for p in jax.tree.leaves(new_params)]
         if loss_scale is None:
             return (TrainState(params, opt_state, state.step + 1, state.loss_scale, monitor_state),
                     metrics)
-        scale_state = loss_scale.update(state.loss_scale, ok)
+        # The scale backs off only for an overflow of the (scaled) gradient; a non-finite
+        # update from a finite gradient is skipped without touching it (`fit` reports it).
+        scale_state = loss_scale.update(state.loss_scale, grads_ok)
         metrics.update(loss_scale=state.loss_scale.scale, skipped_total=scale_state.skipped_total)
         return TrainState(params, opt_state, state.step + 1, scale_state, monitor_state), metrics
 
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        _check_state(state, optimizer, loss_scale, monitor)
-        if compute_dtype is None:
-            _warn_half_params(state.params)
-        dead = None
-        if compute_dtype is None and loss_scale is None:
-            loss, grads = value_and_grad(state.params, batch)
-            if dead_relu:
-                loss, dead = loss
-        else:
-            scale = (jnp.ones((), jnp.float32) if loss_scale is None
-                     else state.loss_scale.scale)
-            loss, grads = value_and_grad(state.params, batch, scale)
-        return apply_update(state, loss, grads, dead)
-
-    if accumulate is not None:
-        accumulating = make_accumulating_step(
-            loss_fn, apply_update, accumulate=accumulate, tail=tail,
-            value_and_grad=differentiate, compute_dtype=compute_dtype,
-            loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
-            jit=False)
-
-        def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
+    def build(apply: Callable) -> Callable:
+        """The step (unjitted) around `apply_update` or a variant of it."""
+        def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
             _check_state(state, optimizer, loss_scale, monitor)
             if compute_dtype is None:
                 _warn_half_params(state.params)
-            return accumulating(state, microbatches, mask)
+            dead = None
+            if compute_dtype is None and loss_scale is None:
+                loss, grads = value_and_grad(state.params, batch)
+                if dead_relu:
+                    loss, dead = loss
+            else:
+                scale = (jnp.ones((), jnp.float32) if loss_scale is None
+                         else state.loss_scale.scale)
+                loss, grads = value_and_grad(state.params, batch, scale)
+            return apply(state, loss, grads, dead)
 
+        if accumulate is not None:
+            accumulating = make_accumulating_step(
+                loss_fn, apply, accumulate=accumulate, tail=tail,
+                value_and_grad=differentiate, compute_dtype=compute_dtype,
+                loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
+                jit=False)
+
+            def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
+                _check_state(state, optimizer, loss_scale, monitor)
+                if compute_dtype is None:
+                    _warn_half_params(state.params)
+                return accumulating(state, microbatches, mask)
+        return step
+
+    step = build(apply_update)
     out = jax.jit(step) if jit else step
     if monitor is not None and accumulate is None:
         out = _attach_monitor(out)
@@ -384,6 +431,19 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         out = (_detecting_anomalies(out, loss_fn, trainable, compute_dtype) if accumulate is None
                else _detecting_anomalies_per_micro_batch(out, loss_fn, trainable, accumulate,
                                                          compute_dtype))
+    located = []  # the step with per-leaf finiteness of updates, jitted at the first skip
+
+    def explain_skipped_update(state: TrainState, *args) -> str:
+        """Which leaves' updates or new values were NaN/inf in the step ``out(state, *args)``
+        and how to fix it; "" if none were. Runs that step again (on the host's call)."""
+        if not located:
+            located.append(jax.jit(build(functools.partial(apply_update, locate=True))))
+        with warnings.catch_warnings():  # the step's own trace already warned about these
+            warnings.simplefilter("ignore", RuntimeWarning)
+            metrics = located[0](state, *args)[1]
+        return _explain_skipped_update(state, metrics)
+
+    out.explain_skipped_update = explain_skipped_update
     out.nonfinite = nonfinite
     out.accumulate = accumulate
     out.tail = tail if accumulate is not None else None
@@ -550,6 +610,61 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
                            else _locate_first(locate, _scale_of(before))}
 
     return functools.wraps(step)(checked)
+
+
+def _value_and_grad_checked(fn: Callable, **kwargs) -> Callable:
+    """``jax.value_and_grad(fn, **kwargs)`` that first names a params leaf with no gradient
+    (an integer or bool leaf: JAX's own error names none) and says how to fix it."""
+    value_and_grad = jax.value_and_grad(fn, **kwargs)
+
+    def checked(params, *args):
+        check_differentiable(params, "make_train_step")
+        return value_and_grad(params, *args)
+
+    return checked
+
+
+def _floating(grads: PyTree) -> PyTree:
+    """`grads` with the zeros of frozen integer/bool leaves as float32 zeros (for the monitor,
+    which takes norms and means of every leaf)."""
+    return jax.tree.map(lambda g: g if jnp.issubdtype(jnp.result_type(g), jnp.inexact)
+                        else jnp.zeros(jnp.shape(g), jnp.float32), grads)
+
+
+def _explain_skipped_update(state: TrainState, metrics: Mapping[str, Any]) -> str:
+    """What `fit` says about a step skipped although its loss and gradient norm were finite:
+    which leaves' updates or new values were NaN/inf, and how to fix it. `metrics` are those
+    of the step built with ``apply_update(..., locate=True)`` on the same state and batch."""
+    updates_ok, params_ok = jax.device_get((metrics["update_finite"], metrics["params_finite"]))
+    updates_ok, params_ok = np.asarray(updates_ok, bool), np.asarray(params_ok, bool)
+    if updates_ok.ndim == 2:  # accumulated: (leaves, updates); the first update with a fault
+        bad = np.flatnonzero(~(updates_ok.all(0) & params_ok.all(0)))
+        u = int(bad[0]) if bad.size else 0
+        updates_ok, params_ok = updates_ok[:, u], params_ok[:, u]
+    flat, _ = jax.tree_util.tree_flatten_with_path(state.params)
+    rows, half = [], False
+    for (kp, leaf), u_ok, p_ok in zip(flat, updates_ok, params_ok):
+        if u_ok and p_ok:
+            continue
+        dtype = jnp.result_type(leaf)
+        half |= jnp.finfo(dtype).bits < 32
+        what = ("its update holds NaN/inf" if not u_ok else
+                "its update is finite but the new value overflows")
+        rows.append(f"params{jax.tree_util.keystr(kp)} ({dtype}): {what}")
+    if not rows:
+        return ""
+    text = ("The loss and the gradient norm are finite, but the optimizer's update is not: "
+            + "; ".join(rows) + ". The step was skipped (params and optimizer state unchanged).")
+    if half:
+        return text + (
+            " In float16 the optimizer's small constants round away (Adam's eps=1e-8 is 0 in "
+            "float16, so its update is 0/0 wherever a gradient is 0 or tiny). Keep float32 "
+            "params and pass compute_dtype=jnp.float16 (with loss_scale="
+            "funcgrad.dynamic_loss_scale()) to make_train_step, or give the optimizer an eps "
+            "float16 can hold, e.g. optax.adam(1e-3, eps=1e-4).")
+    return text + (" Check the optimizer's settings (learning rate, eps) and the scale of the "
+                   "params: an update that overflows comes from the optimizer, not the "
+                   "gradient.")
 
 
 def _scalar_loss(loss_fn: LossFn) -> LossFn:

@@ -1,0 +1,218 @@
+"""The train step's guard and what it sees: non-finite updates (issue 11, point 1), a freeze
+declared through the optimizer (point 6) and integer leaves in the params (point 10)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import funcgrad as fg
+
+
+# --- point 1: a non-finite update from a finite gradient is never applied ---------------------
+
+def unused_leaf_loss(params, batch):
+    """Scalar loss sum(w**2); params["u"] is unused, so its gradient is exactly 0."""
+    del batch
+    return jnp.sum(params["w"] ** 2)
+
+
+def unused_leaf_per_example(params, batch):
+    """The same loss, once per example of the micro-batch (for accumulate=)."""
+    return jnp.sum(params["w"] ** 2) * jnp.ones_like(batch["x"])
+
+
+def _assert_unchanged(new, state):
+    for a, b in zip(jax.tree.leaves((new.params, new.opt_state)),
+                    jax.tree.leaves((state.params, state.opt_state))):
+        np.testing.assert_array_equal(a, b)
+
+
+VARIANTS = {
+    "plain": {},
+    "zero": {"nonfinite": "zero"},
+    "raise": {"nonfinite": "raise"},
+    "clip": {"clip_norm": 1.0},
+    "loss_scale": {"loss_scale": fg.dynamic_loss_scale()},
+    "compute_dtype": {"compute_dtype": jnp.float32},
+    "monitor": {"monitor": fg.grad_monitor()},
+    "accumulate": {"accumulate": 2},
+    "accumulate+loss_scale": {"accumulate": 2, "loss_scale": fg.dynamic_loss_scale()},
+}
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
+def test_a_nonfinite_update_from_a_finite_gradient_is_skipped(kwargs):
+    # Adam with eps=0: for the unused leaf u, g = 0, so m = v = 0 and the update
+    # -lr * m_hat / (sqrt(v_hat) + eps) is 0/0 = NaN, although loss and gradient are finite:
+    # loss = 1 + 4 = 5 and the global norm is ||2w|| = sqrt(4 + 16) = sqrt(20).
+    params = {"w": jnp.array([1.0, 2.0]), "u": jnp.array([3.0])}
+    tx = optax.adam(0.1, eps=0.0)
+    updates, _ = tx.update({"w": 2 * params["w"], "u": jnp.zeros(1)}, tx.init(params), params)
+    assert np.isnan(updates["u"]).all() and np.isfinite(updates["w"]).all()  # the premise
+    step = fg.make_train_step(unused_leaf_per_example if "accumulate" in kwargs
+                              else unused_leaf_loss, tx, **kwargs)
+    state = fg.init_train_state(params, tx, loss_scale=kwargs.get("loss_scale"),
+                                monitor=kwargs.get("monitor"))
+    if "accumulate" in kwargs:
+        batch = {"x": jnp.ones((2, 3))}  # 2 micro-batches of 3 examples: one update
+        new, metrics = step(state, batch)
+        metrics = jax.tree.map(lambda a: a[0], {k: v for k, v in metrics.items()
+                                               if k not in ("examples", "dropped_examples")})
+    else:
+        batch = {"x": jnp.ones(3)}
+        new, metrics = step(state, batch)
+    _assert_unchanged(new, state)  # nothing applied (before: u became NaN)
+    assert float(metrics["loss"]) == pytest.approx(5.0)
+    assert float(metrics["grad_norm"]) == pytest.approx(math.sqrt(20.0))
+    assert int(metrics["skipped"]) == 1 and fg.train.step_was_skipped(metrics)
+    if "loss_scale" in kwargs:  # not an overflow of the scaled gradient: the scale stays
+        assert float(new.loss_scale.scale) == float(state.loss_scale.scale)
+    # which leaf: params['u'] alone (w's update -lr * sign(g) is finite)
+    text = step.explain_skipped_update(state, batch)
+    assert "params['u']" in text and "params['w']" not in text and "holds NaN/inf" in text
+
+
+def test_float16_params_with_adam_are_not_corrupted():
+    # The issue's case: make_optimizer("adam") has eps=1e-8, which is 0 in float16 (the
+    # smallest float16 subnormal is 2**-24 ~ 6e-8), so the unused leaf's update is 0/0.
+    assert float(jnp.float16(1e-8)) == 0.0
+    params = {"w": jnp.array([1.0, 2.0], jnp.float16), "u": jnp.array([3.0], jnp.float16)}
+    tx = fg.make_optimizer("adam")
+    state = fg.init_train_state(params, tx)
+    step = fg.make_train_step(unused_leaf_loss, tx)
+    with pytest.warns(RuntimeWarning, match="float16"):
+        new, metrics = step(state, {})
+    _assert_unchanged(new, state)
+    assert math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["grad_norm"]))
+    assert int(metrics["skipped"]) == 1
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(new.params))
+
+
+def test_fit_stops_and_names_the_leaf_and_the_fix():
+    params = {"w": jnp.array([1.0, 2.0], jnp.float16), "u": jnp.array([3.0], jnp.float16)}
+    tx = fg.make_optimizer("adam")
+    x, y = np.ones((8, 2), np.float32), np.zeros(8, np.int32)
+    with pytest.warns(RuntimeWarning) as caught:
+        result = fg.fit(fg.make_train_step(unused_leaf_loss, tx),
+                        fg.init_train_state(params, tx), x, y, epochs=1, batch_size=4)
+    report = result.nonfinite
+    assert report is not None and report.step == 0
+    assert math.isfinite(report.loss) and math.isfinite(report.grad_norm)
+    text = str(report)
+    assert "params['u'] (float16): its update holds NaN/inf" in text
+    assert "compute_dtype=jnp.float16" in text and "eps=1e-4" in text
+    assert any("params['u']" in str(w.message) for w in caught)
+    for a, b in zip(jax.tree.leaves(result.state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)  # nothing was applied
+
+
+def test_an_update_that_overflows_the_params_is_skipped():
+    # float16 holds at most 65504: w = 60000, loss = -w (gradient -1), SGD with lr 10000
+    # gives the finite update +10000 and the new value 70000 -> inf.
+    params = {"w": jnp.array([60000.0], jnp.float16)}
+    tx = optax.sgd(1e4)
+    state = fg.init_train_state(params, tx)
+    step = fg.make_train_step(lambda p, b: -jnp.sum(p["w"]).astype(jnp.float32), tx)
+    with pytest.warns(RuntimeWarning, match="float16"):
+        new, metrics = step(state, {})
+    _assert_unchanged(new, state)
+    assert float(metrics["loss"]) == -60000.0 and float(metrics["grad_norm"]) == 1.0
+    assert int(metrics["skipped"]) == 1
+    assert "its update is finite but the new value overflows" in step.explain_skipped_update(
+        state, {})
+
+
+def test_a_finite_step_is_applied_and_explains_nothing():
+    params = {"w": jnp.array([1.0, 2.0]), "u": jnp.array([3.0])}
+    tx = optax.sgd(0.1)
+    state = fg.init_train_state(params, tx)
+    step = fg.make_train_step(unused_leaf_loss, tx)
+    new, metrics = step(state, {})
+    assert int(metrics["skipped"]) == 0
+    np.testing.assert_allclose(new.params["w"], [1.0 - 0.1 * 2.0, 2.0 - 0.1 * 4.0])  # w - lr*2w
+    assert step.explain_skipped_update(state, {}) == ""
+
+
+# --- point 6: fg.freeze(optimizer, mask) is seen by the step ----------------------------------
+
+def _frozen_problem():
+    """Two leaves; "big" is frozen and has gradient 1000 per element, "w" has gradient 2w."""
+    params = {"w": jnp.array([0.3, 0.4]), "big": jnp.array([1.0, 1.0])}
+    loss_fn = lambda p, b: jnp.sum(p["w"] ** 2) + 1000.0 * jnp.sum(p["big"])
+    return params, loss_fn, fg.trainable_mask(params, freeze="big")
+
+
+@pytest.mark.parametrize("how", ["freeze", "trainable", "both"])
+def test_clip_norm_sees_only_the_applied_gradient(how):
+    # grad w = 2w = (0.6, 0.8), norm 1.0 exactly up to rounding; big's gradient (1000, 1000)
+    # is not applied, so clipping to 0.5 halves w's gradient: SGD(1) moves w by -(0.3, 0.4),
+    # an update of norm 0.5. Over all leaves the norm would be ~1414 and the update ~3e4 x
+    # too small.
+    params, loss_fn, mask = _frozen_problem()
+    tx = optax.sgd(1.0)
+    opt = fg.freeze(tx, mask) if how in ("freeze", "both") else tx
+    trainable = mask if how in ("trainable", "both") else None
+    mon = fg.grad_monitor()
+    step = fg.make_train_step(loss_fn, opt, clip_norm=0.5, trainable=trainable, monitor=mon)
+    state = fg.init_train_state(params, opt, trainable=trainable, monitor=mon)
+    new, metrics = step(state, {})
+    assert float(metrics["grad_norm"]) == pytest.approx(1.0, rel=1e-6)
+    assert float(metrics["clip_coef"]) == pytest.approx(0.5, rel=1e-6)
+    assert float(metrics["monitor"].grad_norm) == pytest.approx(1.0, rel=1e-6)
+    np.testing.assert_allclose(new.params["w"], [0.0, 0.0], atol=1e-6)
+    np.testing.assert_array_equal(new.params["big"], params["big"])
+
+
+def test_freeze_carries_its_mask():
+    params, _, mask = _frozen_problem()
+    frozen = fg.freeze(optax.adam(1e-3), mask)
+    assert isinstance(frozen, optax.GradientTransformation) and frozen.trainable is mask
+    assert fg.masks.frozen_masks(fg.freeze(frozen, True)) == (True, mask)
+    assert fg.masks.frozen_masks(optax.chain(frozen)) == ()  # hidden inside a chain
+
+
+# --- point 10: integer leaves --------------------------------------------------------------
+
+def _counter_problem():
+    """An MLP-like weight plus an int32 step counter and an int32 index table in the params."""
+    params = {"w": jnp.array([1.0, -2.0]), "count": jnp.array(7),
+              "index": jnp.array([1, 0], jnp.int32)}
+    loss_fn = lambda p, b: jnp.sum(p["w"][p["index"]] ** 2)  # = sum(w**2), gradient 2w
+    return params, loss_fn
+
+
+def test_an_integer_leaf_is_named_with_the_fix():
+    params, loss_fn = _counter_problem()
+    tx = optax.sgd(0.1)
+    with pytest.raises(TypeError, match=r"params\['count'\] has dtype int32.*freeze='count'"):
+        fg.make_train_step(loss_fn, tx)(fg.init_train_state(params, tx), {})
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"clip_norm": 1.0}, {"monitor": fg.grad_monitor()},
+                                    {"nonfinite": "zero"}, {"through": "freeze"},
+                                    {"compute_dtype": jnp.bfloat16}],
+                         ids=["plain", "clip", "monitor", "zero", "freeze", "bfloat16"])
+def test_a_frozen_integer_leaf_trains(kwargs):
+    # SGD(0.1) on sum(w**2): w <- w - 0.1 * 2w = 0.8 w, i.e. (0.8, -1.6); the gradient norm
+    # is ||2w|| = sqrt(4 + 16); with clip_norm=1 the update is 0.1 * 2w / sqrt(20).
+    params, loss_fn = _counter_problem()
+    mask = fg.trainable_mask(params, freeze=["count", "index"])
+    kwargs = dict(kwargs)
+    tx = optax.sgd(0.1)
+    if kwargs.pop("through", None) == "freeze":
+        tx, trainable = fg.freeze(tx, mask), None
+    else:
+        trainable = mask
+    step = fg.make_train_step(loss_fn, tx, trainable=trainable, **kwargs)
+    new, metrics = step(fg.init_train_state(params, tx, trainable=trainable,
+                                            monitor=kwargs.get("monitor")), {})
+    norm = math.sqrt(20.0)
+    assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-2)
+    scale = 1.0 / norm if "clip_norm" in kwargs else 1.0
+    np.testing.assert_allclose(new.params["w"], np.array([1.0, -2.0]) * (1 - 0.2 * scale),
+                               rtol=1e-2 if "compute_dtype" in kwargs else 1e-6)
+    assert new.params["count"].dtype == jnp.int32 and int(new.params["count"]) == 7
+    np.testing.assert_array_equal(new.params["index"], [1, 0])
