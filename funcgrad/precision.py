@@ -45,7 +45,9 @@ class LossScaleState(NamedTuple):
         the last growth (a growth resets it to 0, also at the ceiling where the scale stays).
       skipped: shape (), bool; True if the last update saw non-finite gradients (that step's
         parameters and optimizer state were kept as they were).
-      skipped_total: shape (), int32; skipped steps since `init`, in steps.
+      skipped_total: shape (), int32; steps skipped since `init` because their gradients
+        were not finite (the ones that back the scale off). The train step also skips a step
+        whose update is not finite from finite gradients; that one is not counted here.
     """
     scale: jax.Array
     good_steps: jax.Array

@@ -136,7 +136,8 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
     With `trainable` (a mask from `funcgrad.masks.trainable_mask`) the optimizer is wrapped in
     ``funcgrad.masks.freeze(optimizer, trainable)``, as `make_train_step` does with the same
-    mask: frozen leaves keep no optimizer state. `loss_scale` (e.g.
+    mask: frozen leaves keep no optimizer state (an optimizer from ``funcgrad.freeze`` is
+    already wrapped: give the step the same one). `loss_scale` (e.g.
     ``funcgrad.dynamic_loss_scale()``) adds its initial state; give `make_train_step` the same.
     `monitor` (``funcgrad.grad_monitor()``) adds the monitor's state (layers whose leaves are
     all frozen by `trainable` are not checked for vanishing); give `make_train_step` the same.
@@ -183,11 +184,16 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     optimizer's update.
 
     A non-finite step never reaches the parameters. With ``nonfinite="skip"`` (the default) a
-    step whose loss or gradient norm is NaN/inf leaves params and optimizer state exactly as
-    they were (``state.step`` still counts the call); its metrics show the non-finite loss or
-    norm, which is how `step_was_skipped` tells. The guard is a ``jnp.where`` per leaf, which
-    XLA fuses into the update (about 2% of a small CPU step, see ``benchmarks/train_step.py``;
-    a ``lax.cond`` measured 1.8x and is not used).
+    step whose loss or gradient norm is NaN/inf, or whose update would make a trained leaf
+    NaN/inf, leaves params and optimizer state exactly as they were (``state.step`` still
+    counts the call) and reports ``metrics["skipped"] = 1``. The last case catches what the
+    optimizer makes from a finite gradient: float16 params with Adam, whose eps=1e-8 is 0 in
+    float16 (0/0 where a gradient is 0), or an update that overflows a param. After such a
+    skip ``step.explain_skipped_update(state, batch)`` names the leaves and the fix (`fit`
+    puts it in its report). The guard tests one fused sum over the new values of the trained
+    leaves (`funcgrad.clipping.all_finite`) and is a ``jnp.where`` per leaf, no host round
+    trip; ``benchmarks/train_step.py`` measures it ("guard cost"; a ``lax.cond`` measured
+    1.8x and is not used).
     ``nonfinite="zero"`` instead zeroes the gradient leaves that hold a NaN/inf and applies the
     rest (a non-finite loss is still skipped); ``nonfinite="raise"`` skips like "skip" and
     marks the step so that `fit` raises ``FloatingPointError`` instead of stopping quietly (a
@@ -201,13 +207,22 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       loss_fn: ``loss_fn(params, batch) -> scalar``; a pure function.
       optimizer: an optax optimizer (see `make_optimizer` for names); the state passed to the
         step must come from ``init_train_state(params, optimizer)``.
-      clip_norm: if given (> 0), the maximum global norm of the gradients used for the update.
+      clip_norm: if given (> 0), the maximum global norm of the gradients used for the update:
+        the norm is taken over the trained leaves (frozen by `trainable` or by an optimizer
+        from `funcgrad.masks.freeze` is left out). A freeze the step cannot see, inside
+        ``optax.chain`` or a hand-made ``optax.partition``/``optax.masked``, leaves the frozen
+        leaves' gradients in the norm, so a large one shrinks every applied update.
       nonfinite: "skip", "zero" or "raise" (see above).
       trainable: a mask from `funcgrad.masks.trainable_mask` (PyTorch's ``requires_grad``).
-        Frozen leaves are not differentiated at all (their gradient is exactly 0 and adds 0 to
-        "grad_norm") and get exactly zero updates (the optimizer is wrapped in
-        ``freeze(optimizer, trainable)``); create the state with
-        ``init_train_state(params, optimizer, trainable=trainable)``.
+        Frozen leaves are not differentiated at all (their gradient is exactly 0 and is left
+        out of "grad_norm", the clipping and the guard) and get exactly zero updates (the
+        optimizer is wrapped in ``freeze(optimizer, trainable)``); create the state with
+        ``init_train_state(params, optimizer, trainable=trainable)``. An `optimizer` made by
+        ``funcgrad.freeze(optimizer, mask)`` acts the same way (with both, a leaf trains
+        only if both masks say so). Integer and bool leaves (a step counter, an index table)
+        have no gradient and must be frozen: they are then carried unchanged. They are not
+        frozen silently, because an integer weight is more often a mistake
+        (``jnp.array(0)`` for a bias) than a counter, and it would never train.
       compute_dtype: if given (jnp.float16, jnp.bfloat16), the forward and backward pass run in
         it over the float32 params (`funcgrad.precision.scaled_value_and_grad`); gradients,
         norm, clipping and update stay float32.
@@ -265,21 +280,25 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
       ``{"loss": (), "grad_norm": ()}``, plus ``"clip_coef": ()`` with `clip_norm`, and
-      ``"skipped": () int32`` (1 when the update was not applied) with ``nonfinite="zero"``
-      or a `loss_scale`, where ``"nonfinite_leaves": () int32`` or "loss_scale" and
-      "skipped_total" come too. "grad_norm" is the pre-clip global norm in the gradients'
+      ``"skipped": () int32`` (1 when the update was not applied), and with
+      ``nonfinite="zero"`` ``"nonfinite_leaves": () int32``, with a `loss_scale`
+      "loss_scale" and "skipped_total" (the steps whose scaled gradients overflowed, each of
+      which backed the scale off; a skip for a non-finite update leaves the scale alone). "grad_norm" is the pre-clip global norm in the gradients'
       units (with ``nonfinite="zero"``, of the gradient after its non-finite leaves were
       zeroed: the norm of what the update used; "nonfinite_leaves" counts the zeroed leaves,
-      and a monitor still sees the raw gradient and raises its nonfinite alert). Without "skipped", a step was skipped exactly when its loss or grad_norm is not
-      finite (`step_was_skipped`). With a learning-rate schedule that the optimizer state
-      holds (`make_optimizer` with a schedule, or ``optax.inject_hyperparams``), metrics gain
-      ``"learning_rate": ()``, the rate of this update (`applied_learning_rate`).
-      The step has attributes ``nonfinite`` (the policy) and ``accumulate``.
+      and a monitor still sees the raw gradient and raises its nonfinite alert).
+      `step_was_skipped` reads "skipped". With a learning-rate schedule that the optimizer
+      state holds (`make_optimizer` with a schedule, or ``optax.inject_hyperparams``), metrics
+      gain ``"learning_rate": ()``, the rate of this update (`applied_learning_rate`).
+      The step has attributes ``nonfinite`` (the policy), ``accumulate`` and
+      ``explain_skipped_update`` (see above).
     Raises:
       TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
-        ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``); at the first call,
-        `funcgrad.TracedValueError` naming loss_fn's line when it uses a traced value
-        as a Python value (``if loss > 0:``), with the fix (``jnp.where`` / ``lax.cond``).
+        ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``); at the first call, if a
+        trained leaf of the params is not floating point (the message names its path, e.g.
+        ``params['count']``, and how to freeze it), or `funcgrad.TracedValueError` naming
+        loss_fn's line when it uses a traced value as a Python value (``if loss > 0:``), with
+        the fix (``jnp.where`` / ``lax.cond``).
       ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy, or if
         `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a
         scalar (with `accumulate`: not one loss per example) or the optimizer state does not
@@ -480,8 +499,9 @@ def _attach_monitor(step: Callable) -> Callable:
 def step_was_skipped(metrics: Mapping[str, Any]) -> bool:
     """Whether a train step did not apply its update, from its metrics (on the host).
 
-    Uses ``metrics["skipped"]`` when the step reports it, else the rule of the default
-    ``nonfinite="skip"`` policy: the loss or the pre-clip global norm is NaN or inf.
+    Uses ``metrics["skipped"]``, which every step of `make_train_step` reports (a step
+    skipped for a non-finite update has a finite loss and norm). For metrics without it
+    (another step's), the loss or the pre-clip global norm being NaN or inf.
     """
     if "skipped" in metrics:
         return bool(np.asarray(metrics["skipped"]))

@@ -52,12 +52,13 @@ def test_fit_stops_at_first_overflow_and_keeps_last_finite_state():
 
 def test_fit_never_returns_params_overflowed_by_an_update():
     # SGD lr=1e38 on L = -w from w = 3e38 (float32 max ~3.40e38): step 0 has loss -3e38 and
-    # gradient -1, both finite, but its update makes w = 3e38 + 1e38 = inf. Step 1's loss is
-    # -inf, so fit stops; the state before step 1 holds w = inf, so fit falls back to the last
-    # state verified finite, the initial one (w = 3e38, step 0).
+    # gradient -1, both finite, but its update makes w = 3e38 + 1e38 = inf. The step's guard
+    # on the new params skips it, so fit stops at step 0 with the initial state (w = 3e38,
+    # step 0) and names the leaf.
     tx = optax.sgd(1e38)
     step = fg.make_train_step(lambda p, b: -p["w"], tx)
-    with pytest.warns(RuntimeWarning, match="non-finite value at step 1"):
+    with pytest.warns(RuntimeWarning, match=r"non-finite value at step 0.*params\['w'\] "
+                      r"\(float32\): its update is finite but the new value overflows"):
         result = fg.fit(step, fg.init_train_state({"w": jnp.float32(3e38)}, tx),
                         np.zeros((4, 1)), np.zeros(4), epochs=1, batch_size=1, progress=False)
     assert float(result.state.params["w"]) == pytest.approx(3e38, rel=1e-6)
