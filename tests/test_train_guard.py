@@ -166,6 +166,22 @@ def test_clip_norm_sees_only_the_applied_gradient(how):
     np.testing.assert_array_equal(new.params["big"], params["big"])
 
 
+def test_freeze_and_trainable_together_train_the_leaves_both_allow():
+    # Gradients 1, 2, 3 per element of a, b, c (2 elements each). fg.freeze freezes a and
+    # trainable= freezes b, so only c trains: grad_norm = ||(3, 3)|| = 3 sqrt(2), and SGD(0.1)
+    # moves c by -0.3 while a and b keep their values.
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(2), "c": jnp.zeros(2)}
+    loss_fn = lambda p, _: jnp.sum(p["a"]) + 2 * jnp.sum(p["b"]) + 3 * jnp.sum(p["c"])
+    tx = fg.freeze(optax.sgd(0.1), fg.trainable_mask(params, freeze="a"))
+    mask = fg.trainable_mask(params, freeze="b")
+    new, metrics = fg.make_train_step(loss_fn, tx, trainable=mask)(
+        fg.init_train_state(params, tx, trainable=mask), {})
+    assert float(metrics["grad_norm"]) == pytest.approx(3 * math.sqrt(2), rel=1e-6)
+    np.testing.assert_array_equal(new.params["a"], [0.0, 0.0])
+    np.testing.assert_array_equal(new.params["b"], [0.0, 0.0])
+    np.testing.assert_allclose(new.params["c"], [-0.3, -0.3], rtol=1e-6)
+
+
 def test_freeze_carries_its_mask():
     params, _, mask = _frozen_problem()
     frozen = fg.freeze(optax.adam(1e-3), mask)
