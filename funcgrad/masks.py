@@ -10,7 +10,9 @@ for a whole subtree), ``True`` where a leaf is trainable. Three tools use it:
   is returned as exact zeros;
 * `freeze` wraps an optax optimizer so frozen leaves get exactly zero updates and no optimizer
   state (``optax.partition``, also known as ``optax.multi_transform``, with
-  ``optax.set_to_zero``): Adam's moments and AdamW's weight decay never touch them.
+  ``optax.set_to_zero``): Adam's moments and AdamW's weight decay never touch them. The
+  result carries its mask, so `funcgrad.train.make_train_step` treats it as ``trainable=``
+  (its gradient norm and clipping see only the trained leaves).
 
 `requires_grad` reports, per output leaf, whether it depends on a trainable leaf through a
 differentiable path: PyTorch's propagation rule, decided by JAX's own differentiation rules.
@@ -257,15 +259,15 @@ def freeze(optimizer: optax.GradientTransformation, mask: PyTree) -> optax.Gradi
     shrinks it. ``optax.apply_updates`` then adds exact zeros, so a frozen leaf keeps its value
     bit for bit (IEEE addition of +0.0 changes nothing but the sign of a -0.0).
 
-    Args:
-      optimizer: any optax ``GradientTransformation`` (e.g. ``optax.adam(1e-3)``).
-      mask: Python bools with the structure of the params or a prefix of it (`trainable_mask`).
     Given to `funcgrad.train.make_train_step`, a frozen optimizer acts as its
     ``trainable=mask``: the frozen leaves are not differentiated, so the global norm (the
     "grad_norm" metric), the clipping by `clip_norm`, the non-finite guard and the monitor
     see only the gradient that is applied. A frozen leaf with a large gradient does not
     shrink the clipped update of the others.
 
+    Args:
+      optimizer: any optax ``GradientTransformation`` (e.g. ``optax.adam(1e-3)``).
+      mask: Python bools with the structure of the params or a prefix of it (`trainable_mask`).
     Returns:
       a `FrozenOptimizer`: an optax ``GradientTransformationExtraArgs`` with the mask as its
       ``trainable`` attribute; its ``init`` and ``update`` check `mask` against the params and
