@@ -91,6 +91,11 @@ class History:
         ``evaluate(params)`` returned is stored as ``"eval/<name>"`` (`EVAL_PREFIX`), so an
         evaluation "loss" is ``"eval/loss"`` and never replaces the training loss.
       step_loss, step_grad_norm: per-step values (Python floats) of the applied steps.
+      step_learning_rate: per applied step, the learning rate its update used, when the step
+        reports one (``metrics["learning_rate"]``: an optimizer from `make_optimizer` with a
+        schedule, or built with ``optax.inject_hyperparams``); empty otherwise. Each epoch's
+        row then has "learning_rate", the rate of its last update. A schedule counts optimizer
+        updates: with ``accumulate=K`` one per K batches, and a skipped step does not count.
       skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale
         skipped; each epoch's row then also has "skipped" and "loss_scale".
       dropped_examples: examples left out by an accumulating step's ``tail="drop"`` policy.
@@ -101,6 +106,7 @@ class History:
     epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
     step_loss: list[float] = dataclasses.field(default_factory=list)
     step_grad_norm: list[float] = dataclasses.field(default_factory=list)
+    step_learning_rate: list[float] = dataclasses.field(default_factory=list)
     skipped_steps: list[int] = dataclasses.field(default_factory=list)
     dropped_examples: int = 0
     layer_names: tuple[str, ...] = ()
@@ -110,6 +116,8 @@ class History:
     def to_dict(self) -> dict[str, Any]:
         steps = {"step": list(range(len(self.step_loss))), "loss": self.step_loss,
                  "grad_norm": self.step_grad_norm}
+        if self.step_learning_rate:
+            steps["learning_rate"] = self.step_learning_rate
         if self.layer_names:
             steps["layer_norm"] = {name: [row[j] for row in self.step_layer_norm]
                                    for j, name in enumerate(self.layer_names)}
@@ -264,10 +272,10 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
                     metrics = {k: v if k == "anomaly" else jax.tree.map(lambda a: a[0], v)
                                for k, v in metrics.items()}
                 scaled = getattr(new_state, "loss_scale", None) is not None
-                loss, grad_norm, skipped, used, backed_off, monitored = jax.device_get(
+                loss, grad_norm, skipped, used, backed_off, monitored, rate = jax.device_get(
                     (metrics["loss"], metrics["grad_norm"], metrics.get("skipped", 0),
                      metrics.get("loss_scale", 0.0), new_state.loss_scale.scale if scaled else 0.0,
-                     metrics.get("monitor")))
+                     metrics.get("monitor"), metrics.get("learning_rate")))
                 loss, grad_norm = float(loss), float(grad_norm)
                 if skipped and scaled and math.isfinite(loss) and backed_off < used:
                     # A loss-scale overflow: params and optimizer state kept, scale lowered;
@@ -308,6 +316,8 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
                 state = new_state
                 history.step_loss.append(loss)
                 history.step_grad_norm.append(grad_norm)
+                if rate is not None:  # a schedule's rate, as this update applied it
+                    history.step_learning_rate.append(float(rate))
                 if monitored is not None:
                     history.layer_names = monitored.layer_names
                     history.step_layer_norm.append(np.asarray(monitored.layer_norm).tolist())
@@ -319,6 +329,8 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
                    "loss": float(np.mean(history.step_loss[first:])) if applied else math.nan,
                    "grad_norm": (float(np.mean(history.step_grad_norm[first:])) if applied
                                  else math.nan)}
+            if applied and len(history.step_learning_rate) == len(history.step_loss):
+                row["learning_rate"] = history.step_learning_rate[-1]  # the epoch's last update
             if getattr(state, "loss_scale", None) is not None:
                 row["skipped"] = len(history.skipped_steps) - first_skip
                 row["loss_scale"] = float(state.loss_scale.scale)
@@ -345,7 +357,8 @@ def _all_finite(params) -> bool:
 def format_epoch(row: Mapping[str, float]) -> str:
     """One line for an epoch's row of the history: ``epoch   3  loss 0.1234  grad_norm ...``."""
     extra = "  ".join(f"{k} {v}" if isinstance(v, (int, np.integer)) else
-                      f"{k} {v:.6g}" if k == "loss_scale" else f"{k} {v:.4f}"
+                      f"{k} {v:.6g}" if k in ("loss_scale", "learning_rate")
+                      else f"{k} {v:.4f}"
                       for k, v in row.items() if k not in ("epoch", "steps", "loss", "grad_norm"))
     return (f"epoch {int(row['epoch']):3d}  loss {row['loss']:.4f}  "
             f"grad_norm {row['grad_norm']:.4f}  {extra}").rstrip()

@@ -323,3 +323,31 @@ def test_an_accumulation_group_larger_than_the_data_is_said():
         result = fg.fit(step, state, np.ones((100, 1)), np.ones((100, 1)), epochs=2,
                         batch_size=10, progress=False)
     assert int(result.state.step) == 2
+
+
+def test_fit_records_the_learning_rate_each_update_applied():
+    # A schedule counts optimizer updates. 64 examples in batches of 16 with accumulate=2 make
+    # 2 updates per epoch, so 2 epochs apply updates 0..3 at rates 0.1 * 0.5**k (the schedule
+    # halves every update): 0.1, 0.05, 0.025, 0.0125. Each epoch's row shows its last update's
+    # rate: 0.05 after epoch 1, 0.0125 after epoch 2.
+    def per_example(params, batch):
+        return 0.5 * (batch["x"] @ params["w"] - batch["y"]) ** 2
+
+    x = np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(64, 1)
+    schedule = optax.exponential_decay(0.1, transition_steps=1, decay_rate=0.5)
+    tx = fg.make_optimizer("sgd", schedule)
+    params = {"w": jnp.ones((1,), jnp.float32)}
+    step = fg.make_train_step(per_example, tx, accumulate=2)
+    result = fg.fit(step, fg.init_train_state(params, tx), x, 2.0 * x[:, 0], epochs=2,
+                    batch_size=16, progress=False)
+    np.testing.assert_allclose(result.history.step_learning_rate, [0.1, 0.05, 0.025, 0.0125],
+                               rtol=1e-6)
+    np.testing.assert_allclose([row["learning_rate"] for row in result.history.epochs],
+                               [0.05, 0.0125], rtol=1e-6)
+    assert result.history.to_dict()["steps"]["learning_rate"] == result.history.step_learning_rate
+    # A constant rate given as a number keeps nothing to report.
+    tx = fg.make_optimizer("sgd", 0.1)
+    result = fg.fit(fg.make_train_step(per_example, tx, accumulate=2),
+                    fg.init_train_state(params, tx), x, 2.0 * x[:, 0], epochs=1, batch_size=16,
+                    progress=False)
+    assert result.history.step_learning_rate == [] and "learning_rate" not in result.history.epochs[0]
