@@ -298,10 +298,16 @@ def _describe(a):
 
 
 def _narrowest_float(jaxpr) -> str | None:
-    """The narrowest real floating dtype produced by an equation of `jaxpr` that depends on its
-    first input (theta, the differentiated vector; nested jaxprs of such an equation count
-    whole), as a name; None if none does. Work on constants (data prepared in float32 inside
-    fn) does not round the differentiated path and is left out."""
+    """The narrowest real floating dtype produced by an equation of `jaxpr` on the
+    differentiated path: it depends on the first input (theta, the differentiated vector)
+    through floating values, and an output depends on it (nested jaxprs of such an equation
+    count whole). Returned as a name; None if no equation is on that path.
+
+    Left out, since they do not round the derivative being checked: work on constants (data
+    prepared in float32 inside fn); values computed after an integer or boolean result
+    (``(logits.argmax(-1) == y).mean()`` is float32 even under x64, and carries no tangent);
+    and values no output uses (an accuracy returned as aux, dropped from the checked output).
+    """
     found = set()
 
     def note(v):
@@ -316,10 +322,19 @@ def _narrowest_float(jaxpr) -> str | None:
             for _, sub, _ in sub_jaxprs(eqn):
                 walk_all(sub)
 
+    is_var = lambda v: not isinstance(v, jex_core.Literal)
+    used = {v for v in jaxpr.outvars if is_var(v)}  # what the outputs depend on, backwards
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in used for v in eqn.outvars):
+            used.update(v for v in eqn.invars if is_var(v))
     live = {jaxpr.invars[0]}
     for eqn in jaxpr.eqns:
-        if any(not isinstance(v, jex_core.Literal) and v in live for v in eqn.invars):
-            live.update(eqn.outvars)
+        if any(is_var(v) and v in live for v in eqn.invars):
+            # A tangent flows on through floating outputs only (an int or bool has none).
+            live.update(v for v in eqn.outvars if jnp.issubdtype(
+                getattr(v.aval, "dtype", np.int32), jnp.inexact))
+            if not any(v in used for v in eqn.outvars):
+                continue
             for v in eqn.outvars:
                 note(v)
             for _, sub, _ in sub_jaxprs(eqn):

@@ -86,6 +86,32 @@ def test_correct_function_passes(mode, dtype, structure):
     assert all(r.max_abs_error < 1e-7 for r in report.rows)
 
 
+def test_float32_work_off_the_differentiated_path_keeps_the_check_in_float64():
+    # An accuracy in aux, (argmax == y).mean(), is float32 even under x64 (JAX's mean of a
+    # bool), and a float32 value made from an integer carries no tangent either. Neither
+    # rounds the derivative checked, so the check stays in float64 with its tight tolerances
+    # (judged in float32, eps = 1e-3 crossed a ReLU kink and called a right gradient wrong).
+    params, x, y = _mlp(dtype=jnp.float32)
+
+    def with_accuracy(p, x, y):
+        logits = fg.mlp_apply(p, x, activation="tanh")
+        loss = fg.softmax_cross_entropy(logits, y)
+        return loss, {"acc": (logits.argmax(-1) == y).mean()}
+
+    def with_count(p, x, y):  # a float32 factor computed from an integer result of the params
+        hits = (x @ p[0]["w"]).argmax(-1).astype(jnp.float32).sum()
+        return plain_loss(p, x, y) + 0.0 * hits.astype(jnp.float64)
+
+    for fn, aux in ((with_accuracy, True), (with_count, False)):
+        report = fg.check_grads(fn, params, x, y, has_aux=aux)
+        assert report.dtype_used == "float64", str(report)
+        assert report.ok, str(report)
+    # A float32 cast on the differentiated path still sets the tolerances.
+    report = fg.check_grads(lambda p, x, y: plain_loss(jax.tree.map(
+        lambda a: a.astype(jnp.float32), p), x, y), params, x, y)
+    assert report.dtype_used == "float32"
+
+
 def test_has_aux_and_argnums_tuple_name_each_argument():
     def f(scale, x, bias):
         return jnp.sum(jnp.sin(x * scale)) + jnp.sum(bias["c"] ** 2), {"ignored": x}
