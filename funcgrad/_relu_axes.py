@@ -50,7 +50,11 @@ def is_max_zero(eqn) -> bool:
 class ReluAxes:
     """The ReLUs of a closed jaxpr and the unit axis of each.
 
-    Each value is tracked as ``(feature axis or None, depends on data, depends on params)``.
+    Each value is tracked as ``(feature group or None, depends on data, depends on params)``,
+    the group ``(start, stop)``: the features lie along axes start..stop-1 (row-major), one
+    axis, or several while a reshape has split them (GroupNorm's (groups, channels / groups)).
+    A vector leaf of the params (a bias, a norm's scale) has its features on axis 0: where it
+    is broadcast onto data whose axis is not known, it names the data's feature axis.
 
     Args:
       jaxpr: the program (``closed.jaxpr``).
@@ -62,19 +66,24 @@ class ReluAxes:
     """
 
     def __init__(self, jaxpr, n_params: int, consts_are: str = "unknown"):
-        self.axes: dict[int, int | None] = {}   # id(eqn) -> unit axis (None: unknown)
-        self.clamps: set[int] = set()           # id(eqn) of variance clamps
-        ins = [(None, i >= n_params, i < n_params) for i in range(len(jaxpr.invars))]
+        self.axes: dict[int, tuple | None] = {}  # id(eqn) -> feature group (None: unknown)
+        self.clamps: set[int] = set()            # id(eqn) of variance clamps
+        ins = [(_vector_group(v) if i < n_params else None, i >= n_params, i < n_params)
+               for i, v in enumerate(jaxpr.invars)]
         const = (None, consts_are == "data", consts_are == "params")
         self._walk(jaxpr, ins, [const] * len(jaxpr.constvars))
 
     def is_relu(self, eqn) -> bool:
         return is_max_zero(eqn) and id(eqn) not in self.clamps
 
-    def unit_axis(self, eqn, ndim: int) -> tuple[int, bool]:
-        """``(axis, known)``: the axis of the ReLU input that holds its units."""
-        axis = self.axes.get(id(eqn))
-        return (axis, True) if axis is not None and axis < ndim else (ndim - 1, False)
+    def unit_axes(self, eqn, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+        """``(axes, known)``: the axes of the ReLU input (of shape `shape`) that hold its units,
+        one axis, or several (row-major) where a reshape split the features; unknown: the last
+        axis, ``known`` False."""
+        group = self.axes.get(id(eqn))
+        if group is None or group[1] > len(shape):
+            return (len(shape) - 1,), False
+        return tuple(d for d in range(*group) if shape[d] != 1) or (group[0],), True
 
     def has_relu(self, jaxpr) -> bool:
         """Whether `jaxpr` (or a jaxpr nested in it) holds a ReLU."""
@@ -113,10 +122,10 @@ class ReluAxes:
             return self._walk(sub, vals[len(vals) - len(sub.invars):], [inherit] * len(consts))
         if name == "scan":
             nc, nk = p["num_consts"], p["num_carry"]
-            xs = [(a - 1 if a else None, d, q) for a, d, q in vals[nc + nk:]]
+            xs = [(_shift(g, -1), d, q) for g, d, q in vals[nc + nk:]]
             outs = self._walk(p["jaxpr"].jaxpr, [*vals[:nc + nk], *xs],
                               [inherit] * len(p["jaxpr"].consts))
-            return [*outs[:nk], *[(None if a is None else a + 1, d, q) for a, d, q in outs[nk:]]]
+            return [*outs[:nk], *[(_shift(g, 1), d, q) for g, d, q in outs[nk:]]]
         if name == "cond":
             branches = [self._walk(b.jaxpr, vals[1:], [inherit] * len(b.consts))
                         for b in p["branches"]]
@@ -129,13 +138,16 @@ class ReluAxes:
         return [(_out_axis(eqn, vals), data, param)]
 
 
-def _out_axis(eqn, vals) -> int | None:
+def _out_axis(eqn, vals) -> tuple[int, int] | None:
+    """The feature group ``(start, stop)`` of `eqn`'s output: the features lie along axes
+    start..stop-1, flattened in row-major order (one axis, or several after a reshape split it,
+    as GroupNorm's (groups, channels per group)); None when not known."""
     name, p = eqn.primitive.name, eqn.params
     out_shape = tuple(eqn.outvars[0].aval.shape)
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     if name == "conv_general_dilated":  # out_spec = (batch dim, feature dim, spatial dims...)
         spec = getattr(p.get("dimension_numbers"), "out_spec", None)
-        return int(spec[1]) if spec is not None else None
+        return _one(int(spec[1])) if spec is not None else None
     if name == "dot_general":
         (lc, rc), (lb, rb) = p["dimension_numbers"]
         weight = [not d and q for _, d, q in vals]  # depends on the params, not on the data
@@ -147,32 +159,78 @@ def _out_axis(eqn, vals) -> int | None:
         if len(free) != 1:
             return None
         lhs_free = len(shapes[0]) - len(lc) - len(lb)
-        return len(lb) + (free[0] - sum(i < free[0] for i in (*contract, *batch))
-                          + (lhs_free if w == 1 else 0))
+        return _one(len(lb) + (free[0] - sum(i < free[0] for i in (*contract, *batch))
+                               + (lhs_free if w == 1 else 0)))
+    # Data-dependent operands first: the bias add keeps theirs. Where the data's axis is not
+    # known, a params-only operand's (a per-channel scale or bias broadcast along the channel
+    # axis, as after a norm) is the evidence.
     known = [(v[0], s) for v, s in sorted(zip(vals, shapes), key=lambda t: not t[0][1])
-             if v[0] is not None]  # data-dependent operands first: the bias add keeps theirs
+             if v[0] is not None]
     if not known:
         return None
-    a, src = known[0]
-    if name == "transpose":
-        return list(p["permutation"]).index(a)
+    (a, z), src = known[0]
+    if name == "transpose":  # the group survives when its axes stay adjacent and in order
+        perm = list(p["permutation"])
+        b = perm.index(a)
+        return (b, b + z - a) if perm[b:b + z - a] == list(range(a, z)) else None
     if name == "broadcast_in_dim":
-        return int(p["broadcast_dimensions"][a])
+        dims = [int(d) for d in p["broadcast_dimensions"]]
+        b = dims[a]
+        kept = dims[a:z] == list(range(b, b + z - a)) and out_shape[b:b + z - a] == src[a:z]
+        return (b, b + z - a) if kept else None
     if name == "squeeze":
-        dims = [d % len(src) for d in p["dimensions"]]
-        return None if a in dims else a - sum(d < a for d in dims)
+        dims = {d % len(src) for d in p["dimensions"]}
+        return _removed(src, a, z, dims)
     if name in _REDUCE or name.startswith("reduce_") or name.startswith("argm"):
-        axes = tuple(p.get("axes", p.get("dimensions", ())))
-        return None if a in axes else a - sum(d < a for d in axes)
+        dims = {int(d) for d in p.get("axes", p.get("dimensions", ()))}
+        return _removed(src, a, z, dims)
     if name == "reshape":
-        before = math.prod(src[:a])
-        for b in range(len(out_shape)):
-            if math.prod(out_shape[:b]) == before and out_shape[b] == src[a]:
-                return b
-        return None
-    if len(out_shape) == len(src) and out_shape[a] == src[a]:  # elementwise, slices, pads
-        return a
+        return _reshaped(src, out_shape, a, z)
+    if len(out_shape) == len(src) and out_shape[a:z] == src[a:z]:  # elementwise, slices, pads
+        return (a, z)
     return None
+
+
+def _vector_group(var) -> tuple[int, int] | None:
+    shape = tuple(getattr(var.aval, "shape", ()))
+    return (0, 1) if len(shape) == 1 and shape[0] > 1 else None
+
+
+def _shift(group, by: int):
+    """A group through a scan's slicing (-1: axis 0 removed) or stacking (+1)."""
+    if group is None or group[0] + by < 0:
+        return None
+    return (group[0] + by, group[1] + by)
+
+
+def _one(axis: int) -> tuple[int, int]:
+    return (axis, axis + 1)
+
+
+def _removed(src, a: int, z: int, dims: set) -> tuple[int, int] | None:
+    """The group after removing axes `dims` (a squeeze, a reduction): kept when only size-1
+    axes of it go."""
+    if any(src[d] != 1 for d in dims if a <= d < z):
+        return None
+    left = [d for d in range(a, z) if d not in dims]
+    if not left:
+        return None
+    shift = lambda d: d - sum(e < d for e in dims)  # noqa: E731
+    return (shift(left[0]), shift(left[-1]) + 1)
+
+
+def _reshaped(src, out, a: int, z: int) -> tuple[int, int] | None:
+    """The group after a reshape: the features occupy the same run of row-major positions,
+    so the group is kept where the output has axis boundaries at the run's two ends (a split
+    of C into (groups, C / groups), or the merge back). Size-1 axes at its ends are left out."""
+    before, size = math.prod(src[:a]), math.prod(src[a:z])
+    starts = [b for b in range(len(out) + 1) if math.prod(out[:b]) == before]
+    stops = [b for b in range(len(out) + 1) if math.prod(out[:b]) == before * size]
+    pairs = [(b, c) for b in starts for c in stops if c > b]
+    if not pairs:
+        return None
+    b = max(b for b, _ in pairs)
+    return (b, min(c for c in stops if c > b))
 
 
 def _is_variance(var, producer, depth: int = 0) -> bool:

@@ -77,9 +77,9 @@ def _has_relu(jaxpr, relus: ReluAxes) -> bool:
     return False
 
 
-def _dead_units(x: jax.Array, axis: int) -> jax.Array:
-    others = tuple(d for d in range(x.ndim) if d != axis)
-    return ~jnp.any(jax.lax.stop_gradient(x) > 0, axis=others)
+def _dead_units(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    others = tuple(d for d in range(x.ndim) if d not in axes)
+    return ~jnp.any(jax.lax.stop_gradient(x) > 0, axis=others).reshape(-1)
 
 
 def _eval(jaxpr, consts, args, sites: list, where: str, relus: ReluAxes) -> list:
@@ -92,11 +92,11 @@ def _eval(jaxpr, consts, args, sites: list, where: str, relus: ReluAxes) -> list
         if relus.is_relu(eqn):
             x = ins[1] if _is_zero(eqn.invars[0]) else ins[0]
             if jnp.ndim(x):
-                axis, known = relus.unit_axis(eqn, jnp.ndim(x))
+                axes, known = relus.unit_axes(eqn, jnp.shape(x))
                 name = f"relu {len(sites)} at {here or '?'}"
                 if not known and jnp.ndim(x) > 1:
                     name += f" [{UNKNOWN_AXIS_NOTE}]"
-                sites.append((name, _dead_units(x, axis), axis))
+                sites.append((name, _dead_units(x, axes), axes[0] if len(axes) == 1 else axes))
         elif sub is not None and _has_relu(sub[0], relus):
             inner = [jax.lax.stop_gradient(a) for a in ins[len(ins) - len(sub[0].invars):]]
             _eval(*sub, inner, sites, here, relus)

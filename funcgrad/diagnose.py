@@ -46,6 +46,7 @@ taken is the one looked at).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -428,9 +429,11 @@ def _record(jaxpr, consts, args, found, where, path, relus: ReluAxes):
         if relus.is_relu(eqn):  # a float max(x, 0), not a variance clamp
             x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
             if x.ndim:
-                axis, known = relus.unit_axis(eqn, x.ndim)
-                units = x.shape[axis]
-                alive = np.any(np.moveaxis(x, axis, -1).reshape(-1, units) > 0, axis=0)
+                axes, known = relus.unit_axes(eqn, x.shape)
+                units = math.prod(x.shape[d] for d in axes)
+                alive = np.any(np.moveaxis(x, axes, range(x.ndim - len(axes), x.ndim))
+                               .reshape(-1, units) > 0, axis=0)
+                axis = axes[0] if len(axes) == 1 else axes
                 note = "" if known or x.ndim == 1 else UNKNOWN_AXIS_NOTE
                 site = found.setdefault(key, [here, units, np.zeros(units, bool), [], axis,
                                               note])

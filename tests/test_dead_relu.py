@@ -174,3 +174,92 @@ def test_a_relu_of_centred_or_squared_activations_is_still_a_relu():
     w, x = jnp.ones((3, 4)), jnp.ones((5, 3))
     sites = fg.explain_grads(loss_fn, w, x).relus
     assert [(s.units, s.axis) for s in sites] == [(4, 1), (4, 1)]
+
+
+# --- GroupNorm: the channel axis split into (groups, channels / groups) and merged back ----
+
+def _eqx_groupnorm_model(dead=(0, 3, 5), conv=True):
+    """Per example (C=8, H=6, W=6), channel-first: [equinox Conv2d(1 -> 8, 3x3, padding 1) ->]
+    GroupNorm(2 groups, 8 channels) -> relu -> mean over pixels -> Linear(8 -> 3).
+
+    GroupNorm standardises each group of 4 channels x 36 pixels = 144 values to mean 0,
+    variance 1, so |normalised| <= sqrt(143) < 12 (a standardised value of n numbers is at
+    most sqrt(n - 1) in size); with scale 1 and bias -1000 on the channels `dead`, those
+    channels are <= 0 at every pixel of every example: dead. W = 6 != 8 channels."""
+    eqx = pytest.importorskip("equinox")
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    norm = eqx.nn.GroupNorm(2, 8)
+    norm = eqx.tree_at(lambda g: g.bias, norm, norm.bias.at[jnp.array(dead)].set(-1000.0))
+    layers = (eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1) if conv else None, norm,
+              eqx.nn.Linear(8, 3, key=k2))
+    x = jax.random.uniform(k3, (5, 1, 6, 6) if conv else (5, 8, 6, 6))
+
+    def pre(layers, v):  # the ReLU's input, one example
+        conv, norm, _ = layers
+        return norm(conv(v) if conv is not None else v)
+
+    def loss_fn(layers, x):
+        out = jax.vmap(lambda v: layers[2](jax.nn.relu(pre(layers, v)).mean((1, 2))))(x)
+        return jnp.mean(out ** 2)
+    return layers, x, loss_fn, np.asarray(jax.vmap(lambda v: pre(layers, v))(x))
+
+
+@pytest.mark.parametrize("conv", [True, False])
+def test_equinox_groupnorm_counts_channels(conv):
+    # Before: the reshape to (groups, C / groups, H, W) lost the channel axis, and the last
+    # axis (W, 6 image columns) was counted: "0/6 units dead", monitor fraction 0. Without the
+    # conv, the axis comes from the per-channel scale and bias broadcast along axis 1.
+    layers, x, loss_fn, pre = _eqx_groupnorm_model(conv=conv)
+    alive = _alive_channels(pre, axis=1)  # (5, 8, 6, 6): channels on axis 1
+    assert not alive[[0, 3, 5]].any()     # dead by construction (docstring)
+    report = fg.explain_grads(loss_fn, layers, x)
+    (site,) = report.relus
+    assert (site.units, site.dead, site.axis, site.note) == (8, int((~alive).sum()), 1, "")
+    _, dead = jax.jit(fg.with_dead_relu(loss_fn))(layers, x)
+    assert dead.axes == (1,)
+    np.testing.assert_array_equal(dead.dead[0], ~alive)
+    np.testing.assert_allclose(dead.fraction, [np.mean(~alive)])
+
+
+def _flax_groupnorm(conv=True, dead=(1, 6)):
+    nn = pytest.importorskip("flax.linen")
+
+    class Pre(nn.Module):
+        @nn.compact
+        def __call__(self, x):  # NHWC
+            return nn.GroupNorm(num_groups=2)(nn.Conv(8, (3, 3))(x) if conv else x)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(jax.nn.relu(Pre(name="pre")(x)).mean((1, 2)))
+
+    x = jax.random.uniform(jax.random.key(1), (5, 6, 6, 3 if conv else 8))
+    net = Net()
+    variables = net.init(jax.random.key(0), x)
+    # GroupNorm's bias -1000 on channels `dead`: as for equinox, |normalised| <= sqrt(143)
+    # (groups of 4 channels x 36 pixels) with scale 1, so these channels are dead.
+    variables = jax.tree_util.tree_map_with_path(
+        lambda p, v: v.at[jnp.array(dead)].set(-1000.0)
+        if "GroupNorm_0" in jax.tree_util.keystr(p) and "bias" in jax.tree_util.keystr(p)
+        else v, variables)
+    pre = Pre().apply({"params": variables["params"]["pre"]}, x)
+
+    def loss_fn(v, x):
+        return jnp.mean(net.apply(v, x) ** 2)
+    return variables, x, loss_fn, np.asarray(pre)
+
+
+@pytest.mark.parametrize("conv", [True, False])
+def test_flax_groupnorm_counts_channels(conv):
+    # NHWC: the channels are the last axis, reshaped to (..., groups, C / groups) for the
+    # statistics. Without the conv, the feature axis is found from the per-channel scale and
+    # bias alone (before: the last-axis fallback and its note).
+    variables, x, loss_fn, pre = _flax_groupnorm(conv=conv)
+    alive = _alive_channels(pre, axis=3)
+    assert not alive[[1, 6]].any()
+    (site,) = fg.explain_grads(loss_fn, variables, x).relus
+    assert (site.units, site.dead, site.axis, site.note) == (8, int((~alive).sum()), 3, "")
+    _, dead = fg.with_dead_relu(loss_fn)(variables, x)
+    assert dead.axes == (3,) and "last axis" not in dead.names[0]
+    np.testing.assert_array_equal(dead.dead[0], ~alive)
