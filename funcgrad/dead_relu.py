@@ -36,11 +36,12 @@ class DeadReLU:
       names: static; one name per site in program order, ``"relu 0 at nn.py:96:16 (mlp_apply)"``;
         when the feature axis could not be found from the program, the name ends with
         ``" [units on the last axis: feature axis not found ...]"``.
-      axes: static; the axis of each site's input that holds its units.
+      axes: static; the axis of each site's input that holds its units (a tuple of axes,
+        row-major, where a reshape has split the features over several).
     """
     dead: tuple[jax.Array, ...] = ()
     names: tuple[str, ...] = ()
-    axes: tuple[int, ...] = ()
+    axes: tuple[int | tuple[int, ...], ...] = ()
 
     @property
     def fraction(self) -> jax.Array:

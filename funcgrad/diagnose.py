@@ -172,7 +172,8 @@ class ReluSite:
         order run: once per iteration (a scan over stacked layers runs one layer each), or,
         inside a ``cond`` in the scan body, once per iteration that took its branch; () when
         it ran once.
-      axis: the axis of the ReLU's input that holds the units.
+      axis: the axis of the ReLU's input that holds the units; a tuple of axes (row-major)
+        when a reshape has split the features over several, e.g. (groups, channels / groups).
       note: "" or, when the feature axis could not be found from the program, why the last
         axis was used.
     """
@@ -180,7 +181,7 @@ class ReluSite:
     units: int
     dead: int
     dead_per_iteration: tuple[int, ...] = ()
-    axis: int = -1
+    axis: int | tuple[int, ...] = -1
     note: str = ""
 
     @property
@@ -244,7 +245,9 @@ class GradExplanation:
         for s in self.relus:
             line = (f"  ReLU at {s.where or '?'}: {s.dead}/{s.units} units dead for this "
                     f"batch ({100 * s.dead_fraction:.0f}%)")
-            if s.axis >= 0:
+            if isinstance(s.axis, tuple):  # features split over several axes by a reshape
+                line += f", units along axes {s.axis} (row-major)"
+            elif s.axis >= 0:
                 line += f", units along axis {s.axis}"
             if s.note:
                 line += f" [{s.note}]"

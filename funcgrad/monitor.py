@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad._relu_axes import UNKNOWN_AXIS_NOTE
 from funcgrad.dead_relu import DeadReLU as DeadReLU
 from funcgrad.dead_relu import with_dead_relu as with_dead_relu
 
@@ -609,7 +610,9 @@ def monitor_alerts(metrics: MonitorMetrics, *,
     the step a layer's streak (below the floor and below ``vanish_ratio`` x the global norm)
     reaches ``vanish_steps``, once per streak; ``dead_relu`` when a
     site's dead fraction reaches ``dead_threshold``: on every step, or, given the `previous`
-    step's metrics, only on the step it crosses the threshold. Metrics stacked by ``lax.scan``
+    step's metrics, only on the step it crosses the threshold. A site whose feature axis was
+    not found from the program (its name says so; its units are the last axis) alerts only
+    when all its units are dead, i.e. every value of its input is <= 0, true along any axis. Metrics stacked by ``lax.scan``
     (a leading step axis) give the alerts of every step, each step the previous of the next.
     """
     m = jax.device_get(metrics)
@@ -640,7 +643,13 @@ def monitor_alerts(metrics: MonitorMetrics, *,
     before = (np.asarray(previous.dead_fraction) if previous is not None
               else np.full(len(m.relu_names), -1.0))
     for name, frac, prev in zip(m.relu_names, np.asarray(m.dead_fraction), before):
-        if frac >= m.dead_threshold and not prev >= m.dead_threshold:
-            out.append(Alert(step, "dead_relu", name, float(frac), m.dead_threshold,
-                             f"{100 * float(frac):.0f}% of units dead for the whole batch"))
+        # A site whose feature axis was not found counts along its last axis, a number that
+        # means nothing for another layout; "all of them dead" (every value <= 0) is the one
+        # reading that holds along any axis, so only that raises the alert there.
+        limit = 1.0 if UNKNOWN_AXIS_NOTE in name else m.dead_threshold
+        if frac >= limit and not prev >= limit:
+            out.append(Alert(step, "dead_relu", name, float(frac), limit,
+                             f"{100 * float(frac):.0f}% of units dead for the whole batch"
+                             + ("; feature axis unknown: every value <= 0"
+                                if limit != m.dead_threshold else "")))
     return out

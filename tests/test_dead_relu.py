@@ -263,3 +263,45 @@ def test_flax_groupnorm_counts_channels(conv):
     _, dead = fg.with_dead_relu(loss_fn)(variables, x)
     assert dead.axes == (3,) and "last axis" not in dead.names[0]
     np.testing.assert_array_equal(dead.dead[0], ~alive)
+
+
+def test_monitor_alerts_on_an_unknown_axis_site_only_when_every_value_is_dead():
+    # relu((x @ w) @ x.T): both operands data-dependent, no feature axis; counted along the last
+    # axis (4 columns). Rows 0-2 of x are zero, so columns 0-2 of the (4, 4) scores are 0
+    # (dead) and column 3 holds s[3, 3] = x3 . (x3 w): +|x3|^2 > 0 for w = I (alive: 3/4 dead
+    # along the last axis, which says nothing about units), -|x3|^2 < 0 for w = -I (every value
+    # <= 0: dead along any axis).
+    def loss_fn(w, x):
+        return jnp.sum(jax.nn.relu((x @ w) @ x.T))
+
+    x = jnp.zeros((4, 3)).at[3].set(jnp.array([1.0, 2.0, 3.0]))
+    monitor = fg.grad_monitor(dead_threshold=0.5)
+    kinds = []
+    for w in (jnp.eye(3), -jnp.eye(3)):
+        _, dead = fg.with_dead_relu(loss_fn)(w, x)
+        grads = jax.grad(loss_fn)(w, x)
+        _, metrics = monitor.update(monitor.init(grads), grads, dead_relu=dead)
+        kinds.append([(a.kind, a.value) for a in fg.monitor_alerts(metrics)])
+    # Before: 0.75 >= 0.5 raised a dead_relu alert for the w = I scores too.
+    assert kinds == [[], [("dead_relu", 1.0)]]
+
+
+def test_relu_between_a_split_and_the_merge_counts_the_features_over_both_axes():
+    # h = W v + b per example, 8 outputs reshaped to (2, 4) and ReLU'd there (as inside a
+    # grouped norm): the units are the 8 outputs along axes (1, 2) of the (5, 2, 4) input.
+    # |W v| <= 3 (|W| <= 1, |v| <= 1, 3 inputs) and b = -100 on outputs 1 and 6: 2 dead.
+    w = jnp.asarray(np.linspace(-1, 1, 24).reshape(8, 3), jnp.float32)
+    b = jnp.zeros(8).at[jnp.array([1, 6])].set(-100.0)
+    x = jnp.asarray(np.linspace(-1, 1, 15).reshape(5, 3), jnp.float32)
+
+    def loss_fn(p, x):
+        h = jax.vmap(lambda v: (p["w"] @ v + p["b"]).reshape(2, 4))(x)
+        return jnp.sum(jax.nn.relu(h))
+
+    alive = _alive_channels(np.asarray(x @ w.T + b[None, :]), axis=1)
+    (site,) = fg.explain_grads(loss_fn, {"w": w, "b": b}, x).relus
+    assert (site.units, site.dead, site.axis, site.note) == (8, int((~alive).sum()), (1, 2), "")
+    assert site.dead == 2
+    _, dead = fg.with_dead_relu(loss_fn)({"w": w, "b": b}, x)
+    assert dead.axes == ((1, 2),)
+    np.testing.assert_array_equal(dead.dead[0], ~alive)
