@@ -7,8 +7,13 @@ channel-first NCHW as in equinox and PyTorch gives axis 1, flax's NHWC gives the
 the free dimension of the weight operand of a ``dot_general`` (the operand that depends on the
 params, argument 0, and not on the data). The axis is followed through bias adds, broadcasts,
 reshapes, transposes, squeezes and elementwise ops, and into jit, custom_jvp/vjp, checkpoint,
-scan and cond bodies. Where it cannot be found (a ReLU applied to the data, an attention
-product of two data-dependent operands), the last axis is used and the site says so.
+scan and cond bodies; it is tracked as a group of adjacent axes, so a reshape that splits it
+(GroupNorm's C -> (groups, C / groups)) and one that merges it back keep it. Where the data's
+axis is not known, a vector leaf of the params broadcast onto it (a norm's per-channel scale
+or bias) names it. Where it cannot be found (a ReLU applied to the data with no per-feature
+parameter, an attention product of two data-dependent operands), the last axis is used and
+the site says so: the count stays (for a (batch, features) input, the common case, it is
+right), and `funcgrad.monitor` alerts on such a site only when all of it is dead.
 
 A ``max(v, 0)`` whose operand is a variance (``E[x^2] - E[x]^2``, ``mean((x - m)^2)`` or a
 call named ``var``/``_var``) is the clamp inside a normalisation layer (flax and equinox
@@ -70,8 +75,9 @@ class ReluAxes:
         self.clamps: set[int] = set()            # id(eqn) of variance clamps
         ins = [(_vector_group(v) if i < n_params else None, i >= n_params, i < n_params)
                for i, v in enumerate(jaxpr.invars)]
-        const = (None, consts_are == "data", consts_are == "params")
-        self._walk(jaxpr, ins, [const] * len(jaxpr.constvars))
+        consts = [(_vector_group(v) if consts_are == "params" else None,
+                   consts_are == "data", consts_are == "params") for v in jaxpr.constvars]
+        self._walk(jaxpr, ins, consts)
 
     def is_relu(self, eqn) -> bool:
         return is_max_zero(eqn) and id(eqn) not in self.clamps

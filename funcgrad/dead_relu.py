@@ -116,9 +116,11 @@ def with_dead_relu(fn: Callable) -> Callable[..., tuple[Any, DeadReLU]]:
     gradient). The units are the feature axis of the layer feeding the ReLU, found from the
     program: the output feature dimension of a convolution (axis 1 for channel-first NCHW as
     in equinox, the last axis for flax's NHWC), the output axis of a dense layer's weight
-    (the ``dot_general`` operand that depends on the params and not on the data); every other
-    axis (batch, pixels) counts as examples. Where the axis cannot be found the last axis is
-    used and the site's name says so. The params are argument 0 (``loss_fn(params, batch)``),
+    (the ``dot_general`` operand that depends on the params and not on the data), followed
+    through reshapes that split and merge it (GroupNorm) or named by a per-channel params
+    vector (a norm's scale or bias); every other axis (batch, pixels) counts as examples.
+    Where the axis cannot be found the last axis is used and the site's name says so (the
+    monitor then alerts only when every value is <= 0). The params are argument 0 (``loss_fn(params, batch)``),
     the data the other arguments; a dense layer whose weight or input is closed over falls
     back to the last axis. ``max(var, 0)`` clamps on a variance (inside flax or equinox
     LayerNorm / BatchNorm) are not ReLUs.

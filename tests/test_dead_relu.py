@@ -299,8 +299,10 @@ def test_relu_between_a_split_and_the_merge_counts_the_features_over_both_axes()
         return jnp.sum(jax.nn.relu(h))
 
     alive = _alive_channels(np.asarray(x @ w.T + b[None, :]), axis=1)
-    (site,) = fg.explain_grads(loss_fn, {"w": w, "b": b}, x).relus
+    report = fg.explain_grads(loss_fn, {"w": w, "b": b}, x)
+    (site,) = report.relus
     assert (site.units, site.dead, site.axis, site.note) == (8, int((~alive).sum()), (1, 2), "")
+    assert "2/8 units dead" in str(report) and "units along axes (1, 2)" in str(report)
     assert site.dead == 2
     _, dead = fg.with_dead_relu(loss_fn)({"w": w, "b": b}, x)
     assert dead.axes == ((1, 2),)
