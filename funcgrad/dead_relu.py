@@ -120,9 +120,9 @@ def with_dead_relu(fn: Callable) -> Callable[..., tuple[Any, DeadReLU]]:
     through reshapes that split and merge it (GroupNorm) or named by a per-channel params
     vector (a norm's scale or bias); every other axis (batch, pixels) counts as examples.
     Where the axis cannot be found the last axis is used and the site's name says so (the
-    monitor then alerts only when every value is <= 0). The params are argument 0 (``loss_fn(params, batch)``),
-    the data the other arguments; a dense layer whose weight or input is closed over falls
-    back to the last axis. ``max(var, 0)`` clamps on a variance (inside flax or equinox
+    monitor then alerts only when every value is <= 0). The params are argument 0
+    (``loss_fn(params, batch)``), the data the other arguments; a dense layer whose weight or
+    input is closed over falls back to the last axis. ``max(var, 0)`` clamps on a variance (inside flax or equinox
     LayerNorm / BatchNorm) are not ReLUs.
 
     ReLUs are found as ``max(x, 0)`` with a literal zero, at top level and inside ``jit``,

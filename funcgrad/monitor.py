@@ -612,8 +612,9 @@ def monitor_alerts(metrics: MonitorMetrics, *,
     site's dead fraction reaches ``dead_threshold``: on every step, or, given the `previous`
     step's metrics, only on the step it crosses the threshold. A site whose feature axis was
     not found from the program (its name says so; its units are the last axis) alerts only
-    when all its units are dead, i.e. every value of its input is <= 0, true along any axis. Metrics stacked by ``lax.scan``
-    (a leading step axis) give the alerts of every step, each step the previous of the next.
+    when all its units are dead, i.e. every value of its input is <= 0, true along any axis.
+    Metrics stacked by ``lax.scan`` (a leading step axis) give the alerts of every step, each
+    step the previous of the next.
     """
     m = jax.device_get(metrics)
     if np.ndim(m.values) > 1:
