@@ -122,8 +122,8 @@ def with_dead_relu(fn: Callable) -> Callable[..., tuple[Any, DeadReLU]]:
     Where the axis cannot be found the last axis is used and the site's name says so (the
     monitor then alerts only when every value is <= 0). The params are argument 0
     (``loss_fn(params, batch)``), the data the other arguments; a dense layer whose weight or
-    input is closed over falls back to the last axis. ``max(var, 0)`` clamps on a variance (inside flax or equinox
-    LayerNorm / BatchNorm) are not ReLUs.
+    input is closed over falls back to the last axis. ``max(var, 0)`` clamps on a variance
+    (inside flax or equinox LayerNorm / BatchNorm / GroupNorm) are not ReLUs.
 
     ReLUs are found as ``max(x, 0)`` with a literal zero, at top level and inside ``jit``,
     ``custom_jvp`` / ``custom_vjp`` functions and ``checkpoint``; ReLUs inside ``scan``,
