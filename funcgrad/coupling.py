@@ -14,9 +14,13 @@ example its position, so a loss that depends on those alone (dropout drawn from 
 whole batch) is not flagged. The probe runs on synthetic values of the micro-batch's and the
 params' shapes and dtypes (under ``jax.jit`` the real values are not known at trace time):
 floating leaves are standard normal, params scaled by 1/sqrt(fan-in) (the leaf's size over its
-last axis) so activations stay O(1); integer leaves are 0/1 in a checkerboard (valid labels and
-token ids for any 2 classes), 0 in the replaced rows; booleans are True; PRNG keys are
-distinct. It costs three forward passes of at most 8 examples, once per trace, and no host
+last axis) so activations stay O(1); integer leaves are 1 where the sum of the element's indices
+is a multiple of 3, else 0 (valid labels and token ids for any 2 classes, any integer dtype);
+booleans are True (a padding mask with every token valid); PRNG keys are distinct. The
+replaced rows differ from the probe's in every element, and in their sums: fresh floats and
+keys, integers and booleans flipped (1 - v: a third of the elements are 1 in the probe, two
+thirds in the replaced rows; booleans all False), so a dependence on the others' values, on
+their count of valid tokens or on which of them equal example i is seen. It costs three forward passes of at most 8 examples, once per trace, and no host
 round-trip in the compiled step. A loss that cannot run on the probe (a batch size hard-coded
 in it) or gives non-finite losses there is not judged.
 """
@@ -145,22 +149,23 @@ def warn_if_coupled(loss_fn: Callable, params: PyTree, microbatch: PyTree) -> No
 def _synthetic(like, rng: np.random.Generator, *, fan_in: bool = False,
                other: bool = False) -> jax.Array:
     """Probe values of `like`'s shape and dtype (module docstring); `other`: the values of the
-    replaced rows: other floats and keys, integers 0 (booleans stay True)."""
+    replaced rows, different from the probe's in every element: other floats and keys,
+    integers and booleans flipped."""
     shape, dtype = tuple(jnp.shape(like)), jnp.result_type(like)
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return jax.random.split(jax.random.key(int(other)),
-                                max(math.prod(shape), 1)).reshape(shape)
+        impl = getattr(dtype, "_impl", None)  # the key's PRNG implementation (threefry, rbg)
+        keys = jax.random.split(jax.random.key(int(other), impl=impl), max(math.prod(shape), 1))
+        return keys[:math.prod(shape)].reshape(shape)
     if jnp.issubdtype(dtype, jnp.inexact):
         values = rng.standard_normal(shape)
         if fan_in and len(shape) >= 1 and shape[-1]:
             values = values / math.sqrt(max(math.prod(shape) // shape[-1], 1))
         return jnp.asarray(values, dtype)
-    if jnp.issubdtype(dtype, jnp.integer):
-        board = np.indices(shape).sum(0) % 2 if shape else np.int64(0)
-        return jnp.asarray(np.zeros_like(board) if other else board, dtype)
+    # 0/1 with a third of ones (not a checkerboard: flipping one keeps each row's count of ones)
+    ones = (np.indices(shape).sum(0) if shape else np.int64(0)) % 3 == 0
     if dtype == jnp.bool_:
-        return jnp.ones(shape, jnp.bool_)
-    return jnp.zeros(shape, dtype)
+        return jnp.full(shape, not other, jnp.bool_)
+    return jnp.asarray(ones != other, dtype)  # integers, and any other dtype that takes 0/1
 
 
 def _name(fn: Callable) -> str:

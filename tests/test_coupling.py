@@ -127,3 +127,73 @@ def test_a_loss_the_probe_cannot_run_is_not_judged():
     mbs = {"x": np.float32([[[1] * 6], [[2] * 6]])}
     acc = jax.jit(lambda p, b: accumulate_grads(one_row, p, b))(params, mbs)
     np.testing.assert_array_equal(acc.grads["w"], np.full(6, 1.5, np.float32))
+
+
+def token_count(params, batch):
+    # Each example's summed token loss over the batch's count of valid tokens (times the batch
+    # size, so the full-batch mean is the usual per-token mean): the count couples the examples.
+    logits = params["embed"][batch["t"][:, :-1]]
+    token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["t"][:, 1:])
+    valid = batch["m"][:, 1:]
+    return jnp.sum(token * valid, axis=1) / jnp.sum(valid) * batch["t"].shape[0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bool_, jnp.int32, jnp.uint8])
+def test_a_loss_over_the_batch_count_of_valid_tokens_warns_whatever_the_mask_dtype(dtype):
+    # The classic accumulation bug: the first half of the batch is heavily padded, so each
+    # micro-batch divides by its own token count and the accumulated gradient is not the
+    # full-batch one (checked below against jax.grad of the full-batch mean). A bool mask used
+    # to stay True in the probe's replaced rows, so the count never changed: no warning.
+    params = {"embed": 0.1 * jax.random.normal(jax.random.key(0), (12, 12))}
+    t = jax.random.randint(jax.random.key(1), (8, 6), 1, 12)
+    mask = jnp.ones((8, 6), bool).at[:4, 2:].set(False).astype(dtype)
+    full = jax.grad(lambda p: jnp.mean(token_count(p, {"t": t, "m": mask})))(params)
+    mbs = {"t": t.reshape(4, 2, 6), "m": mask.reshape(4, 2, 6)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc = jax.jit(lambda p, b: accumulate_grads(token_count, p, b))(params, mbs)
+    assert [w.category for w in caught] == [CoupledExamplesWarning], [str(w.message) for w in caught]
+    assert not np.allclose(acc.grads["embed"], full["embed"], rtol=1e-2, atol=0)
+
+
+def _leaf(dtype, m):
+    shape = (m,) if dtype == "labels" else (m, 4)
+    if dtype == "key":
+        return jax.ShapeDtypeStruct((m,), jax.random.key(0).dtype)
+    return jax.ShapeDtypeStruct(shape, jnp.int32 if dtype == "labels" else dtype)
+
+
+def _as_float(z):
+    if jnp.issubdtype(z.dtype, jax.dtypes.prng_key):  # a per-example key: draw with it
+        z = jax.vmap(jax.random.uniform)(z)
+    return z.astype(jnp.float32).reshape(z.shape[0], -1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bool_, jnp.int8, jnp.uint8, jnp.int32, jnp.uint32,
+                                   jnp.float16, jnp.bfloat16, jnp.float32, "key"],
+                         ids=lambda d: d if isinstance(d, str) else jnp.dtype(d).name)
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_a_coupling_through_the_batch_sum_of_a_leaf_of_any_dtype_is_found(dtype, m):
+    # loss_i = (1 + (x_i . w)^2) * (1 + tanh(mean of z over the batch)): example i's loss moves
+    # whenever the other rows of z change their total, as a token count does.
+    def through_sum(params, batch):
+        z = _as_float(batch["z"])
+        return (1 + jnp.sum(batch["x"] @ params["w"], 1) ** 2) * (1 + jnp.tanh(jnp.mean(z)))
+    params = {"w": jax.ShapeDtypeStruct((6, 3), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((m, 6), jnp.float32), "z": _leaf(dtype, m)}
+    assert find_coupling(through_sum, params, batch) is not None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bool_, jnp.int8, jnp.uint8, jnp.uint32, "labels"],
+                         ids=lambda d: d if isinstance(d, str) else jnp.dtype(d).name)
+def test_a_coupling_through_rows_equal_to_its_own_is_found(dtype):
+    # loss_i = (x_i . w)^2 * (number of rows of z equal to row i): a label frequency, or a
+    # count of examples with the same mask. Caught only if the replaced rows differ from the
+    # kept one element by element (a bool mask kept True in every row never changed it).
+    def same_rows(params, batch):
+        z = _as_float(batch["z"])
+        same = jnp.sum(jnp.all(z[:, None] == z[None, :], axis=-1), axis=1)
+        return jnp.sum(batch["x"] @ params["w"], 1) ** 2 * same
+    params = {"w": jax.ShapeDtypeStruct((6, 3), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((4, 6), jnp.float32), "z": _leaf(dtype, 4)}
+    assert find_coupling(same_rows, params, batch) is not None
