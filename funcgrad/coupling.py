@@ -27,6 +27,8 @@ in it) or gives non-finite losses there is not judged.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -35,6 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from funcgrad import _user_line
 
 PyTree = Any
 
@@ -126,11 +130,13 @@ def _keep(probe: PyTree, others: PyTree, i: jax.Array) -> PyTree:
 
 
 def warn_if_coupled(loss_fn: Callable, params: PyTree, microbatch: PyTree) -> None:
-    """A `CoupledExamplesWarning` naming `loss_fn` when `find_coupling` finds a coupling."""
+    """A `CoupledExamplesWarning` naming `loss_fn` (the user's function, through funcgrad's
+    wrappers) when `find_coupling` finds a coupling, reported at the user's line that called
+    the accumulation (`funcgrad._user_line`), whatever jit or scan lies in between."""
     found = find_coupling(loss_fn, params, microbatch)
     if found is None:
         return
-    warnings.warn(
+    _user_line.warn(
         f"accumulate: {_name(loss_fn)} couples the examples of a micro-batch: in a probe batch "
         f"of {found.rows}, example {found.example}'s loss is {found.loss:.4g}, and "
         f"{found.loss_others_changed:.4g} when only the other examples change (probed at "
@@ -143,7 +149,7 @@ def warn_if_coupled(loss_fn: Callable, params: PyTree, microbatch: PyTree) -> No
         "running statistics, a running mean), or train the full batch without accumulate=. If "
         "per-micro-batch statistics are intended (ghost batch norm), silence this with "
         "warnings.filterwarnings('ignore', category=funcgrad.CoupledExamplesWarning).",
-        CoupledExamplesWarning, stacklevel=3)
+        CoupledExamplesWarning)
 
 
 def _synthetic(like, rng: np.random.Generator, *, fan_in: bool = False,
@@ -169,8 +175,15 @@ def _synthetic(like, rng: np.random.Generator, *, fan_in: bool = False,
 
 
 def _name(fn: Callable) -> str:
-    """``loss_fn name (file:line)`` from its code object (through functools.partial)."""
-    inner = getattr(fn, "func", fn)
+    """``loss_fn name (file:line)`` of the user's function: through functools.partial and
+    wrappers that set ``__wrapped__`` (functools.wraps: the train step's, jax.jit's)."""
+    inner = fn
+    while True:
+        unwrapped = inspect.unwrap(inner)
+        unwrapped = unwrapped.func if isinstance(unwrapped, functools.partial) else unwrapped
+        if unwrapped is inner:
+            break
+        inner = unwrapped
     code = getattr(inner, "__code__", None)
     name = getattr(inner, "__qualname__", type(inner).__name__)
     return (f"loss_fn {name} ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"

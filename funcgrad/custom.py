@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
+
+from funcgrad import _user_line
 
 # Lines of this file are never "the user's line": the custom_vjp_call a CustomVJP makes is
 # credited to the user's call of the function (explain_grads, find_nonfinite, trace).
@@ -148,6 +149,7 @@ class CustomVJP:
         self.fwd: Callable | None = None
         self.bwd: Callable | None = None
         self.zero_cotangents: tuple[str, ...] = ()
+        self._defvjp_at: _user_line.Location | None = None
 
     def defvjp(self, fwd: Callable, bwd: Callable, *, zero_cotangents: Sequence[str] = (),
                **options: Any) -> None:
@@ -164,6 +166,10 @@ class CustomVJP:
             on them (a straight-through or gradient-blocking rule); no warning for those.
           **options: ``jax.custom_vjp.defvjp``'s ``symbolic_zeros`` and ``optimize_remat``
             are not supported: TypeError, with the advice to use ``jax.custom_vjp``.
+        Warns:
+          DroppedCotangentWarning: when a backward pass is built (`custom_vjp`), reported at
+          the line of this ``defvjp`` call, where the rule is attached and where
+          `zero_cotangents` would declare the None intended.
         """
         if options:
             raise TypeError(f"funcgrad's custom_vjp.defvjp does not support "
@@ -178,6 +184,7 @@ class CustomVJP:
                             f"names, e.g. ('w',), got {zero_cotangents!r}.")
         self.fwd, self.bwd = fwd, bwd
         self.zero_cotangents = tuple(zero_cotangents)
+        self._defvjp_at = _user_line.user_location()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = getattr(self.fun, "__name__", repr(self.fun))
@@ -195,7 +202,7 @@ class CustomVJP:
         spec = _Spec(name, getattr(self.bwd, "__name__", repr(self.bwd)),
                      tuple(names[i] for i in diff), tuple(args[i] for i in diff),
                      tuple(names[i] for i in self.nondiff_argnums))
-        user_bwd, fun, declared = self.bwd, self.fun, self.zero_cotangents
+        user_bwd, fun, declared, at = self.bwd, self.fun, self.zero_cotangents, self._defvjp_at
         unknown = [z for z in declared
                    if not any(z == n or z.startswith(n + "[") for n in spec.names)]
         if unknown:
@@ -206,7 +213,7 @@ class CustomVJP:
         @functools.wraps(user_bwd)  # JAX and explain_grads then name the user's rule
         def checked_bwd(*bwd_args):
             cts = _check_cotangents(spec, user_bwd(*bwd_args))
-            _warn_dropped(spec, cts, fun, args, self.nondiff_argnums, declared)
+            _warn_dropped(spec, cts, fun, args, self.nondiff_argnums, declared, at)
             return cts
         checked_bwd.input_names = spec.names  # read by explain_grads to name an input
 
@@ -222,8 +229,10 @@ class CustomVJP:
 
 # --- dropped cotangents ------------------------------------------------------------------------
 
-def _warn_dropped(spec, cts, fun, args, nondiff_argnums, declared) -> None:
-    """Warns when a None cotangent stands for a floating leaf the output depends on."""
+def _warn_dropped(spec, cts, fun, args, nondiff_argnums, declared, at) -> None:
+    """Warns when a None cotangent stands for a floating leaf the output depends on; the
+    warning is reported at `at`, the user's ``defvjp`` line (during the backward pass the
+    user's frames on the stack are only the one that asked for the gradient)."""
     dropped = []  # (name of the leaf, position among the differentiable args, leaf index)
     for k, (name, primal, ct) in enumerate(zip(spec.names, spec.primals, cts)):
         flat = jax.tree_util.tree_flatten_with_path(primal)[0]
@@ -246,7 +255,7 @@ def _warn_dropped(spec, cts, fun, args, nondiff_argnums, declared) -> None:
     for (leaf_name, _, _), dep in zip(dropped, used):
         if dep:
             primal_leaf = _leaf_of(spec, leaf_name, dropped)
-            warnings.warn(
+            _user_line.warn(
                 f"{spec.where} returned None (a zero cotangent) for {leaf_name} "
                 f"({primal_leaf}), but {spec.fun_name}'s output depends on it through a "
                 f"differentiable path: every gradient upstream of {leaf_name} will be zero. "
@@ -254,7 +263,7 @@ def _warn_dropped(spec, cts, fun, args, nondiff_argnums, declared) -> None:
                 f"{spec.fun_name}.defvjp(fwd, "
                 f"{'bwd' if spec.bwd_name == '<lambda>' else spec.bwd_name}, "
                 f"zero_cotangents=({leaf_name!r},)).",
-                DroppedCotangentWarning, stacklevel=2)
+                DroppedCotangentWarning, at)
 
 
 def _leaf_of(spec, leaf_name, dropped) -> str:

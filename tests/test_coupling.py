@@ -4,6 +4,7 @@ Issue 11, point 4: a loss in which one example's value depends on the other exam
 batch (centred on the batch mean, BatchNorm in training mode) gives another gradient when
 accumulated, and nothing said so.
 """
+import inspect
 import warnings
 
 import jax
@@ -197,3 +198,32 @@ def test_a_coupling_through_rows_equal_to_its_own_is_found(dtype):
     params = {"w": jax.ShapeDtypeStruct((6, 3), jnp.float32)}
     batch = {"x": jax.ShapeDtypeStruct((4, 6), jnp.float32), "z": _leaf(dtype, 4)}
     assert find_coupling(same_rows, params, batch) is not None
+
+
+def _here() -> int:
+    """The line number of the caller's next line."""
+    return inspect.currentframe().f_back.f_lineno + 1
+
+
+@pytest.mark.parametrize("path", ["accumulate_grads", "step", "step under jit=False"])
+def test_the_warning_names_the_users_loss_fn_and_points_at_the_users_call(path):
+    # The train step wraps loss_fn (to name the user's line on a traced-value error): the
+    # warning used to name that wrapper, "loss_fn centred (_traced.py:251)", and was reported
+    # at funcgrad/train.py. Both paths now name centred's def line and the call below.
+    params = {"w": jnp.float32(1.0)}
+    mbs = stack_microbatches([{"x": np.float32([0.0, 1.0])}, {"x": np.float32([2.0, 3.0])}])
+    tx = optax.sgd(0.1)
+    step = make_train_step(centred, tx, accumulate=2, jit=path == "step")
+    state = fg.init_train_state(params, tx)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if path == "accumulate_grads":
+            line = _here()
+            accumulate_grads(centred, params, mbs)
+        else:
+            line = _here()
+            step(state, mbs)
+    assert [w.category for w in caught] == [CoupledExamplesWarning], [str(w.message) for w in caught]
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    assert (f"loss_fn centred (test_coupling.py:{centred.__code__.co_firstlineno})"
+            in str(caught[0].message))

@@ -1,5 +1,7 @@
 """custom_vjp with a checked bwd: hand-derived rules, jit and vmap, and every error message (row 14)."""
 import functools
+import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -370,6 +372,25 @@ def test_none_for_a_used_input_warns_naming_the_function_and_the_input(jit):
                             r"scale's output depends on it.*zero_cotangents=\('w',\)"):
         g = grad(jnp.float32(2.0), jnp.ones(3))
     assert float(g) == 0.0  # the true gradient is sum(x) = 3: the rule dropped it
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_the_dropped_cotangent_warning_points_at_the_users_defvjp_line(jit):
+    # Reported at funcgrad/custom.py before: the backward pass runs inside JAX, where the
+    # user's only frame is the gradient call. It now points at the defvjp line, where the rule
+    # is attached and where zero_cotangents= would go.
+    @custom_vjp
+    def double(x, w):
+        return x * w
+
+    defvjp_line = inspect.currentframe().f_lineno + 1
+    double.defvjp(lambda x, w: (x * w, (x, w)), lambda res, g: (g * res[1], None))
+    grad = jax.grad(lambda w, x: jnp.sum(double(x, w)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (jax.jit(grad) if jit else grad)(jnp.float32(2.0), jnp.ones(3))
+    assert [w.category for w in caught] == [DroppedCotangentWarning], [str(w.message) for w in caught]
+    assert (caught[0].filename, caught[0].lineno) == (__file__, defvjp_line)
 
 
 def test_declared_zero_cotangent_does_not_warn():
