@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
@@ -57,9 +58,12 @@ def stack_microbatches(microbatches: Sequence[PyTree], *,
                        size: int | None = None) -> Microbatches:
     """Pads micro-batches of possibly unequal sizes to one size and stacks them, with a mask.
 
-    Runs on the host, in NumPy. A micro-batch with n < `size` rows is padded with copies of its
-    last row (so the padded losses are finite whenever the real ones are), and the mask marks
-    its first n rows as real.
+    Runs on the host, in NumPy, except for leaves of an extended dtype (typed PRNG keys,
+    ``jax.random.split(key, n)`` for per-example dropout), which NumPy cannot hold: those are
+    padded and stacked with ``jax.numpy`` and stay JAX arrays. A micro-batch with n < `size`
+    rows is padded with copies of its last row (so the padded losses are finite whenever the
+    real ones are, and a padded key is a valid key), and the mask marks its first n rows as
+    real.
 
     Args:
       microbatches: a non-empty sequence of pytrees with one structure (e.g. dicts
@@ -68,11 +72,13 @@ def stack_microbatches(microbatches: Sequence[PyTree], *,
       size: the padded size m; default the largest n_j.
     Returns:
       a `Microbatches`: ``.data`` has the structure of a micro-batch with leaves of shape
-      ``(len(microbatches), m, ...)`` (NumPy); ``.mask`` is bool ``(len(microbatches), m)``.
+      ``(len(microbatches), m, ...)`` and the leaves' dtypes (NumPy arrays; JAX arrays for
+      PRNG keys); ``.mask`` is bool ``(len(microbatches), m)``.
       Pass it whole to `accumulate_grads` or an accumulating step.
     Raises:
       ValueError: if there are no micro-batches, one is empty, its leaves disagree on their
-        leading length, it has more than `size` rows, or the structures differ.
+        leading length (or one is a scalar), it has more than `size` rows, or the structures
+        differ.
     """
     if not microbatches:
         raise ValueError("stack_microbatches: got no micro-batches; pass at least one.")
@@ -82,7 +88,7 @@ def stack_microbatches(microbatches: Sequence[PyTree], *,
         if jax.tree.structure(mb) != treedef:
             raise ValueError(f"stack_microbatches: micro-batch {j} has structure "
                              f"{jax.tree.structure(mb)}, but micro-batch 0 has {treedef}.")
-        lengths = {len(np.asarray(leaf)) for leaf in jax.tree.leaves(mb)}
+        lengths = {_rows(leaf, j) for leaf in jax.tree.leaves(mb)}
         if len(lengths) != 1 or 0 in lengths:
             raise ValueError(f"stack_microbatches: the leaves of micro-batch {j} have leading "
                              f"lengths {sorted(lengths)}; they must be one length >= 1.")
@@ -92,11 +98,29 @@ def stack_microbatches(microbatches: Sequence[PyTree], *,
         raise ValueError(f"stack_microbatches: micro-batch {counts.index(max(counts))} has "
                          f"{max(counts)} rows, more than size={size}. Pass a larger size.")
 
-    pad = lambda a: np.concatenate([a, np.repeat(a[-1:], size - len(a), axis=0)])
-    stacked = jax.tree.map(lambda *leaves: np.stack([pad(np.asarray(a)) for a in leaves]),
-                           *microbatches)
+    stacked = jax.tree.map(lambda *leaves: _padded_stack(leaves, size), *microbatches)
     mask = np.arange(size)[None, :] < np.asarray(counts)[:, None]
     return Microbatches(stacked, mask)
+
+
+def _rows(leaf, j: int) -> int:
+    """The leading length of a micro-batch leaf (its shape is read, never its values)."""
+    shape = np.shape(leaf)  # .shape when it has one: a PRNG key array does not become NumPy
+    if not shape:
+        raise ValueError(f"stack_microbatches: micro-batch {j} has a scalar leaf "
+                         f"({leaf!r}); every leaf needs a leading axis of examples, e.g. "
+                         "shape (n_j, ...).")
+    return shape[0]
+
+
+def _padded_stack(leaves: Sequence[Any], size: int):
+    """The leaves padded to `size` rows with copies of their last row, stacked: NumPy, or
+    jax.numpy for an extended dtype (typed PRNG keys), which NumPy cannot hold."""
+    extended = any(isinstance(a, jax.Array)
+                   and jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in leaves)
+    xp = jnp if extended else np
+    rows = lambda n: np.minimum(np.arange(size), n - 1)  # 0 .. n-1, then n-1 repeated
+    return xp.stack([xp.asarray(a)[rows(np.shape(a)[0])] for a in leaves])
 
 
 def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
@@ -132,7 +156,7 @@ def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
     def groups(size):
         group: list[PyTree] = []
         for mb in microbatches:
-            size = len(np.asarray(jax.tree.leaves(mb)[0])) if size is None else size
+            size = _rows(jax.tree.leaves(mb)[0], 0) if size is None else size
             group.append(mb)
             if len(group) == k:
                 yield stack_microbatches(group, size=size)
