@@ -20,8 +20,9 @@ booleans are True (a padding mask with every token valid); PRNG keys are distinc
 replaced rows differ from the probe's in every element, and in their sums: fresh floats and
 keys, integers and booleans flipped (1 - v: a third of the elements are 1 in the probe, two
 thirds in the replaced rows; booleans all False), so a dependence on the others' values, on
-their count of valid tokens or on which of them equal example i is seen. It costs three forward passes of at most 8 examples, once per trace, and no host
-round-trip in the compiled step. A loss that cannot run on the probe (a batch size hard-coded
+their count of valid tokens or on which of them equal example i is seen. It costs three
+forward passes of at most 8 examples, once per trace, and no host round-trip in the compiled
+step. A loss that cannot run on the probe (a batch size hard-coded
 in it) or gives non-finite losses there is not judged.
 """
 from __future__ import annotations

@@ -153,7 +153,8 @@ def test_a_loss_over_the_batch_count_of_valid_tokens_warns_whatever_the_mask_dty
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         acc = jax.jit(lambda p, b: accumulate_grads(token_count, p, b))(params, mbs)
-    assert [w.category for w in caught] == [CoupledExamplesWarning], [str(w.message) for w in caught]
+    assert [w.category for w in caught] == [CoupledExamplesWarning], [str(w.message)
+                                                             for w in caught]
     assert not np.allclose(acc.grads["embed"], full["embed"], rtol=1e-2, atol=0)
 
 
@@ -223,7 +224,8 @@ def test_the_warning_names_the_users_loss_fn_and_points_at_the_users_call(path):
         else:
             line = _here()
             step(state, mbs)
-    assert [w.category for w in caught] == [CoupledExamplesWarning], [str(w.message) for w in caught]
+    assert [w.category for w in caught] == [CoupledExamplesWarning], [str(w.message)
+                                                             for w in caught]
     assert (caught[0].filename, caught[0].lineno) == (__file__, line)
     assert (f"loss_fn centred (test_coupling.py:{centred.__code__.co_firstlineno})"
             in str(caught[0].message))

@@ -389,7 +389,8 @@ def test_the_dropped_cotangent_warning_points_at_the_users_defvjp_line(jit):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         (jax.jit(grad) if jit else grad)(jnp.float32(2.0), jnp.ones(3))
-    assert [w.category for w in caught] == [DroppedCotangentWarning], [str(w.message) for w in caught]
+    assert [w.category for w in caught] == [DroppedCotangentWarning], [str(w.message)
+                                                             for w in caught]
     assert (caught[0].filename, caught[0].lineno) == (__file__, defvjp_line)
 
 
