@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from funcgrad._jaxpr import closed_parts, interpret, source_line
+from funcgrad._jaxpr import arg_names, closed_parts, interpret, source_line
 from funcgrad._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
+from funcgrad._traced import traced_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +135,15 @@ def with_dead_relu(fn: Callable) -> Callable[..., tuple[Any, DeadReLU]]:
     Returns:
       a function of the same arguments returning ``(fn(*args), DeadReLU)``; jit-able.
     Raises:
-      TypeError: if `fn` is not callable.
+      TypeError: if `fn` is not callable; when called, `funcgrad.TracedValueError` naming
+        fn's line if it uses a traced value as a Python value (``if loss > 0:``), with the fix.
     """
     if not callable(fn):
         raise TypeError(f"with_dead_relu needs a callable, got {type(fn).__name__}.")
 
     def transformed(*args):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        with traced_values("with_dead_relu", fn, args, arg_names(fn, len(args)), (0,)):
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         sites: list[tuple[str, jax.Array, int]] = []
         relus = ReluAxes(closed.jaxpr, len(jax.tree.leaves(args[:1])))
         outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), sites, "", relus)
