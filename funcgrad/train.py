@@ -394,12 +394,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             (new_params, opt_state), (state.params, state.opt_state))
         # "skipped" depends on the whole guard, so it is the one output that tells a skip
         # (a step skipped for its update has a finite loss and norm). The counter does not
-        # depend on `ok`. Cost (benchmarks/train_step.py, "guard cost", 2026-12-01 on a
-        # loaded 2-core CPU): XLA now materialises Adam's new moments and params once for
-        # the test and selects them after it (38 -> 56 kernels for the 64-128-10 MLP); ~7%
-        # at batch 256, ~1% on a 1.1M-parameter MLP, but 2.5x at batch 32, where a step
-        # waiting on more small kernels is handed to XLA:CPU's thread pool (2-3% when pinned
-        # to one core). funcgrad's step stays at 0.94x the same guard written by hand.
+        # depend on `ok`. Cost (benchmarks/train_step.py, "guard cost", two runs on a quiet
+        # 2-core CPU, 2026-12-01): XLA materialises Adam's new moments and params once for
+        # the test and selects them after it (38 -> 56 kernels for the 64-128-10 MLP);
+        # 1.06-1.12x at batch 256, 0.95-1.10x on a 1.1M-parameter MLP, but 1.55-1.78x at
+        # batch 32, where a step waiting on more small kernels is handed to XLA:CPU's thread
+        # pool. funcgrad's step stays at 0.91-1.00x the same guard written by hand.
         metrics["skipped"] = (~ok).astype(jnp.int32)
         if locate:  # per leaf, as the guard sees it (frozen leaves are not guarded)
             finite = lambda x, f: (jnp.all(jnp.isfinite(x)) if f and jnp.issubdtype(
