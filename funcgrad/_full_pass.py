@@ -27,17 +27,20 @@ from funcgrad import _objective as obj
 SLOW_SECONDS = 10.0
 #: Most blocks (compiled-call dispatches) a full check is cut into.
 _MAX_BLOCKS = 64
+#: Up to this many chunks, a full check is one compiled call with no progress estimate.
+_PROBE_ROWS = 8
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "eps", "chunk", "rows", "rev"))
-def _block_kernel(spec, theta, leaves, cotangents, block, *, eps, chunk, rows, rev=True):
-    """phi(theta ± eps·e_i) for the `rows` x `chunk` indices of block `block` (a traced int):
-    i = block·rows·chunk + j. Without `rev`, also d phi/d theta_i by a jvp along e_i (the
-    gradient in forward mode). Returns arrays of shape (rows·chunk,)."""
+def _block_kernel(spec, theta, leaves, cotangents, start, *, eps, chunk, rows, rev=True):
+    """phi(theta ± eps·e_i) for the `rows` x `chunk` indices i = start + j (`start` a traced
+    int, so every block of a shape shares one compilation; i >= n perturbs nothing). Without
+    `rev`, also d phi/d theta_i by a jvp along e_i (the gradient in forward mode). Returns
+    arrays of shape (rows·chunk,)."""
     n = theta.shape[0]
     index = jnp.arange(n)
     phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-    ids = block * rows * chunk + jnp.arange(rows * chunk).reshape(rows, chunk)
+    ids = start + jnp.arange(rows * chunk).reshape(rows, chunk)
 
     def plus_minus(i):
         e = jnp.where(index == i, eps, 0.0)
@@ -71,32 +74,39 @@ def run(spec, theta, leaves, cotangents, tangents, *, eps, chunk, rev=True, prog
     the gradient is taken in forward mode, one jvp per element, alongside the perturbations.
 
     `progress`: None shows a bar (and the estimate) only for a check expected to take longer
-    than `SLOW_SECONDS`; True always; False never (the estimate line is still printed)."""
+    than `SLOW_SECONDS`; True always; False never (the estimate line is still printed).
+
+    A check of more than `_PROBE_ROWS` chunks first runs two single chunks (the first compiles,
+    the second is timed), so the estimate comes after 2c evaluations whatever the model's
+    size; the rest runs in at most `_MAX_BLOCKS` equal blocks of one compiled shape."""
     n = theta.shape[0]
     c = min(chunk, n)
     total_rows = -(-n // c)
-    blocks = min(total_rows, _MAX_BLOCKS)
-    rows = -(-total_rows // blocks)
-    blocks = -(-total_rows // rows)
     point = _point_kernel(spec, theta, leaves, cotangents, tangents, rev=rev)
     kernel = functools.partial(_block_kernel, spec, theta, leaves, cotangents, eps=eps,
-                               chunk=c, rows=rows, rev=rev)
+                               chunk=c, rev=rev)
     parts, bar, start = [], None, time.perf_counter()
     try:
-        for k in range(blocks):
-            t0 = time.perf_counter()
-            out = kernel(np.int32(k))
-            if k < 2 and blocks > 2:  # the first call compiles; the second times a block
-                jax.block_until_ready(out)
-            parts.append(out)
-            if k == 1 and blocks > 2:
-                left = (time.perf_counter() - t0) * (blocks - 2)
-                bar = _announce(n, time.perf_counter() - start, left, blocks, progress)
-            elif k == 0 and blocks <= 2 and progress:
-                bar = _bar(blocks)
-            if bar is not None:
-                jax.block_until_ready(out)
-                bar.update(k + 1 - bar.n)
+        if total_rows <= _PROBE_ROWS:  # small: one call, as fast as it gets
+            if progress:
+                bar = _bar(1)
+            parts.append(kernel(np.int32(0), rows=total_rows))
+        else:
+            for k in range(2):  # two single chunks: compile, then time one
+                t0 = time.perf_counter()
+                parts.append(jax.block_until_ready(kernel(np.int32(k * c), rows=1)))
+            rest = total_rows - 2
+            blocks = min(rest, _MAX_BLOCKS)
+            rows = -(-rest // blocks)
+            blocks = -(-rest // rows)
+            left = (time.perf_counter() - t0) * rest
+            bar = _announce(n, time.perf_counter() - start, left, blocks, progress)
+            for k in range(blocks):
+                out = kernel(np.int32((2 + k * rows) * c), rows=rows)
+                parts.append(out)
+                if bar is not None:
+                    jax.block_until_ready(out)
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()
@@ -109,19 +119,15 @@ def run(spec, theta, leaves, cotangents, tangents, *, eps, chunk, rev=True, prog
 
 
 def _announce(n, spent, left, blocks, progress):
-    """After two blocks: say how long the check will take when that is long, and return a bar
-    (or None)."""
+    """After the two probe chunks: say how long the check will take when that is long, and
+    return a bar over the remaining blocks (or None)."""
     slow = spent + left > SLOW_SECONDS
     if slow:
         print(f"check_grads: full mode perturbs each of {n:,} elements twice ({2 * n:,} forward "
-              f"passes): about {_duration(left)} left. mode='directional' (or funcgrad.audit, "
+              f"passes): roughly {_duration(left)} left. mode='directional' (or funcgrad.audit, "
               "which picks it for large models) checks random tangents and bisects a failure "
               "to its element in seconds.", file=sys.stderr)
-    if progress or (progress is None and slow):
-        bar = _bar(blocks)
-        bar.update(2)
-        return bar
-    return None
+    return _bar(blocks) if progress or (progress is None and slow) else None
 
 
 def _bar(blocks):
