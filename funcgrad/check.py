@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from funcgrad import _noise
 from funcgrad import _objective as obj
 from funcgrad._jaxpr import arg_names, check_array_args, sub_jaxprs
 from funcgrad._traced import traced_values
@@ -496,32 +497,11 @@ def _masked_kernel(spec, theta, leaves, cotangents, direction, lo, hi, *, eps, j
     return (*out, jax.jvp(phi, (theta,), (v,))[1]) if jvp else out
 
 
-#: At most this many kink candidates get the second, smaller step (one compiled call each).
-_MAX_KINK_PROBES = 64
-
-
-def _curvature_not_kinks(prob, f0, kink, gap, eps):
-    """Which kink candidates are curvature: bool (n,), or None when there is nothing to probe.
-
-    At a smooth point the one-sided differences differ by about eps·|f''|, at a kink by the
-    jump in the derivative, whatever the step. So each candidate is probed again with the step
-    eps/8: a gap that shrinks below half its first size is curvature (a smooth point with
-    |f''| > 1/sqrt(eps)), not a kink, and must not excuse a wrong derivative there. Beyond
-    `_MAX_KINK_PROBES` candidates (many ReLUs exactly at 0) the first verdict stands.
-    """
-    candidates = np.flatnonzero(kink)
-    if not 0 < candidates.size <= _MAX_KINK_PROBES:
-        return None
-    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
-    h = eps / 8
-    smooth = np.zeros(kink.shape, bool)
-    for i in candidates:
-        one_hot = jnp.zeros(theta.shape[0], theta.dtype).at[i].set(1.0)
-        _, f_plus, f_minus = _masked_kernel(spec, theta, leaves, cots, one_hot, int(i),
-                                            int(i) + 1, eps=h)
-        gap_h = abs((float(f_plus) - f0) / h - (f0 - float(f_minus)) / h)
-        smooth[i] = gap_h < gap[i] / 2
-    return smooth
+def _roundoff_scale(prob, f0, out):
+    """S of `_noise.roundoff_scale` for this problem: |f| for a scalar output, Σ|u_k·y_k| for
+    an output reduced by the cotangent u."""
+    return _noise.roundoff_scale(f0, np.asarray(out, np.float64),
+                                 np.asarray(prob["cotangents"][0]), prob["spec"].scalar_output)
 
 
 def _random_tangents(seed, n, segments, k):
@@ -631,33 +611,54 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
         result = _full_kernel(spec, theta, leaves, cots, None, eps=eps, chunk=chunk)
     f0, fp, fm, grad, out = (np.asarray(a) for a in result[:5])
     _check_finite_output(prob, out)
+    f0 = float(f0)
     numeric = (fp - fm) / (2 * eps)
-    scale = max(1.0, abs(float(f0)))
     right, left = (fp - f0) / eps, (f0 - fm) / eps
-    cls = classify_elements(grad, numeric, right, left, None, atol * scale, rtol, eps)
-    smooth = _curvature_not_kinks(prob, f0, cls["kink"], np.abs(right - left), eps)
-    if smooth is not None:
-        cls = classify_elements(grad, numeric, right, left, None, atol * scale, rtol, eps, smooth)
+    # Each element's step and noise (the error bound of its central difference): the
+    # round-off floor first; re-probes below refine both where the floor is not enough.
+    dtype, scale = prob["dtype_used"], _roundoff_scale(prob, f0, out)
+    step = np.full(n, eps)
+    noise = np.full(n, _noise.floor(dtype, scale, eps))
+    cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step)
+    coarse, smooth, jumped = numeric, None, np.zeros(n, bool)
+    candidates = np.flatnonzero(cls["kink"])
+    if candidates.size:
+        numeric, right, left, smooth, jumped = _noise.smaller_step(
+            prob, f0, candidates, eps, numeric, right, left, _CHUNK_ELEMENTS)
+        step = np.where(smooth, eps / _noise.SMALLER, eps)
+        noise = np.where(smooth, _noise.floor(dtype, scale, eps / _noise.SMALLER), noise)
+        cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step,
+                                smooth)
+    suspects = np.flatnonzero(cls["fail"] & ~cls["kink"] & np.isfinite(grad)
+                              & np.isfinite(numeric))
+    if suspects.size:  # the floor may be too tight (cancellation in fn): measure their noise
+        noise = noise.copy()
+        noise[suspects] = np.fmax(noise[suspects], _noise.measured_noise(
+            prob, suspects, step[suspects], _CHUNK_ELEMENTS))
+        cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step,
+                                smooth)
     if (cls["fail"] & ~cls["kink"]).any():  # only then ask whether stop_gradient explains it
         g_st = _see_through_grad(prob, modes)
         if g_st is not None:
-            cls = classify_elements(grad, numeric, right, left, g_st, atol * scale, rtol, eps,
+            cls = classify_elements(grad, numeric, right, left, g_st, atol + noise, rtol, step,
                                     smooth)
             if cls["sg"].any():
                 notes.append(_SG_NOTE[respect_sg])
+    cls.update(noise=noise, jumped=jumped, coarse=coarse, step=step, coarse_step=eps)
     fwd = None
     if tangents is not None:
         accepted = np.where(cls["explained"], grad, numeric)  # JAX's value at kinks
-        fwd = (tangents, np.asarray(result[5]), tangents @ accepted)
+        fwd_noise = np.abs(tangents) @ np.where(cls["explained"], 0.0, noise)
+        fwd = (tangents, np.asarray(result[5]), tangents @ accepted, fwd_noise)
     rows = []
     for li, (lo, hi) in enumerate(segments):
         fwd_err = None
         if fwd is not None:
             sel = slice(li * k, (li + 1) * k)
-            fwd_err = (fwd[1][sel], fwd[2][sel])
+            fwd_err = (fwd[1][sel], fwd[2][sel], fwd[3][sel])
         rows.append(LeafCheck.from_elements(
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"], cls, lo, hi,
-            fwd_err, atol * scale, rtol, respect_sg))
+            fwd_err, atol, rtol, respect_sg))
     return rows, notes
 
 
@@ -673,7 +674,8 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
     f0, fp, fm, grad, out = (np.asarray(a) for a in _directional_kernel(
         spec, theta, leaves, cots, on_device, eps=eps, rev="rev" in modes))
     _check_finite_output(prob, out)
-    scale = max(1.0, abs(float(f0)))
+    # atol plus the round-off floor of a central difference (the same along a unit tangent).
+    atol_abs = atol + _noise.floor(prob["dtype_used"], _roundoff_scale(prob, f0, out), eps)
     numeric = (fp - fm) / (2 * eps)
     analytic = {}
     if "rev" in modes:
@@ -687,7 +689,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             raise ValueError(_FWD_ONLY_CUSTOM_VJP)
         else:
             notes.append(note)
-    mismatch = any((np.abs(a - numeric) > atol * scale + rtol * np.abs(numeric)).any()
+    mismatch = any((np.abs(a - numeric) > atol_abs + rtol * np.abs(numeric)).any()
                    for a in analytic.values())
     g_st = _see_through_grad(prob, modes) if mismatch else None
     if g_st is not None:
@@ -699,7 +701,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
-            atol * scale, rtol, eps, respect_sg)
+            atol_abs, rtol, eps, respect_sg)
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
             j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))
