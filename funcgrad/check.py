@@ -39,9 +39,13 @@ from funcgrad._traced import traced_values
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
 
 #: dtype the function computed in -> (eps, rtol, atol). An element passes when
-#: |analytic - numeric| <= atol * max(1, |f|) + rtol * |numeric|.
+#: |analytic - numeric| <= atol + rtol * |numeric| + noise, noise being the error bound of that
+#: central difference (`funcgrad._noise`): the round-off floor 4·u·S/h (S = |f|, or Σ|u_k y_k|
+#: for a cotangent-reduced output), or where an element misses it, the round-off and
+#: truncation measured around it. atol is a plain absolute tolerance in the derivative's units
+#: (not scaled by |f|: a constant added to f must not widen it) for what neither term models:
 #: float64: u = 1.1e-16, h = 1e-6 -> round-off ~1e-10·|f|, truncation ~2e-13·|f'''|; atol 1e-7
-#:   leaves a 100x margin over both.
+#:   leaves a 100x margin over both for |f| up to 10 (beyond it the floor grows with |f|).
 #: float32: u = 6.0e-8, h = 1e-3 -> round-off ~6e-5·|f|, truncation ~2e-7·|f'''|.
 #: float16: u = 4.9e-4, h = 3e-2 -> round-off ~1.6e-2·|f|, truncation ~1.5e-4·|f'''|.
 #: bfloat16: u = 3.9e-3, h = 1e-1 -> round-off ~3.9e-2·|f|, truncation ~1.7e-3·|f'''|.
@@ -81,7 +85,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         products).
       eps, rtol, atol: override `TOLERANCES` for the dtype used: eps a finite number > 0 (the
         step, in the units of the differentiated leaves), rtol and atol finite numbers >= 0
-        (dimensionless; atol is scaled by max(1, |f|)).
+        (atol in the derivative's units, not scaled by |f|; each element's tolerance is
+        atol + rtol·|numeric| + the estimated error of its central difference).
       num_directions: random tangents per check in directional mode, and per leaf for the
         fwd check in full mode.
       seed: a non-negative int; seeds the tangents and the output cotangents.
@@ -356,7 +361,7 @@ def _check_number(name: str, value: Any, positive: bool = False) -> None:
                           "leaves; None picks one for the dtype (TOLERANCES), e.g. 1e-3 in "
                           "float32",
                    "rtol": "a relative tolerance; None uses TOLERANCES, e.g. 1e-2 in float32",
-                   "atol": "an absolute tolerance, scaled by max(1, |f|); None uses TOLERANCES, "
+                   "atol": "an absolute tolerance, in the derivative's units; None uses TOLERANCES, "
                            "e.g. 1e-3 in float32"}[name]
         raise ValueError(f"check_grads: {name} must be a finite number "
                          f"{'> 0' if positive else '>= 0'} or None, got {value!r}: it is "
