@@ -1,4 +1,4 @@
-"""The error of a gradient check's central differences: a round-off floor, and re-probes that measure it.
+"""The error of a gradient check's central differences: a round-off floor, and probes measuring it.
 
 Private to `funcgrad.check`. The central difference D(h) = (f(x+h) - f(x-h)) / 2h of a function
 evaluated with absolute error at most e carries a round-off error at most e/h and a truncation
@@ -12,13 +12,13 @@ So the check judges element i against ``atol + rtol·|numeric_i| + noise_i`` whe
    magnitude of what the last reduction adds up (|f| for a scalar output, Σ|u_k·y_k| for an
    output y reduced by the cotangent u); cheap, and tight for a well-conditioned function;
 2. then, only for the elements that fail with the floor, a measurement: f at 17 points in
-   [x-h, x+h] (x and 8 jittered points on each side, `_OFFSETS`), one batched compiled call
-   over all of them. A degree-4 polynomial
-   fits the smooth part of f exactly enough on [x-h, x+h] (its residual, h⁵·f⁽⁵⁾/120, is far
-   below round-off at the default steps); what is left over is round-off, whose standard
-   deviation s_f the residuals estimate with 17 - 5 = 12 degrees of freedom. D(h)'s round-off
-   is (e₊ - e₋)/2h, standard deviation s_f/(√2·h); its truncation is the fitted cubic
-   coefficient b₃/h (f(x + t·h) = Σ b_k t^k, and D(h) = (b₁ + b₃ + b₅ ...)/h).
+   [x-h, x+h] (x and 8 jittered points on each side, `OFFSETS`), one batched compiled call
+   over all of them. A degree-4 polynomial in t fits f(x + t·h) closely enough (its
+   residual, h⁵·f⁽⁵⁾/120, is far below round-off at the default steps); what is left over
+   is round-off, whose standard deviation s_f the residuals estimate with 17 - 5 = 12
+   degrees of freedom. D(h)'s round-off is (e₊ - e₋)/2h, standard deviation s_f/(√2·h); its
+   truncation is the fitted cubic coefficient b₃/h (f(x + t·h) = Σ b_k t^k, and
+   D(h) = (b₁ + b₃ + b₅ + ...)/h while f'(x) = b₁/h).
    ``noise_i = T_QUANTILE · s_f/(√2·h) + |b₃|/h`` (see `T_QUANTILE`).
 
 Cancellation inside fn (large terms, small f) makes round-off larger than the floor; the
@@ -42,9 +42,10 @@ import numpy as np
 from funcgrad import _objective as obj
 
 #: Round-off of one evaluation of f, in units of u·S: the final rounding of the output, of the
-#: cotangent reduction and of a cast each add at most u·S/2... a few, so 4 u·S per evaluation
-#: bounds a well-conditioned function, and D(h)'s round-off is at most (|e₊| + |e₋|)/2h =
-#: 4·u·S/h. An element that misses it is measured (`measured_noise`), not failed.
+#: cotangent reduction and of a cast each add at most u·S/2, so a few of them, 4·u·S per
+#: evaluation, bound a well-conditioned function, and D(h)'s round-off is then at most
+#: (|e₊| + |e₋|)/2h = 4·u·S/h. An element that misses it is measured (`measured_noise`), not
+#: failed, so the floor may be tight (a floor too tight costs 17 evaluations, not a verdict).
 ROUNDOFF_ULPS = 4.0
 
 #: Multiple of D(h)'s estimated round-off standard deviation tolerated after a measurement.
@@ -61,7 +62,7 @@ T_QUANTILE = 7.0
 #: errors drift linearly across the grid, which a polynomial absorbs as slope (observed: 0
 #: residual, 5.7e-5 error in D). Jittered points break that up: f moves by hundreds of ulps
 #: within one jitter.
-_OFFSETS = (0.0,) + tuple((j - 0.9 * ((j * 0.6180339887) % 1)) / 8 for j in range(1, 9)) \
+OFFSETS = (0.0,) + tuple((j - 0.9 * ((j * 0.6180339887) % 1)) / 8 for j in range(1, 9)) \
     + tuple(-(j - 0.9 * ((j * 1.4142135624) % 1)) / 8 for j in range(1, 9))
 
 #: The refining step is h/SMALLER: a jump of f or f' further than h/8 from the point is no
@@ -87,7 +88,7 @@ def floor(dtype: str, scale: float, step: float) -> float:
     return ROUNDOFF_ULPS * unit_roundoff(dtype) * scale / step
 
 
-def _padded(m: int) -> int:
+def padded(m: int) -> int:
     """Candidates are padded to 8, 64, 512, ... so that few shapes are compiled."""
     return 8 ** max(1, math.ceil(math.log(max(m, 1), 8)))
 
@@ -116,7 +117,7 @@ def probe(prob, index: np.ndarray, steps: np.ndarray, offsets: tuple[float, ...]
     """f at theta + o·steps[c] along element index[c], for each candidate c and offset o:
     float64 (len(index), len(offsets)), in one compiled call (padded to 8, 64, 512, ...)."""
     m, n = len(index), int(prob["theta"].shape[0])
-    size = _padded(m)
+    size = padded(m)
     per = max(1, chunk_elements // max(1, n * len(offsets)))
     chunk = min(size, 1 << int(math.log2(per)))  # a power of two: divides the padded size
     idx = np.full(size, -1, np.int64)
@@ -157,7 +158,7 @@ def smaller_step(prob, f0: float, candidates: np.ndarray, eps: float, numeric: n
 
 
 def _fit():
-    t = np.asarray(_OFFSETS)
+    t = np.asarray(OFFSETS)
     design = np.vander(t, 5, increasing=True)  # 1, t, t², t³, t⁴
     pinv = np.linalg.pinv(design)
     return np.eye(len(t)) - design @ pinv, pinv[3], len(t) - design.shape[1]
@@ -170,7 +171,13 @@ def measured_noise(prob, index: np.ndarray, steps: np.ndarray,
                    chunk_elements: int) -> np.ndarray:
     """The measured error bound of D(steps[c]) at element index[c]: float64 (m,), in the
     derivative's units. See the module docstring for the fit and `T_QUANTILE`."""
-    values = probe(prob, index, steps, _OFFSETS, chunk_elements)
+    return noise_from_values(probe(prob, index, steps, OFFSETS, chunk_elements), steps)
+
+
+def noise_from_values(values: np.ndarray, steps) -> np.ndarray:
+    """The error bound of D(step) from f at x + OFFSETS·step: `values` float64 (m, 17) (one
+    row per element or tangent), `steps` a scalar or (m,); returns float64 (m,), NaN where a
+    value is not finite."""
     # f - f(x) is exact for nearby values (Sterbenz) and keeps the fit's own arithmetic far
     # below the round-off it measures when |f| is large.
     centred = values - values[:, :1]

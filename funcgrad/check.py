@@ -593,6 +593,42 @@ def _see_through_grad(prob, modes):
         return None
 
 
+def _judge_elements(prob, f0, fp, fm, grad, out, tol):
+    """First verdicts on every element, with each one's step and noise (the error bound of its
+    central difference) refined where needed: the round-off floor for all; the step eps/8 for
+    kink candidates it shows smooth (a jump crossed by eps; `_noise.smaller_step`); measured
+    noise for the elements that still fail (`_noise.measured_noise`). Returns the
+    `classify_elements` dict (plus noise, jumped, coarse, step, coarse_step) and the vectors
+    (numeric, right, left, step, noise, smooth) for further classification."""
+    eps, rtol, atol = tol
+    n = fp.shape[0]
+    numeric = (fp - fm) / (2 * eps)
+    right, left = (fp - f0) / eps, (f0 - fm) / eps
+    dtype, scale = prob["dtype_used"], _roundoff_scale(prob, f0, out)
+    step = np.full(n, eps)
+    noise = np.full(n, _noise.floor(dtype, scale, eps))
+    cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step)
+    coarse, smooth, jumped = numeric, None, np.zeros(n, bool)
+    candidates = np.flatnonzero(cls["kink"])
+    if candidates.size:
+        numeric, right, left, smooth, jumped = _noise.smaller_step(
+            prob, f0, candidates, eps, numeric, right, left, _CHUNK_ELEMENTS)
+        step = np.where(smooth, eps / _noise.SMALLER, eps)
+        noise = np.where(smooth, _noise.floor(dtype, scale, eps / _noise.SMALLER), noise)
+        cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step,
+                                smooth)
+    suspects = np.flatnonzero(cls["fail"] & ~cls["kink"] & np.isfinite(grad)
+                              & np.isfinite(numeric))
+    if suspects.size:  # the floor may be too tight (cancellation in fn): measure their noise
+        noise = noise.copy()
+        noise[suspects] = np.fmax(noise[suspects], _noise.measured_noise(
+            prob, suspects, step[suspects], _CHUNK_ELEMENTS))
+        cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step,
+                                smooth)
+    cls.update(noise=noise, jumped=jumped, coarse=coarse, step=step, coarse_step=eps)
+    return cls, (numeric, right, left, step, noise, smooth)
+
+
 def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
@@ -616,40 +652,15 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
         result = _full_kernel(spec, theta, leaves, cots, None, eps=eps, chunk=chunk)
     f0, fp, fm, grad, out = (np.asarray(a) for a in result[:5])
     _check_finite_output(prob, out)
-    f0 = float(f0)
-    numeric = (fp - fm) / (2 * eps)
-    right, left = (fp - f0) / eps, (f0 - fm) / eps
-    # Each element's step and noise (the error bound of its central difference): the
-    # round-off floor first; re-probes below refine both where the floor is not enough.
-    dtype, scale = prob["dtype_used"], _roundoff_scale(prob, f0, out)
-    step = np.full(n, eps)
-    noise = np.full(n, _noise.floor(dtype, scale, eps))
-    cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step)
-    coarse, smooth, jumped = numeric, None, np.zeros(n, bool)
-    candidates = np.flatnonzero(cls["kink"])
-    if candidates.size:
-        numeric, right, left, smooth, jumped = _noise.smaller_step(
-            prob, f0, candidates, eps, numeric, right, left, _CHUNK_ELEMENTS)
-        step = np.where(smooth, eps / _noise.SMALLER, eps)
-        noise = np.where(smooth, _noise.floor(dtype, scale, eps / _noise.SMALLER), noise)
-        cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step,
-                                smooth)
-    suspects = np.flatnonzero(cls["fail"] & ~cls["kink"] & np.isfinite(grad)
-                              & np.isfinite(numeric))
-    if suspects.size:  # the floor may be too tight (cancellation in fn): measure their noise
-        noise = noise.copy()
-        noise[suspects] = np.fmax(noise[suspects], _noise.measured_noise(
-            prob, suspects, step[suspects], _CHUNK_ELEMENTS))
-        cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step,
-                                smooth)
+    cls, (numeric, right, left, step, noise, smooth) = _judge_elements(
+        prob, float(f0), fp, fm, grad, out, tol)
     if (cls["fail"] & ~cls["kink"]).any():  # only then ask whether stop_gradient explains it
         g_st = _see_through_grad(prob, modes)
         if g_st is not None:
-            cls = classify_elements(grad, numeric, right, left, g_st, atol + noise, rtol, step,
-                                    smooth)
+            cls = {**cls, **classify_elements(grad, numeric, right, left, g_st, atol + noise,
+                                              rtol, step, smooth)}  # keeps noise, step, ...
             if cls["sg"].any():
                 notes.append(_SG_NOTE[respect_sg])
-    cls.update(noise=noise, jumped=jumped, coarse=coarse, step=step, coarse_step=eps)
     fwd = None
     if tangents is not None:
         accepted = np.where(cls["explained"], grad, numeric)  # JAX's value at kinks
@@ -679,8 +690,10 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
     f0, fp, fm, grad, out = (np.asarray(a) for a in _directional_kernel(
         spec, theta, leaves, cots, on_device, eps=eps, rev="rev" in modes))
     _check_finite_output(prob, out)
-    # atol plus the round-off floor of a central difference (the same along a unit tangent).
-    atol_abs = atol + _noise.floor(prob["dtype_used"], _roundoff_scale(prob, f0, out), eps)
+    # atol plus the round-off floor of a central difference (the same along a unit tangent);
+    # measured instead along the tangents that miss it, as in full mode.
+    floor = _noise.floor(prob["dtype_used"], _roundoff_scale(prob, f0, out), eps)
+    atol_abs = np.full(fp.shape, atol + floor)
     numeric = (fp - fm) / (2 * eps)
     analytic = {}
     if "rev" in modes:
@@ -694,8 +707,15 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             raise ValueError(_FWD_ONLY_CUSTOM_VJP)
         else:
             notes.append(note)
-    mismatch = any((np.abs(a - numeric) > atol_abs + rtol * np.abs(numeric)).any()
-                   for a in analytic.values())
+    def mismatched():
+        return np.any([np.abs(a - numeric) > atol_abs + rtol * np.abs(numeric)
+                       for a in analytic.values()], axis=0)
+
+    suspects = np.flatnonzero(mismatched())
+    if suspects.size:
+        measured = _noise.noise_from_values(_probe_tangents(prob, on_device, suspects, eps), eps)
+        atol_abs[suspects] = np.fmax(atol_abs[suspects], atol + measured)
+    mismatch = bool(mismatched().any())
     g_st = _see_through_grad(prob, modes) if mismatch else None
     if g_st is not None:
         notes.append(_SG_NOTE[respect_sg])
@@ -706,7 +726,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
-            atol_abs, rtol, eps, respect_sg)
+            atol_abs[sel], rtol, eps, respect_sg)
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
             j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))
@@ -715,6 +735,30 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             row = row.located(i - lo, a, num, evaluations)
         rows.append(row)
     return rows, notes
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "eps"))
+def _tangent_probe_kernel(spec, theta, leaves, cotangents, plan, ids, *, eps):
+    """phi(theta + o·eps·t) for each tangent t in `ids` (of `plan`) and each o in
+    `_noise.OFFSETS`: (len(ids), 17); an id of -1 (padding) gives the last tangent."""
+    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
+    n = theta.shape[0]
+    offsets = jnp.asarray(_noise.OFFSETS, theta.dtype)
+
+    def along(t):
+        v = _tangent(plan, t, n)
+        return jax.vmap(lambda o: phi(theta + o * eps * v))(offsets)
+
+    return jax.lax.map(along, ids)
+
+
+def _probe_tangents(prob, plan, ids, eps):
+    """`_tangent_probe_kernel` on the host: float64 (len(ids), 17), ids padded to 8, 64, ..."""
+    padded = np.full(_noise.padded(len(ids)), -1)
+    padded[:len(ids)] = ids
+    return np.asarray(_tangent_probe_kernel(prob["spec"], prob["theta"], prob["leaves"],
+                                            prob["cotangents"], plan, jnp.asarray(padded),
+                                            eps=eps))[:len(ids)]
 
 
 def _bisect(prob, tol, grad, direction, lo, hi):

@@ -167,3 +167,13 @@ def test_float64_sawtooth_near_its_jump_is_judged_with_the_smaller_step():
     assert any("discontinuity within the step" in n for n in row.notes)
     [bad] = wrong.rows
     assert bad.status == "fail" and bad.analytic - bad.numeric == pytest.approx(0.7, rel=1e-4)
+
+
+def test_heavy_cancellation_passes_in_directional_mode_too():
+    # Along a unit tangent all 20 terms move, so their roundings add: D(1e-6) is off by up to
+    # 20 x 1.2e-10 / 2e-6 = 1.2e-3, typically sqrt(40) x 3.4e-11 / 2e-6 = 1.1e-4 (1.6e-4 seen),
+    # 1000x the floor from |f|. The tangents that miss the floor are measured, not failed.
+    x = jax.random.uniform(jax.random.key(0), (20,), minval=-3, maxval=3)
+    report = fg.check_grads(_cancelling(sin_with_rule()), x, mode="directional")
+    assert report.ok and report.rows[0].status == "ok", str(report)
+    assert report.rows[0].max_abs_error > 1e-5  # the round-off was there to be measured
