@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -66,7 +67,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                 mode: str = "full", modes: Sequence[str] = ("rev", "fwd"), order: int = 1,
                 eps: float | None = None, rtol: float | None = None, atol: float | None = None,
                 num_directions: int = 4, seed: int = 0, chunk_size: int | None = None,
-                respect_stop_gradient: bool = True) -> GradCheckReport:
+                allow_stop_gradient: bool | str | Sequence[str] = False,
+                respect_stop_gradient: bool | None = None) -> GradCheckReport:
     """Compares the gradients of `fn` at `args` with central finite differences.
 
     Args:
@@ -92,9 +94,15 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
       seed: a non-negative int; seeds the tangents and the output cotangents.
       chunk_size: perturbations evaluated per vmapped batch in full mode; by default about
         2^20 / n (8 MiB of perturbed float64 inputs).
-      respect_stop_gradient: if True, a leaf whose analytic gradient is zero only because of
-        ``stop_gradient`` (finite differences see through it) is marked "stop_gradient" and not
-        counted as a failure.
+      allow_stop_gradient: which leaves may differ from finite differences because of
+        ``stop_gradient``. By default none: a leaf whose gradient is cut (or changed) by a
+        ``stop_gradient`` that finite differences see through fails with status
+        "stop_gradient", as ``torch.autograd.gradcheck`` fails a detached input -- an accidental
+        ``stop_gradient`` on a weight is a bug the check must not pass. Declare intended cuts
+        with True (every leaf), a leaf path, or paths (``["params['frozen']"]``; a path also
+        covers the leaves under it): those leaves get "stop_gradient_declared" and pass.
+      respect_stop_gradient: deprecated spelling (funcgrad 0.1); True means
+        ``allow_stop_gradient=True``.
     Returns:
       a `GradCheckReport`: one `LeafCheck` row per differentiated leaf, ``.ok``,
       ``.raise_if_failed()``, ``.to_dict()``; ``print(report)`` shows the table.
@@ -138,13 +146,18 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     argnums_t = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     names = arg_names(fn, len(args))
     check_array_args("check_grads", args, names)
+    if respect_stop_gradient is not None:
+        warnings.warn("check_grads: respect_stop_gradient is deprecated; pass "
+                      "allow_stop_gradient=True (or the paths of the leaves meant to be "
+                      "detached) instead.", DeprecationWarning, stacklevel=2)
+        allow_stop_gradient = bool(respect_stop_gradient)
     with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
+        allowed = _allowed_stop_gradient(allow_stop_gradient, prob["paths"])
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = _run_full if mode == "full" else _run_directional
         try:
-            rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size,
-                              respect_stop_gradient)
+            rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size, allowed)
         except ValueError as error:
             if "while_loop" not in str(error) or not ("rev" in modes or order == 2):
                 raise
@@ -368,6 +381,26 @@ def _check_number(name: str, value: Any, positive: bool = False) -> None:
                          f"{meaning}.")
 
 
+def _allowed_stop_gradient(allow, paths) -> tuple[bool, ...]:
+    """One flag per differentiated leaf: may it differ because of stop_gradient? `allow` is a
+    bool, a path or paths; a path covers itself and the leaves under it. ValueError for a path
+    that names no differentiated leaf (a typo must not silently allow nothing)."""
+    if isinstance(allow, (bool, np.bool_)):
+        return tuple(bool(allow) for _ in paths)
+    names = (allow,) if isinstance(allow, str) else tuple(allow)
+    if not all(isinstance(a, str) for a in names):
+        raise TypeError(f"check_grads: allow_stop_gradient must be a bool, a leaf path or leaf "
+                        f"paths (str), got {allow!r}.")
+    covers = lambda name, path: path == name or (path.startswith(name) and
+                                                 path[len(name)] in "[.")
+    for name in names:
+        if not any(covers(name, p) for p in paths):
+            raise ValueError(f"check_grads: allow_stop_gradient names {name!r}, which is not a "
+                             f"differentiated leaf or a prefix of one; the leaves are: "
+                             f"{', '.join(paths)}.")
+    return tuple(any(covers(name, p) for name in names) for p in paths)
+
+
 def _tolerances(dtype_used, eps, rtol, atol):
     d_eps, d_rtol, d_atol = TOLERANCES.get(dtype_used, TOLERANCES["float32"])
     return (d_eps if eps is None else float(eps), d_rtol if rtol is None else float(rtol),
@@ -553,12 +586,18 @@ _FWD_ONLY_CUSTOM_VJP = ("check_grads: modes=('fwd',) but fn uses a custom_vjp fu
                         "check. Use modes=('rev',) (the default checks rev and notes the skip).")
 
 
-_SG_NOTE = {
-    True: "fn contains stop_gradient, which finite differences see through; leaves whose "
-          "gradient it cuts are marked 'stop_gradient', not failed (respect_stop_gradient=True).",
-    False: "fn contains stop_gradient, which finite differences see through; the gradients it "
-           "cuts count as failures (respect_stop_gradient=False).",
-}
+def _sg_note(allowed, rows) -> str:
+    """The report's note on stop_gradient: which leaves it cut, and how to declare them."""
+    cut = [r.path for r in rows if r.status == "stop_gradient"]
+    declared = [r.path for r in rows if r.status == "stop_gradient_declared"]
+    text = "fn contains stop_gradient, which finite differences see through."
+    if cut:
+        text += (f" It cuts the gradient of {', '.join(cut)}: failed, since a detached weight "
+                 "trains no more. If that is intended, declare it: "
+                 f"check_grads(..., allow_stop_gradient={cut!r}).")
+    if declared:
+        text += f" Declared cut (allow_stop_gradient): {', '.join(declared)}."
+    return text
 
 
 # --- the two modes ------------------------------------------------------------------------
@@ -629,7 +668,7 @@ def _judge_elements(prob, f0, fp, fm, grad, out, tol):
     return cls, (numeric, right, left, step, noise, smooth)
 
 
-def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
+def _run_full(prob, tol, modes, k, seed, chunk_size, allowed):
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
     n = theta.shape[0]
@@ -659,8 +698,6 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
         if g_st is not None:
             cls = {**cls, **classify_elements(grad, numeric, right, left, g_st, atol + noise,
                                               rtol, step, smooth)}  # keeps noise, step, ...
-            if cls["sg"].any():
-                notes.append(_SG_NOTE[respect_sg])
     fwd = None
     if tangents is not None:
         accepted = np.where(cls["explained"], grad, numeric)  # JAX's value at kinks
@@ -674,11 +711,13 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
             fwd_err = (fwd[1][sel], fwd[2][sel], fwd[3][sel])
         rows.append(LeafCheck.from_elements(
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"], cls, lo, hi,
-            fwd_err, atol, rtol, respect_sg))
+            fwd_err, atol, rtol, allowed[li]))
+    if cls["sg"].any():
+        notes.append(_sg_note(allowed, rows))
     return rows, notes
 
 
-def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
+def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed):
     del chunk_size
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
@@ -707,6 +746,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             raise ValueError(_FWD_ONLY_CUSTOM_VJP)
         else:
             notes.append(note)
+
     def mismatched():
         return np.any([np.abs(a - numeric) > atol_abs + rtol * np.abs(numeric)
                        for a in analytic.values()], axis=0)
@@ -717,8 +757,6 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
         atol_abs[suspects] = np.fmax(atol_abs[suspects], atol + measured)
     mismatch = bool(mismatched().any())
     g_st = _see_through_grad(prob, modes) if mismatch else None
-    if g_st is not None:
-        notes.append(_SG_NOTE[respect_sg])
     rows = []
     for li, (lo, hi) in enumerate(segments):
         sel = slice(li * k, (li + 1) * k)
@@ -726,7 +764,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
-            atol_abs[sel], rtol, eps, respect_sg)
+            atol_abs[sel], rtol, eps, allowed[li])
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
             j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))
@@ -734,6 +772,8 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
                                              lo, hi)
             row = row.located(i - lo, a, num, evaluations)
         rows.append(row)
+    if any(r.status.startswith("stop_gradient") for r in rows):
+        notes.append(_sg_note(allowed, rows))
     return rows, notes
 
 

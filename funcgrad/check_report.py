@@ -8,7 +8,9 @@ rather than failed when
     (f(x) - f(x-h))/h disagree by more than the tolerance and JAX's value lies between them
     (JAX picks one side or their mean there: abs'(0) = 1, relu'(0) = 0, maximum(x, 0)'(0) = 0.5);
   * or, when the program has a stop_gradient, the gradient of the same program with
-    stop_gradient made transparent matches the finite difference (status "stop_gradient").
+    stop_gradient made transparent matches the finite difference: status "stop_gradient", a
+    failure (a weight detached by mistake trains no more), unless the caller declared the cut
+    (``allow_stop_gradient=``): "stop_gradient_declared", which passes.
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-STATUSES = ("ok", "fail", "nondifferentiable_point", "stop_gradient")
+#: "stop_gradient" is a failure whose cause is named; "stop_gradient_declared" passes.
+STATUSES = ("ok", "fail", "nondifferentiable_point", "stop_gradient", "stop_gradient_declared")
+PASSING = ("ok", "nondifferentiable_point", "stop_gradient_declared")
 
 
 def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol, eps,
@@ -69,9 +73,10 @@ class LeafCheck:
     Attributes:
       path: the leaf's name, argument name plus pytree path, e.g. ``params[1]['w']``.
       shape: the leaf's shape; dtype: the dtype the function computed in.
-      status: "ok", "fail", "nondifferentiable_point" (only kinks disagreed; not a failure)
-        or "stop_gradient" (zero only because of stop_gradient; a failure only when
-        ``respect_stop_gradient=False``).
+      status: "ok", "fail", "nondifferentiable_point" (only kinks disagreed; not a failure),
+        "stop_gradient" (differs from finite differences only because of stop_gradient: a
+        failure, named) or "stop_gradient_declared" (the same, declared with
+        ``allow_stop_gradient=``: passes).
       max_abs_error, max_rel_error: over the leaf's elements (full mode) or tangents
         (directional mode), excluding explained elements; rel = abs / max(|analytic|, |numeric|).
       worst_index: index (into `shape`) of the worst element, or None when not located.
@@ -101,18 +106,18 @@ class LeafCheck:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("ok", "nondifferentiable_point", "stop_gradient")
+        return self.status in PASSING
 
     @classmethod
     def from_elements(cls, path, shape, dtype, c, lo, hi, fwd, atol_abs, rtol,
-                      respect_sg) -> LeafCheck:
+                      allowed) -> LeafCheck:
         s = slice(lo, hi)
         kink, sg = c["kink"][s], c["sg"][s]
-        excused = kink | (sg if respect_sg else np.zeros_like(sg))
+        excused = kink | (sg if allowed else np.zeros_like(sg))
         err, tol, grad, num = c["err"][s], c["tol"][s], c["grad"][s], c["numeric"][s]
         notes, abs_err, rel_err, worst = [], 0.0, 0.0, None
         considered = ~excused
-        failed = bool((c["fail"][s] & considered).any())
+        failed = bool((c["fail"][s] & ~kink & ~sg).any())  # a cause not named: a plain failure
         bad = considered & ~(np.isfinite(grad) & np.isfinite(num)) & c["fail"][s]
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
@@ -162,20 +167,19 @@ class LeafCheck:
         if sg.any():
             notes.append(f"{int(sg.sum())} element(s) differ from the central difference only "
                          "because of stop_gradient (which finite differences see through)")
-        status = ("fail" if failed or (sg.any() and not respect_sg) else
-                  "nondifferentiable_point" if kinks else "stop_gradient" if sg.any() else "ok")
+        status = _status(failed, bool(sg.any()), allowed, bool(kinks))
         return cls(path, tuple(shape), dtype, status, abs_err, rel_err,
                    *(worst if worst else (None, None, None)), kinks, tuple(notes), resolution)
 
     @classmethod
     def from_directions(cls, path, shape, dtype, analytic, numeric, right, left, see_through,
-                        atol_abs, rtol, eps, respect_sg) -> LeafCheck:
+                        atol_abs, rtol, eps, allowed) -> LeafCheck:
         notes, abs_err, rel_err, failed = [], 0.0, 0.0, False
         any_kink = any_sg = False
         worst = (None, None, None)
         for m, a in analytic.items():
             c = classify_elements(a, numeric, right, left, see_through, atol_abs, rtol, eps)
-            excused = c["kink"] | (c["sg"] if respect_sg else np.zeros_like(c["sg"]))
+            excused = c["kink"] | (c["sg"] if allowed else np.zeros_like(c["sg"]))
             any_kink |= bool(c["kink"].any())
             any_sg |= bool(c["sg"].any())
             considered = ~excused
@@ -185,15 +189,17 @@ class LeafCheck:
                 w = int(np.argmax(np.where(considered, c["err"] / c["tol"], -1.0)))
                 if worst[1] is None or c["err"][w] > abs(worst[1] - worst[2]):
                     worst = (None, float(a[w]), float(numeric[w]))
-            bad = c["fail"] & considered
+            bad = c["fail"] & considered & ~c["sg"]
             if bad.any():
                 failed = True
                 notes.append(f"{m}: disagrees with the central difference along {int(bad.sum())} "
                              f"of {len(bad)} random unit tangents on this leaf")
+        if any_sg:
+            notes.append("differs from the central difference along some tangents only because "
+                         "of stop_gradient (which finite differences see through)")
         if any_kink:
             notes.append("a tangent crosses a non-differentiable point (one-sided differences disagree)")
-        status = ("fail" if failed or (any_sg and not respect_sg) else
-                  "nondifferentiable_point" if any_kink else "stop_gradient" if any_sg else "ok")
+        status = _status(failed, any_sg, allowed, any_kink)
         return cls(path, tuple(shape), dtype, status, abs_err, rel_err, *worst, (), tuple(notes))
 
     def located(self, flat_index: int, analytic: float, numeric: float, evaluations: int) -> LeafCheck:
@@ -206,6 +212,16 @@ class LeafCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"ok": self.ok}
+
+
+def _status(failed: bool, cut: bool, allowed: bool, kink: bool) -> str:
+    """A leaf's status: a failure not explained by stop_gradient first, then the cut (failed
+    unless declared), then kinks."""
+    if failed:
+        return "fail"
+    if cut:
+        return "stop_gradient_declared" if allowed else "stop_gradient"
+    return "nondifferentiable_point" if kink else "ok"
 
 
 def _rel(err, a, b):

@@ -217,16 +217,47 @@ def test_kinks_are_reported_not_failed(fn, expected_value, convention):
     assert right - left == pytest.approx(1.0 if fn is not jnp.abs else 2.0, rel=1e-6)
 
 
-def test_stop_gradient_is_marked_not_failed():
+@pytest.mark.parametrize("mode", ["full", "directional"])
+def test_an_accidental_stop_gradient_fails_and_is_named(mode):
+    # f = sum(sg(a) * b): JAX's d/da is 0, the central difference sees b = [3, -1]. A weight
+    # detached by mistake trains no more, so by default the check fails and names the cause
+    # (PyTorch's gradcheck fails here too); funcgrad 0.1 passed it.
     def f(p):
         return jnp.sum(jax.lax.stop_gradient(p["a"]) * p["b"])
 
     p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
-    report = fg.check_grads(f, p)
-    assert report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"]
-    assert any("stop_gradient" in n for n in report.notes)
-    strict = fg.check_grads(f, p, respect_stop_gradient=False)
-    assert [r.path for r in strict.failures] == ["p['a']"]
+    report = fg.check_grads(f, p, mode=mode)
+    assert not report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"]
+    assert [r.path for r in report.failures] == ["p['a']"]
+    assert "FAILED" in str(report) and "allow_stop_gradient=[\"p['a']\"]" in str(report)
+    with pytest.raises(AssertionError, match="stop_gradient"):
+        report.raise_if_failed()
+    with pytest.raises(AssertionError, match="stop_gradient"):
+        assert_grads_close(f, p, mode=mode)
+    if mode == "full":  # the worst element shows the cut: JAX 0, finite differences b[0] = 3
+        assert report.rows[0].worst_index == (0,)
+        assert (report.rows[0].analytic, report.rows[0].numeric) == pytest.approx((0.0, 3.0))
+    # Declared, by path (or prefix) or for every leaf, it passes.
+    for allow in (["p['a']"], "p['a']", True):
+        declared = fg.check_grads(f, p, mode=mode, allow_stop_gradient=allow)
+        assert declared.ok and [r.status for r in declared.rows] == [
+            "stop_gradient_declared", "ok"], str(declared)
+    with pytest.raises(ValueError, match=r"names .p\['c'\]..*p\['a'\], p\['b'\]"):
+        fg.check_grads(f, p, allow_stop_gradient=["p['c']"])
+    with pytest.warns(DeprecationWarning, match="allow_stop_gradient"):
+        old = fg.check_grads(f, p, mode=mode, respect_stop_gradient=True)
+    assert old.ok
+
+
+def test_a_declared_stop_gradient_does_not_excuse_another_leaf():
+    # Declaring p['a'] detached leaves p['b'] checked: its detached copy fails.
+    def f(p):
+        sg = jax.lax.stop_gradient
+        return jnp.sum(sg(p["a"]) * p["b"]) + jnp.sum(sg(p["b"]) ** 2)
+
+    p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
+    report = fg.check_grads(f, p, allow_stop_gradient=["p['a']"])
+    assert [r.status for r in report.rows] == ["stop_gradient_declared", "stop_gradient"]
 
 
 def _sg_in_remat(p):
@@ -246,13 +277,15 @@ def _sg_in_cond(p):
 @pytest.mark.parametrize("f", [_sg_in_remat, _sg_in_scan, _sg_in_cond],
                          ids=["checkpoint", "scan", "cond"])
 @pytest.mark.parametrize("mode", ["full", "directional"])
-def test_stop_gradient_inside_remat_scan_and_cond_is_marked_not_failed(f, mode):
+def test_stop_gradient_inside_remat_scan_and_cond_is_named(f, mode):
     # Same function as above, inside checkpoint, scan (counted twice) and the taken cond
     # branch: JAX's d/da is 0 where the central difference sees b (or 2b), so only the
     # see-through gradient, rebuilt through these primitives, explains the difference.
     p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
     report = fg.check_grads(f, p, mode=mode)
-    assert report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"], str(report)
+    assert not report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"], str(report)
+    declared = fg.check_grads(f, p, mode=mode, allow_stop_gradient=True)
+    assert declared.ok and [r.status for r in declared.rows] == ["stop_gradient_declared", "ok"]
 
 
 def test_see_through_does_not_excuse_a_wrong_rule_inside_scan():
@@ -307,7 +340,7 @@ def test_forward_mode_alone_checks_every_element_and_catches_a_wrong_jvp():
 
 @pytest.mark.parametrize("kwargs", [{}, {"modes": ("fwd",)}, {"modes": ("rev",)},
                                     {"mode": "directional"}], ids=["both", "fwd", "rev", "dir"])
-def test_stop_gradient_inside_a_while_loop_is_marked_not_failed(kwargs):
+def test_stop_gradient_inside_a_while_loop_is_named(kwargs):
     # f(a) = sum over 3 iterations of sg(a)**2, plus sum(a): JAX's gradient is 1 per element,
     # the central difference 6a + 1. Without stop_gradient the loop depends on a, so the
     # see-through gradient can only be taken in forward mode.
@@ -317,7 +350,9 @@ def test_stop_gradient_inside_a_while_loop_is_marked_not_failed(kwargs):
         return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + sg(a) ** 2),
                                   (0, jnp.zeros(3)))[1].sum() + a.sum()
     report = fg.check_grads(f, jnp.array([1.0, 2.0, 3.0]), **kwargs)
-    assert report.ok and [r.status for r in report.rows] == ["stop_gradient"], str(report)
+    assert not report.ok and [r.status for r in report.rows] == ["stop_gradient"], str(report)
+    declared = fg.check_grads(f, jnp.array([1.0, 2.0, 3.0]), allow_stop_gradient=True, **kwargs)
+    assert declared.ok and [r.status for r in declared.rows] == ["stop_gradient_declared"]
 
 
 def test_second_order_through_a_while_loop_is_a_clear_error():
