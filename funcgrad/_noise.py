@@ -89,8 +89,9 @@ def floor(dtype: str, scale: float, step: float) -> float:
 
 
 def padded(m: int) -> int:
-    """Candidates are padded to 8, 64, 512, ... so that few shapes are compiled."""
-    return 8 ** max(1, math.ceil(math.log(max(m, 1), 8)))
+    """Candidates are padded to a power of two (at least 8): a few shapes to compile, and at
+    most twice the evaluations needed."""
+    return 1 << max(3, math.ceil(math.log2(max(m, 1))))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "offsets", "chunk"))
@@ -115,7 +116,7 @@ def _probe_kernel(spec, theta, leaves, cotangents, index, steps, *, offsets, chu
 def probe(prob, index: np.ndarray, steps: np.ndarray, offsets: tuple[float, ...],
           chunk_elements: int) -> np.ndarray:
     """f at theta + o·steps[c] along element index[c], for each candidate c and offset o:
-    float64 (len(index), len(offsets)), in one compiled call (padded to 8, 64, 512, ...)."""
+    float64 (len(index), len(offsets)), in one compiled call (padded to 8, 16, 32, ...)."""
     m, n = len(index), int(prob["theta"].shape[0])
     size = padded(m)
     per = max(1, chunk_elements // max(1, n * len(offsets)))

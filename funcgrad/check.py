@@ -793,7 +793,7 @@ def _tangent_probe_kernel(spec, theta, leaves, cotangents, plan, ids, *, eps):
 
 
 def _probe_tangents(prob, plan, ids, eps):
-    """`_tangent_probe_kernel` on the host: float64 (len(ids), 17), ids padded to 8, 64, ..."""
+    """`_tangent_probe_kernel` on the host: float64 (len(ids), 17), ids padded to 8, 16, ..."""
     padded = np.full(_noise.padded(len(ids)), -1)
     padded[:len(ids)] = ids
     return np.asarray(_tangent_probe_kernel(prob["spec"], prob["theta"], prob["leaves"],

@@ -85,11 +85,13 @@ class LeafCheck:
       notes: further remarks, e.g. which mode failed or how the element was located.
       resolution: in full mode, ``max_i (atol + 2·noise_i)`` over the leaf's elements, in the
         derivative's units: an error e planted in one element j is certainly reported when
-        e > resolution + rtol·|numeric_j|. noise_i is the error bound of element i's central
-        difference (the round-off floor ``4·u·|f|/h``, or where that was not enough, the
-        round-off and truncation measured at 16 more steps; `funcgrad._noise`); it counts
-        twice because the numeric value may be off by noise_i in the direction that hides e.
-        None when not stated.
+        e > resolution + rtol·|numeric_j| (unless j sits at a non-differentiable point,
+        where a value between the one-sided derivatives is excused). noise_i is the error
+        bound of element i's central difference: the round-off floor ``4·u·|f|/h`` (u the
+        dtype's unit round-off), or where that was not enough, the round-off and truncation
+        measured from 17 evaluations around the point (`funcgrad._noise`). It counts twice
+        because the numeric value may be off by noise_i in the direction that hides e. None
+        when not stated.
     """
     path: str
     shape: tuple[int, ...]
