@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from funcgrad import _noise
+from funcgrad import _full_pass, _noise
 from funcgrad import _objective as obj
+from funcgrad._full_pass import basis_jvp
 from funcgrad._jaxpr import arg_names, check_array_args, sub_jaxprs
 from funcgrad._traced import traced_values
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
@@ -68,7 +69,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                 eps: float | None = None, rtol: float | None = None, atol: float | None = None,
                 num_directions: int = 4, seed: int = 0, chunk_size: int | None = None,
                 allow_stop_gradient: bool | str | Sequence[str] = False,
-                respect_stop_gradient: bool | None = None) -> GradCheckReport:
+                respect_stop_gradient: bool | None = None,
+                progress: bool | None = None) -> GradCheckReport:
     """Compares the gradients of `fn` at `args` with central finite differences.
 
     Args:
@@ -103,6 +105,10 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         covers the leaves under it): those leaves get "stop_gradient_declared" and pass.
       respect_stop_gradient: deprecated spelling (funcgrad 0.1); True means
         ``allow_stop_gradient=True``.
+      progress: full mode runs its 2n forward passes in up to 64 blocks and, after two, knows
+        how long the rest takes. A check expected to run over 10 s prints that estimate on
+        stderr with a suggestion of directional mode, and (progress None or True) shows a tqdm
+        bar; True shows the bar for any check, False never.
     Returns:
       a `GradCheckReport`: one `LeafCheck` row per differentiated leaf, ``.ok``,
       ``.raise_if_failed()``, ``.to_dict()``; ``print(report)`` shows the table.
@@ -133,6 +139,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                                    or chunk_size < 1):
         raise ValueError(f"check_grads: chunk_size must be a positive int or None, got "
                          f"{chunk_size!r}.")
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise TypeError(f"check_grads: progress must be True, False or None, got {progress!r}.")
     _check_number("eps", eps, positive=True)
     _check_number("rtol", rtol)
     _check_number("atol", atol)
@@ -157,7 +165,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = _run_full if mode == "full" else _run_directional
         try:
-            rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size, allowed)
+            rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size, allowed,
+                              progress)
         except ValueError as error:
             if "while_loop" not in str(error) or not ("rev" in modes or order == 2):
                 raise
@@ -177,7 +186,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     checked = tuple(m for m in modes if not (m == "fwd" and _NO_FWD_NOTE in notes))
     return GradCheckReport(rows=rows, mode=mode, modes=checked or tuple(modes), order=order,
                            dtype_used=prob["dtype_used"], eps=cfg_tol[0], rtol=cfg_tol[1],
-                           atol=cfg_tol[2], skipped=prob["skipped"], notes=notes)
+                           atol=cfg_tol[2], skipped=prob["skipped"], notes=notes,
+                           checked_args=prob["checked_args"],
+                           unchecked_args=prob["unchecked_args"])
 
 
 def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 50_000,
@@ -279,9 +290,24 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     # On the device once: the kernels (and the bisection's repeated calls) reuse these buffers
     # instead of copying host arrays in on every call. device_put compiles nothing.
     theta, leaves, cotangents = jax.device_put((theta, leaves, cotangents))
-    return dict(spec=spec, theta=theta, leaves=leaves, cotangents=cotangents, paths=paths,
+    floating = lambda a: any(jnp.issubdtype(jnp.result_type(x), jnp.floating)
+                             for x in jax.tree.leaves(a) if _is_array_like(x))
+    checked_args = tuple(f"{names[a]} (argnums={a})" for a in argnums)
+    unchecked_args = tuple(
+        f"{names[i]} (argnums={i}{'' if floating(args[i]) else ', nothing floating'})"
+        for i in range(len(args)) if i not in argnums)
+    return dict(checked_args=checked_args, unchecked_args=unchecked_args,
+                spec=spec, theta=theta, leaves=leaves, cotangents=cotangents, paths=paths,
                 shapes=shapes, skipped=skipped, dtype_used=dtype_used,
                 notes=notes, out_layout=out_layout, names=names, args=args)
+
+
+def _is_array_like(x) -> bool:
+    try:
+        jnp.result_type(x)
+        return True
+    except TypeError:  # a typed PRNG key
+        return False
 
 
 def _raw_output(spec, theta, leaves):
@@ -415,41 +441,6 @@ def _segments(prob):
 
 # --- compiled kernels (cached on the static spec) -----------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("spec", "eps", "chunk", "rev"))
-def _full_kernel(spec, theta, leaves, cotangents, tangents, *, eps, chunk, rev=True):
-    """One compiled call: phi(theta); phi(theta ± eps·e_i) for every i; grad phi(theta) (with
-    `rev`; without it, the jvp of phi along every e_i, the same vector in forward mode); the
-    output at theta; and, if `tangents` is not None, the jvp of phi along each of them.
-
-    The perturbations e_i run over the flat parameter vector in vmapped chunks of `chunk`
-    (padded to whole chunks; a padded index perturbs nothing), so one loop body is compiled
-    whatever the number of leaves. (Perturbing leaf by leaf, so that only the perturbed leaf
-    is batched, saved up to ~25% of the run time on a 2-layer MLP but compiled one body per
-    leaf: its first call, which is compile time, was ~1.6x longer.)"""
-    n = theta.shape[0]
-    c = min(chunk, n)
-    ids = jnp.arange(-(-n // c) * c).reshape(-1, c)
-    index = jnp.arange(n)
-    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-
-    def plus_minus(i):
-        e = jnp.where(index == i, eps, 0.0)
-        out = phi(theta + e), phi(theta - e)
-        return out if rev else (*out, _basis_jvp(phi, theta, index, i))
-
-    batched = jax.vmap(plus_minus)
-    cols = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
-    f_plus, f_minus = (jnp.ravel(c)[:n] for c in cols[:2])
-    grad = jax.grad(phi)(theta) if rev else jnp.ravel(cols[2])[:n]
-    jvps = None if tangents is None else jax.vmap(lambda v: jax.jvp(phi, (theta,), (v,))[1])(tangents)
-    return phi(theta), f_plus, f_minus, grad, obj.output_vector(spec, theta, leaves), jvps
-
-
-def _basis_jvp(phi, theta, index, i):
-    """d phi / d theta_i, by a jvp along the i-th unit vector (0 for a padded i >= n)."""
-    return jax.jvp(phi, (theta,), (jnp.where(index == i, 1.0, 0.0),))[1]
-
-
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _rev_kernel(spec, theta, leaves, cotangents):
     return jax.grad(lambda t: obj.objective(spec, t, leaves, cotangents))(theta)
@@ -463,7 +454,7 @@ def _fwd_grad_kernel(spec, theta, leaves, cotangents, *, chunk):
     c = min(chunk, n)
     ids = jnp.arange(-(-n // c) * c).reshape(-1, c)
     index = jnp.arange(n)
-    column = jax.vmap(lambda i: _basis_jvp(phi, theta, index, i))
+    column = jax.vmap(lambda i: basis_jvp(phi, theta, index, i))
     out = column(ids[0]) if ids.shape[0] == 1 else jax.lax.map(column, ids)
     return jnp.ravel(out)[:n]
 
@@ -668,7 +659,7 @@ def _judge_elements(prob, f0, fp, fm, grad, out, tol):
     return cls, (numeric, right, left, step, noise, smooth)
 
 
-def _run_full(prob, tol, modes, k, seed, chunk_size, allowed):
+def _run_full(prob, tol, modes, k, seed, chunk_size, allowed, progress=None):
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
     n = theta.shape[0]
@@ -679,8 +670,10 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, allowed):
     rev = "rev" in modes
     if "fwd" in modes and rev:  # without rev every element is checked by a jvp of its own
         tangents, _ = _random_tangents(seed, n, segments, k)
+    passes = functools.partial(_full_pass.run, spec, theta, leaves, cots, eps=eps, chunk=chunk,
+                               rev=rev, progress=progress)
     try:
-        result = _full_kernel(spec, theta, leaves, cots, tangents, eps=eps, chunk=chunk, rev=rev)
+        result = passes(tangents)
     except TypeError as e:
         if not rev and "custom_vjp" in str(e):
             raise ValueError(_FWD_ONLY_CUSTOM_VJP) from e
@@ -688,8 +681,8 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, allowed):
             raise
         notes.append(_NO_FWD_NOTE)
         tangents = None
-        result = _full_kernel(spec, theta, leaves, cots, None, eps=eps, chunk=chunk)
-    f0, fp, fm, grad, out = (np.asarray(a) for a in result[:5])
+        result = passes(None)
+    f0, fp, fm, grad, out = result[:5]
     _check_finite_output(prob, out)
     cls, (numeric, right, left, step, noise, smooth) = _judge_elements(
         prob, float(f0), fp, fm, grad, out, tol)
@@ -717,8 +710,8 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, allowed):
     return rows, notes
 
 
-def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed):
-    del chunk_size
+def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=None):
+    del chunk_size, progress
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
     n = theta.shape[0]

@@ -242,6 +242,9 @@ class GradCheckReport:
       dtype_used: the dtype the function computed in (float64 unless it forces lower).
       eps, rtol, atol: the step and tolerances used (see `funcgrad.check.TOLERANCES`).
       skipped: integer/boolean leaves that were not differentiated.
+      checked_args, unchecked_args: the positional arguments differentiated (`argnums`) and
+        those passed through unchecked, as ``"name (argnums=i)"``; an unchecked argument with
+        floating leaves is one a caller may have meant to check (``argnums=(0, 1)``).
       notes: remarks (fwd skipped for custom_vjp, lower precision, stop_gradient, ...).
     """
     rows: list[LeafCheck]
@@ -254,6 +257,8 @@ class GradCheckReport:
     atol: float
     skipped: list[str]
     notes: list[str]
+    checked_args: tuple[str, ...] = ()
+    unchecked_args: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -267,6 +272,8 @@ class GradCheckReport:
         return {"ok": self.ok, "mode": self.mode, "modes": list(self.modes), "order": self.order,
                 "dtype_used": self.dtype_used, "eps": self.eps, "rtol": self.rtol,
                 "atol": self.atol, "skipped": list(self.skipped), "notes": list(self.notes),
+                "checked_args": list(self.checked_args),
+                "unchecked_args": list(self.unchecked_args),
                 "rows": [r.to_dict() for r in self.rows]}
 
     def raise_if_failed(self) -> None:
@@ -293,5 +300,12 @@ class GradCheckReport:
         for r in self.rows:
             lines += [f"  {r.path}: {n}" for n in r.notes]
         lines += [f"  skipped: {s}" for s in self.skipped]
+        if self.checked_args:
+            lines.append(f"  checked arguments: {', '.join(self.checked_args)}")
+        if self.unchecked_args:
+            floating = [a.split(" ")[0] for a in self.unchecked_args if "nothing floating" not in a]
+            hint = (f" -- their gradients were not checked; to check {', '.join(floating)} too, "
+                    "pass argnums with its position" if floating else "")
+            lines.append(f"  not checked: {', '.join(self.unchecked_args)}{hint}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -615,3 +615,51 @@ def test_zero_tolerances_and_an_explicit_step_are_used_as_given():
 def test_audit_refuses_a_negative_max_full_elements():
     with pytest.raises(ValueError, match="max_full_elements must be a non-negative int"):
         fg.audit(lambda p: jnp.sum(p ** 2), jnp.ones(2), max_full_elements=-1)
+
+
+def test_the_report_names_the_arguments_checked_and_not():
+    # With the default argnums=0 the second argument's gradient is silently unchecked in 0.1;
+    # the report now names both, and which unchecked one has floating leaves (could be meant).
+    def f(w, x, n):
+        return jnp.sum(w * x) * n
+
+    report = fg.check_grads(f, jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0]), 3)
+    assert report.checked_args == ("w (argnums=0)",)
+    assert report.unchecked_args == ("x (argnums=1)", "n (argnums=2, nothing floating)")
+    text = str(report)
+    assert "checked arguments: w (argnums=0)" in text
+    assert "not checked: x (argnums=1), n (argnums=2, nothing floating)" in text
+    assert "to check x too, pass argnums" in text
+    both = fg.check_grads(f, jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0]), 3, argnums=(0, 1))
+    assert both.unchecked_args == ("n (argnums=2, nothing floating)",)
+    assert [r.path for r in both.rows] == ["w", "x"]
+    assert both.to_dict()["checked_args"] == ["w (argnums=0)", "x (argnums=1)"]
+
+
+def test_a_long_full_check_announces_its_time_and_shows_progress(monkeypatch, capsys):
+    # 150 elements in chunks of 2: 75 chunk rows cut into 38 blocks of 2 rows, one compiled
+    # call each. With the "slow" threshold at 0 s the check must print its estimate and the
+    # directional suggestion on stderr; its verdicts must equal the one-block run's (the same
+    # 2n evaluations, only dispatched in pieces), including a planted bug's element.
+    from funcgrad import _full_pass
+    scale = jnp.ones(150).at[77].set(1.01)
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sum(jnp.sin(x))
+    f.defvjp(lambda x: (f(x), x), lambda x, g: (g * jnp.cos(x) * scale,))
+    x = jnp.linspace(-2.0, 2.0, 150)
+    one_call = fg.check_grads(f, x, progress=False)
+    assert "check_grads: full mode" not in capsys.readouterr().err  # quick: nothing printed
+    monkeypatch.setattr(_full_pass, "SLOW_SECONDS", 0.0)
+    blocked = fg.check_grads(f, x, chunk_size=2)
+    err = capsys.readouterr().err
+    assert "perturbs each of 150 elements twice (300 forward passes)" in err
+    assert "mode='directional'" in err and "left" in err
+    assert blocked.rows[0].worst_index == one_call.rows[0].worst_index == (77,)
+    # The sums run in other vmap widths, so f differs in its last bits: ~1e-16 / 2e-6 ≈ 1e-10.
+    assert blocked.rows[0].numeric == pytest.approx(one_call.rows[0].numeric, rel=1e-8)
+    assert blocked.rows[0].analytic == pytest.approx(float(scale[77]) * np.cos(float(x[77])),
+                                                     rel=1e-12)  # scale is float32 1.01
+    with pytest.raises(TypeError, match="progress must be True, False or None"):
+        fg.check_grads(f, x, progress="yes")
