@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from funcgrad import _full_pass
+from funcgrad import _full_pass, _noise
 from funcgrad import _objective as obj
 from funcgrad._full_pass import basis_jvp
 from funcgrad._jaxpr import arg_names, check_array_args, sub_jaxprs
@@ -41,9 +41,13 @@ from funcgrad._traced import traced_values
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
 
 #: dtype the function computed in -> (eps, rtol, atol). An element passes when
-#: |analytic - numeric| <= atol * max(1, |f|) + rtol * |numeric|.
+#: |analytic - numeric| <= atol + rtol * |numeric| + noise, noise being the error bound of that
+#: central difference (`funcgrad._noise`): the round-off floor 4·u·S/h (S = |f|, or Σ|u_k y_k|
+#: for a cotangent-reduced output), or where an element misses it, the round-off and
+#: truncation measured around it. atol is a plain absolute tolerance in the derivative's units
+#: (not scaled by |f|: a constant added to f must not widen it) for what neither term models:
 #: float64: u = 1.1e-16, h = 1e-6 -> round-off ~1e-10·|f|, truncation ~2e-13·|f'''|; atol 1e-7
-#:   leaves a 100x margin over both.
+#:   leaves a 100x margin over both for |f| up to 10 (beyond it the floor grows with |f|).
 #: float32: u = 6.0e-8, h = 1e-3 -> round-off ~6e-5·|f|, truncation ~2e-7·|f'''|.
 #: float16: u = 4.9e-4, h = 3e-2 -> round-off ~1.6e-2·|f|, truncation ~1.5e-4·|f'''|.
 #: bfloat16: u = 3.9e-3, h = 1e-1 -> round-off ~3.9e-2·|f|, truncation ~1.7e-3·|f'''|.
@@ -85,7 +89,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         products).
       eps, rtol, atol: override `TOLERANCES` for the dtype used: eps a finite number > 0 (the
         step, in the units of the differentiated leaves), rtol and atol finite numbers >= 0
-        (dimensionless; atol is scaled by max(1, |f|)).
+        (atol in the derivative's units, not scaled by |f|; each element's tolerance is
+        atol + rtol·|numeric| + the estimated error of its central difference).
       num_directions: random tangents per check in directional mode, and per leaf for the
         fwd check in full mode.
       seed: a non-negative int; seeds the tangents and the output cotangents.
@@ -395,7 +400,7 @@ def _check_number(name: str, value: Any, positive: bool = False) -> None:
                           "leaves; None picks one for the dtype (TOLERANCES), e.g. 1e-3 in "
                           "float32",
                    "rtol": "a relative tolerance; None uses TOLERANCES, e.g. 1e-2 in float32",
-                   "atol": "an absolute tolerance, scaled by max(1, |f|); None uses TOLERANCES, "
+                   "atol": "an absolute tolerance, in the derivative's units; None uses TOLERANCES, "
                            "e.g. 1e-3 in float32"}[name]
         raise ValueError(f"check_grads: {name} must be a finite number "
                          f"{'> 0' if positive else '>= 0'} or None, got {value!r}: it is "
@@ -521,32 +526,11 @@ def _masked_kernel(spec, theta, leaves, cotangents, direction, lo, hi, *, eps, j
     return (*out, jax.jvp(phi, (theta,), (v,))[1]) if jvp else out
 
 
-#: At most this many kink candidates get the second, smaller step (one compiled call each).
-_MAX_KINK_PROBES = 64
-
-
-def _curvature_not_kinks(prob, f0, kink, gap, eps):
-    """Which kink candidates are curvature: bool (n,), or None when there is nothing to probe.
-
-    At a smooth point the one-sided differences differ by about eps·|f''|, at a kink by the
-    jump in the derivative, whatever the step. So each candidate is probed again with the step
-    eps/8: a gap that shrinks below half its first size is curvature (a smooth point with
-    |f''| > 1/sqrt(eps)), not a kink, and must not excuse a wrong derivative there. Beyond
-    `_MAX_KINK_PROBES` candidates (many ReLUs exactly at 0) the first verdict stands.
-    """
-    candidates = np.flatnonzero(kink)
-    if not 0 < candidates.size <= _MAX_KINK_PROBES:
-        return None
-    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
-    h = eps / 8
-    smooth = np.zeros(kink.shape, bool)
-    for i in candidates:
-        one_hot = jnp.zeros(theta.shape[0], theta.dtype).at[i].set(1.0)
-        _, f_plus, f_minus = _masked_kernel(spec, theta, leaves, cots, one_hot, int(i),
-                                            int(i) + 1, eps=h)
-        gap_h = abs((float(f_plus) - f0) / h - (f0 - float(f_minus)) / h)
-        smooth[i] = gap_h < gap[i] / 2
-    return smooth
+def _roundoff_scale(prob, f0, out):
+    """S of `_noise.roundoff_scale` for this problem: |f| for a scalar output, Σ|u_k·y_k| for
+    an output reduced by the cotangent u."""
+    return _noise.roundoff_scale(f0, np.asarray(out, np.float64),
+                                 np.asarray(prob["cotangents"][0]), prob["spec"].scalar_output)
 
 
 def _random_tangents(seed, n, segments, k):
@@ -639,6 +623,42 @@ def _see_through_grad(prob, modes):
         return None
 
 
+def _judge_elements(prob, f0, fp, fm, grad, out, tol):
+    """First verdicts on every element, with each one's step and noise (the error bound of its
+    central difference) refined where needed: the round-off floor for all; the step eps/8 for
+    kink candidates it shows smooth (a jump crossed by eps; `_noise.smaller_step`); measured
+    noise for the elements that still fail (`_noise.measured_noise`). Returns the
+    `classify_elements` dict (plus noise, jumped, coarse, step, coarse_step) and the vectors
+    (numeric, right, left, step, noise, smooth) for further classification."""
+    eps, rtol, atol = tol
+    n = fp.shape[0]
+    numeric = (fp - fm) / (2 * eps)
+    right, left = (fp - f0) / eps, (f0 - fm) / eps
+    dtype, scale = prob["dtype_used"], _roundoff_scale(prob, f0, out)
+    step = np.full(n, eps)
+    noise = np.full(n, _noise.floor(dtype, scale, eps))
+    cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step)
+    coarse, smooth, jumped = numeric, None, np.zeros(n, bool)
+    candidates = np.flatnonzero(cls["kink"])
+    if candidates.size:
+        numeric, right, left, smooth, jumped = _noise.smaller_step(
+            prob, f0, candidates, eps, numeric, right, left, _CHUNK_ELEMENTS)
+        step = np.where(smooth, eps / _noise.SMALLER, eps)
+        noise = np.where(smooth, _noise.floor(dtype, scale, eps / _noise.SMALLER), noise)
+        cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step,
+                                smooth)
+    suspects = np.flatnonzero(cls["fail"] & ~cls["kink"] & np.isfinite(grad)
+                              & np.isfinite(numeric))
+    if suspects.size:  # the floor may be too tight (cancellation in fn): measure their noise
+        noise = noise.copy()
+        noise[suspects] = np.fmax(noise[suspects], _noise.measured_noise(
+            prob, suspects, step[suspects], _CHUNK_ELEMENTS))
+        cls = classify_elements(grad, numeric, right, left, None, atol + noise, rtol, step,
+                                smooth)
+    cls.update(noise=noise, jumped=jumped, coarse=coarse, step=step, coarse_step=eps)
+    return cls, (numeric, right, left, step, noise, smooth)
+
+
 def _run_full(prob, tol, modes, k, seed, chunk_size, allowed, progress=None):
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
@@ -664,31 +684,27 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, allowed, progress=None):
         result = passes(None)
     f0, fp, fm, grad, out = result[:5]
     _check_finite_output(prob, out)
-    numeric = (fp - fm) / (2 * eps)
-    scale = max(1.0, abs(float(f0)))
-    right, left = (fp - f0) / eps, (f0 - fm) / eps
-    cls = classify_elements(grad, numeric, right, left, None, atol * scale, rtol, eps)
-    smooth = _curvature_not_kinks(prob, f0, cls["kink"], np.abs(right - left), eps)
-    if smooth is not None:
-        cls = classify_elements(grad, numeric, right, left, None, atol * scale, rtol, eps, smooth)
+    cls, (numeric, right, left, step, noise, smooth) = _judge_elements(
+        prob, float(f0), fp, fm, grad, out, tol)
     if (cls["fail"] & ~cls["kink"]).any():  # only then ask whether stop_gradient explains it
         g_st = _see_through_grad(prob, modes)
         if g_st is not None:
-            cls = classify_elements(grad, numeric, right, left, g_st, atol * scale, rtol, eps,
-                                    smooth)
+            cls = {**cls, **classify_elements(grad, numeric, right, left, g_st, atol + noise,
+                                              rtol, step, smooth)}  # keeps noise, step, ...
     fwd = None
     if tangents is not None:
         accepted = np.where(cls["explained"], grad, numeric)  # JAX's value at kinks
-        fwd = (tangents, np.asarray(result[5]), tangents @ accepted)
+        fwd_noise = np.abs(tangents) @ np.where(cls["explained"], 0.0, noise)
+        fwd = (tangents, np.asarray(result[5]), tangents @ accepted, fwd_noise)
     rows = []
     for li, (lo, hi) in enumerate(segments):
         fwd_err = None
         if fwd is not None:
             sel = slice(li * k, (li + 1) * k)
-            fwd_err = (fwd[1][sel], fwd[2][sel])
+            fwd_err = (fwd[1][sel], fwd[2][sel], fwd[3][sel])
         rows.append(LeafCheck.from_elements(
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"], cls, lo, hi,
-            fwd_err, atol * scale, rtol, allowed[li]))
+            fwd_err, atol, rtol, allowed[li]))
     if cls["sg"].any():
         notes.append(_sg_note(allowed, rows))
     return rows, notes
@@ -706,7 +722,10 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
     f0, fp, fm, grad, out = (np.asarray(a) for a in _directional_kernel(
         spec, theta, leaves, cots, on_device, eps=eps, rev="rev" in modes))
     _check_finite_output(prob, out)
-    scale = max(1.0, abs(float(f0)))
+    # atol plus the round-off floor of a central difference (the same along a unit tangent);
+    # measured instead along the tangents that miss it, as in full mode.
+    floor = _noise.floor(prob["dtype_used"], _roundoff_scale(prob, f0, out), eps)
+    atol_abs = np.full(fp.shape, atol + floor)
     numeric = (fp - fm) / (2 * eps)
     analytic = {}
     if "rev" in modes:
@@ -720,8 +739,16 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
             raise ValueError(_FWD_ONLY_CUSTOM_VJP)
         else:
             notes.append(note)
-    mismatch = any((np.abs(a - numeric) > atol * scale + rtol * np.abs(numeric)).any()
-                   for a in analytic.values())
+
+    def mismatched():
+        return np.any([np.abs(a - numeric) > atol_abs + rtol * np.abs(numeric)
+                       for a in analytic.values()], axis=0)
+
+    suspects = np.flatnonzero(mismatched())
+    if suspects.size:
+        measured = _noise.noise_from_values(_probe_tangents(prob, on_device, suspects, eps), eps)
+        atol_abs[suspects] = np.fmax(atol_abs[suspects], atol + measured)
+    mismatch = bool(mismatched().any())
     g_st = _see_through_grad(prob, modes) if mismatch else None
     rows = []
     for li, (lo, hi) in enumerate(segments):
@@ -730,7 +757,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
-            atol * scale, rtol, eps, allowed[li])
+            atol_abs[sel], rtol, eps, allowed[li])
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
             j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))
@@ -741,6 +768,30 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
     if any(r.status.startswith("stop_gradient") for r in rows):
         notes.append(_sg_note(allowed, rows))
     return rows, notes
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "eps"))
+def _tangent_probe_kernel(spec, theta, leaves, cotangents, plan, ids, *, eps):
+    """phi(theta + o·eps·t) for each tangent t in `ids` (of `plan`) and each o in
+    `_noise.OFFSETS`: (len(ids), 17); an id of -1 (padding) gives the last tangent."""
+    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
+    n = theta.shape[0]
+    offsets = jnp.asarray(_noise.OFFSETS, theta.dtype)
+
+    def along(t):
+        v = _tangent(plan, t, n)
+        return jax.vmap(lambda o: phi(theta + o * eps * v))(offsets)
+
+    return jax.lax.map(along, ids)
+
+
+def _probe_tangents(prob, plan, ids, eps):
+    """`_tangent_probe_kernel` on the host: float64 (len(ids), 17), ids padded to 8, 16, ..."""
+    padded = np.full(_noise.padded(len(ids)), -1)
+    padded[:len(ids)] = ids
+    return np.asarray(_tangent_probe_kernel(prob["spec"], prob["theta"], prob["leaves"],
+                                            prob["cotangents"], plan, jnp.asarray(padded),
+                                            eps=eps))[:len(ids)]
 
 
 def _bisect(prob, tol, grad, direction, lo, hi):

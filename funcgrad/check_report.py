@@ -1,7 +1,9 @@
 """The gradient check's verdicts: per-element classification, one row per leaf, and the report.
 
-An element fails when |analytic - numeric| > atol·max(1, |f|) + rtol·|numeric|. A failing element
-is *explained* rather than failed when
+An element fails when |analytic - numeric| > atol + rtol·|numeric| + noise, noise being the
+estimated error of that central difference (round-off and truncation, see `funcgrad._noise`);
+the caller passes ``atol + noise`` as the absolute part. A failing element is *explained*
+rather than failed when
   * it sits at a non-differentiable point: the one-sided differences (f(x+h) - f(x))/h and
     (f(x) - f(x-h))/h disagree by more than the tolerance and JAX's value lies between them
     (JAX picks one side or their mean there: abs'(0) = 1, relu'(0) = 0, maximum(x, 0)'(0) = 0.5);
@@ -24,7 +26,8 @@ PASSING = ("ok", "nondifferentiable_point", "stop_gradient_declared")
 
 def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol, eps,
                       smooth=None) -> dict[str, Any]:
-    """Element-wise verdicts; every argument is a float64 vector of the same length (or None).
+    """Element-wise verdicts; every argument is a float64 vector of the same length (or None);
+    `atol_abs` (atol + each element's noise) and `eps` (each element's step) may be scalars.
 
     A kink is told from curvature by the gap between the one-sided differences: for a smooth
     function it is eps·|f''|, so a gap above sqrt(eps)·(1 + |numeric|) means |f''| > 1/sqrt(eps)
@@ -80,6 +83,15 @@ class LeafCheck:
       analytic, numeric: the two derivatives at `worst_index` (or along the worst tangent).
       kinks: ``(index, left, right, jax_value, convention)`` for elements at kinks.
       notes: further remarks, e.g. which mode failed or how the element was located.
+      resolution: in full mode, ``max_i (atol + 2·noise_i)`` over the leaf's elements, in the
+        derivative's units: an error e planted in one element j is certainly reported when
+        e > resolution + rtol·|numeric_j| (unless j sits at a non-differentiable point,
+        where a value between the one-sided derivatives is excused). noise_i is the error
+        bound of element i's central difference: the round-off floor ``4·u·|f|/h`` (u the
+        dtype's unit round-off), or where that was not enough, the round-off and truncation
+        measured from 17 evaluations around the point (`funcgrad._noise`). It counts twice
+        because the numeric value may be off by noise_i in the direction that hides e. None
+        when not stated.
     """
     path: str
     shape: tuple[int, ...]
@@ -92,6 +104,7 @@ class LeafCheck:
     numeric: float | None
     kinks: tuple = ()
     notes: tuple[str, ...] = ()
+    resolution: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -121,9 +134,9 @@ class LeafCheck:
             abs_err = float(err[considered].max())
             rel_err = float(_rel(err, grad, num)[considered].max())
         if fwd is not None:
-            jvps, projected = fwd
+            jvps, projected, f_noise = fwd
             f_err = np.abs(jvps - projected)
-            f_tol = atol_abs + rtol * np.abs(projected)
+            f_tol = atol_abs + rtol * np.abs(projected) + f_noise
             abs_err = max(abs_err, float(f_err.max()))
             rel_err = max(rel_err, float(_rel(f_err, jvps, projected).max()))
             f_bad = ~(f_err <= f_tol)  # NaN fails too
@@ -142,12 +155,23 @@ class LeafCheck:
                          f"the one-sided derivatives are {kinks[0][1]:.6g} (left) and "
                          f"{kinks[0][2]:.6g} (right) and JAX's value {kinks[0][3]:.6g} is "
                          f"{kinks[0][4]}")
+        jumped = c["jumped"][s] if "jumped" in c else np.zeros_like(kink)
+        if jumped.any():
+            i = int(np.flatnonzero(jumped)[0])
+            h, big = float(c["step"][s][i]), float(c["coarse_step"])
+            notes.append(f"{int(jumped.sum())} element(s) with a discontinuity within the step: "
+                         f"the step {big:g} crosses a jump of f or of its derivative that the "
+                         f"step {h:g} does not, so they were judged with the step {h:g}; at "
+                         f"{tuple(int(j) for j in np.unravel_index(i, shape))} the central "
+                         f"differences are {float(c['coarse'][s][i]):.6g} (step {big:g}) and "
+                         f"{float(num[i]):.6g} (step {h:g}), JAX gives {float(grad[i]):.6g}")
+        resolution = (float(atol_abs + 2 * np.max(c["noise"][s])) if "noise" in c else None)
         if sg.any():
             notes.append(f"{int(sg.sum())} element(s) differ from the central difference only "
                          "because of stop_gradient (which finite differences see through)")
         status = _status(failed, bool(sg.any()), allowed, bool(kinks))
         return cls(path, tuple(shape), dtype, status, abs_err, rel_err,
-                   *(worst if worst else (None, None, None)), kinks, tuple(notes))
+                   *(worst if worst else (None, None, None)), kinks, tuple(notes), resolution)
 
     @classmethod
     def from_directions(cls, path, shape, dtype, analytic, numeric, right, left, see_through,
@@ -261,11 +285,12 @@ class GradCheckReport:
         head = (f"gradient check ({self.mode}, {'+'.join(self.modes)}, order {self.order}, "
                 f"{self.dtype_used}, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}): "
                 f"{'OK' if self.ok else 'FAILED'}")
-        cols = ("leaf", "shape", "max abs err", "max rel err", "worst element", "analytic",
-                "numeric", "status")
+        cols = ("leaf", "shape", "max abs err", "max rel err", "resolution", "worst element",
+                "analytic", "numeric", "status")
         table = [cols]
         for r in self.rows:
             table.append((r.path, str(r.shape), f"{r.max_abs_error:.3g}", f"{r.max_rel_error:.3g}",
+                          "-" if r.resolution is None else f"{r.resolution:.2g}",
                           "-" if r.worst_index is None else str(r.worst_index),
                           "-" if r.analytic is None else f"{r.analytic:.6g}",
                           "-" if r.numeric is None else f"{r.numeric:.6g}", r.status))
