@@ -8,6 +8,8 @@ repeats after a first call, which is reported separately (it includes tracing an
 compilation for the JAX checkers). "max err" is the largest |analytic - numeric| each tool
 reports (torch and jax.test_util report only pass/fail; for torch the error of its default
 central differences, eps = 1e-6, is recomputed element by element, see `_torch_max_error`).
+A second table sets full mode against the FLOP limit of its 2n forward passes (`_flop_limit`):
+the same FLOPs run as one forward on a 2n-times larger batch, and at the float64 matmul peak.
 
     $ python benchmarks/gradcheck.py [--repeats 5] [--out benchmarks/results/gradcheck.json]
 """
@@ -74,6 +76,31 @@ def _torch_max_error(torch, f, inputs):
     return max(abs(index[id(w)][i].item() - num) for i, w, num in out)
 
 
+def _flop_limit(params, x64, y, repeats):
+    """The FLOP limit of full mode's 2n forward passes, two ways (float64, this machine, now).
+
+    F = XLA's FLOP count for one loss evaluation (``cost_analysis()["flops"]``); the 2n passes
+    do 2n·F. "batched": the same 2n·F FLOPs as ONE forward on a batch 2n times larger (the
+    best arrangement of that work: large matmuls), timed; "peak": 2n·F at the rate of a
+    1024x1024 float64 matmul, the machine's dense peak (a bound no small-matmul MLP reaches).
+    """
+    n = sum(int(np.size(v)) for v in jax.tree.leaves(params))
+    with jax.enable_x64(True):
+        one = jax.jit(_loss).lower(params, x64, y).compile().cost_analysis()
+        flops = float((one[0] if isinstance(one, list) else one)["flops"])
+        big_x = jnp.tile(x64, (2 * n, 1))
+        big_y = jnp.tile(jnp.asarray(y), 2 * n)
+        batched = jax.jit(_loss)
+        _, batched_s, _ = _timed(lambda: batched(params, big_x, big_y).block_until_ready(),
+                                 repeats)
+        a = jnp.ones((1024, 1024), jnp.float64)
+        matmul = jax.jit(lambda a: a @ a)
+        _, matmul_s, _ = _timed(lambda: matmul(a).block_until_ready(), repeats)
+    peak = 2 * 1024 ** 3 / matmul_s
+    return {"flops_per_pass": flops, "passes": 2 * n, "total_gflop": 2 * n * flops / 1e9,
+            "batched_s": batched_s, "peak_gflops": peak / 1e9, "peak_s": 2 * n * flops / peak}
+
+
 def _localise_large(seed=0):
     """Directional mode on a 512 -> 1024 -> 512 -> 10 tanh MLP (1,055,242 params) with one
     element of dW[1] doubled by a custom_vjp: seconds to find and locate it (first call)."""
@@ -124,7 +151,7 @@ def main() -> None:
         have_torch = False
     data = fg.load_digits(seed=0)
     x, y = data.x_train[:16], data.y_train[:16]
-    rows = []
+    rows, limits = [], []
     for h in (32, 64, 128):
         with jax.enable_x64(True):
             params = fg.mlp_init(jax.random.key(0), (64, h, 10), activation="tanh",
@@ -151,6 +178,8 @@ def main() -> None:
                 first, med, ok = _timed(lambda kw=kw: torch.autograd.gradcheck(f, inputs, **kw),
                                         args.repeats)
                 results[name] = (first, med, _torch_max_error(torch, f, inputs), bool(ok))
+        limit = _flop_limit(params, x64, y, args.repeats)
+        limits.append({"h": h, "params": n, "full_s": results["funcgrad full"][1], **limit})
         base = results["funcgrad full"][1]
         for name, (first, med, err, ok) in results.items():
             rows.append({"h": h, "params": n, "checker": name, "first_s": first, "median_s": med,
@@ -161,6 +190,13 @@ def main() -> None:
         err = "-" if r["max_error"] is None else f"{r['max_error']:.2e}"
         print(f"{r['h']:>4} {r['params']:>7}  {r['checker']:<30}{r['first_s']:>10.3f}"
               f"{r['median_s']:>11.4f}{r['ratio_to_funcgrad_full']:>8.2f}{err:>11}")
+    print("\nfull mode against the FLOP limit of its 2n forward passes (float64):")
+    print(f"{'h':>4} {'2n·F GFLOP':>11} {'full (s)':>9} {'batched (s)':>12} {'x batched':>10}"
+          f" {'peak GF/s':>10} {'at peak (s)':>12} {'x peak':>7}")
+    for r in limits:
+        print(f"{r['h']:>4} {r['total_gflop']:>11.3f} {r['full_s']:>9.3f} {r['batched_s']:>12.3f}"
+              f" {r['full_s'] / r['batched_s']:>10.2f} {r['peak_gflops']:>10.1f}"
+              f" {r['peak_s']:>12.3f} {r['full_s'] / r['peak_s']:>7.2f}")
     loc = _localise_large()
     print(f"directional localisation, {loc['params']:,} params: planted at params[1]['w']"
           f"{tuple(loc['planted'])}, located {loc['located_leaf']}{tuple(loc['located_element'])} "
@@ -172,7 +208,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"jax": jax.__version__, "repeats": args.repeats, "rows": rows,
-                   "localisation": loc}, fh, indent=1)
+                   "flop_limit": limits, "localisation": loc}, fh, indent=1)
     print(f"wrote {args.out}")
 
 
