@@ -61,7 +61,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                 mode: str = "full", modes: Sequence[str] = ("rev", "fwd"), order: int = 1,
                 eps: float | None = None, rtol: float | None = None, atol: float | None = None,
                 num_directions: int = 4, seed: int = 0, chunk_size: int | None = None,
-                respect_stop_gradient: bool = True) -> GradCheckReport:
+                respect_stop_gradient: bool = True, lift_precision: bool = True) -> GradCheckReport:
     """Compares the gradients of `fn` at `args` with central finite differences.
 
     Args:
@@ -89,6 +89,12 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
       respect_stop_gradient: if True, a leaf whose analytic gradient is zero only because of
         ``stop_gradient`` (finite differences see through it) is marked "stop_gradient" and not
         counted as a failure.
+      lift_precision: when fn computes in a float narrower than float64 on the differentiated
+        path (a bfloat16 layer, an ``astype(jnp.float32)``), check the same program with those
+        casts lifted to float64, custom_jvp/custom_vjp rules included (`funcgrad._lift`), at
+        float64's eps and tolerances (``report.lifted_from`` names the dtype). Where lifting
+        cannot reach (a bitcast, a host callback), and with False, fn is checked as computed,
+        at its dtype's tolerances, and a note gives the smallest relative error it could see.
     Returns:
       a `GradCheckReport`: one `LeafCheck` row per differentiated leaf, ``.ok``,
       ``.raise_if_failed()``, ``.to_dict()``; ``print(report)`` shows the table.
@@ -134,6 +140,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     check_array_args("check_grads", args, names)
     with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
+        prob = _lift_precision(prob, lift_precision, modes, rtol)
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = _run_full if mode == "full" else _run_directional
         try:
@@ -158,7 +165,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     checked = tuple(m for m in modes if not (m == "fwd" and _NO_FWD_NOTE in notes))
     return GradCheckReport(rows=rows, mode=mode, modes=checked or tuple(modes), order=order,
                            dtype_used=prob["dtype_used"], eps=cfg_tol[0], rtol=cfg_tol[1],
-                           atol=cfg_tol[2], skipped=prob["skipped"], notes=notes)
+                           atol=cfg_tol[2], skipped=prob["skipped"], notes=notes,
+                           lifted_from=prob["lifted_from"])
 
 
 def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 50_000,
@@ -263,6 +271,55 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     return dict(spec=spec, theta=theta, leaves=leaves, cotangents=cotangents, paths=paths,
                 shapes=shapes, skipped=skipped, dtype_used=dtype_used,
                 notes=notes, out_layout=out_layout, names=names, args=args)
+
+
+def _lift_precision(prob, lift, modes, rtol):
+    """`prob` checked in float64 when fn computes in a narrower float: its spec lifted
+    (`funcgrad._lift`), ``dtype_used`` float64 and ``lifted_from`` the narrow dtype, with a
+    note; or, when lifting is off or cannot reach every value on the differentiated path, as
+    computed, with a note giving the smallest relative error the check can see (its rtol)."""
+    low = prob["dtype_used"]
+    prob = dict(prob, lifted_from=None)
+    if low == "float64":
+        return prob
+    notes = [n for n in prob["notes"] if not n.startswith("fn computes in")]
+    seen = TOLERANCES.get(low, TOLERANCES["float32"])[1] if rtol is None else rtol
+    as_computed = (f"eps and tolerances are those of {low}: this check could not see relative "
+                   f"errors below {seen:g}.")
+    if not lift:
+        return dict(prob, notes=[f"fn computes in {low}; checked as computed "
+                                 f"(lift_precision=False): {as_computed}", *notes])
+    lifted = prob["spec"]._replace(lift_precision=True)
+    reason = _not_liftable(lifted, prob, modes)
+    if reason:
+        return dict(prob, notes=[f"fn computes in {low}; its casts could not be lifted to "
+                                 f"float64 ({reason}), so it was checked as computed: "
+                                 f"{as_computed}", *notes])
+    return dict(prob, spec=lifted, dtype_used="float64", lifted_from=low, notes=[
+        f"fn computes in {low}; the check lifted its {low} casts to float64 (custom rules "
+        "included) and used float64's eps and tolerances (lift_precision=False checks it as "
+        "computed).", *notes])
+
+
+def _not_liftable(lifted, prob, modes) -> str | None:
+    """Why the lifted program cannot be checked in float64 (None if it can): tracing it or
+    its derivative fails, or a value on the differentiated path stays narrower than float64."""
+    theta, leaves, cots = prob["theta"], prob["leaves"], prob["cotangents"]
+    phi = functools.partial(obj.objective, lifted, leaves=leaves, cotangents=cots)
+    try:
+        jaxprs = [jax.make_jaxpr(phi)(theta)]
+        if "rev" in modes or lifted.order > 1:
+            jaxprs.append(jax.make_jaxpr(jax.grad(phi))(theta))
+        else:
+            jaxprs.append(jax.make_jaxpr(lambda t: jax.jvp(phi, (t,), (t,))[1])(theta))
+    except Exception as error:  # noqa: BLE001 - any failure means: check as computed
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    for traced in jaxprs:
+        left = _narrowest_float(traced.jaxpr)
+        if left not in (None, "float64"):
+            return (f"a value on the differentiated path stays {left}: a bitcast, a host "
+                    "callback or a primitive the lifting does not enter")
+    return None
 
 
 def _raw_output(spec, theta, leaves):
