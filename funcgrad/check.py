@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from funcgrad import _lift
 from funcgrad import _objective as obj
 from funcgrad._jaxpr import arg_names, check_array_args, sub_jaxprs
 from funcgrad._traced import traced_values
@@ -665,6 +666,32 @@ def _see_through_grad(prob, modes):
         return None
 
 
+def _reference_grad(prob, modes):
+    """JAX's own convention where fn has custom rules: the gradient of the same program with
+    every custom_jvp/custom_vjp replaced by its primal, differentiated by JAX (in reverse mode,
+    or forward mode as for the see-through gradient). None when fn has no custom rule (its
+    gradient is its own reference); NaNs when that program cannot be differentiated."""
+    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
+    first = spec._replace(order=1)  # custom_vjp calls are gone from a differentiated jaxpr
+    if not _lift.has_custom_rule(jax.make_jaxpr(
+            lambda t: obj.objective(first, t, leaves, cots))(theta)):
+        return None
+    inlined = spec._replace(inline_custom_rules=True)
+    if "rev" in modes:
+        try:
+            return np.asarray(_rev_kernel(inlined, theta, leaves, cots))
+        except Exception:  # noqa: BLE001 - e.g. a while_loop: try forward mode
+            pass
+    n = theta.shape[0]
+    if n <= _FWD_SEE_THROUGH_LIMIT:
+        try:
+            return np.asarray(_fwd_grad_kernel(inlined, theta, leaves, cots,
+                                               chunk=max(1, min(n, _CHUNK_ELEMENTS // max(n, 1)))))
+        except Exception:  # noqa: BLE001 - the primal of a custom rule may not differentiate
+            pass
+    return np.full(n, np.nan)
+
+
 def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
@@ -695,11 +722,15 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, respect_sg):
     smooth = _curvature_not_kinks(prob, f0, cls["kink"], np.abs(right - left), eps)
     if smooth is not None:
         cls = classify_elements(grad, numeric, right, left, None, atol * scale, rtol, eps, smooth)
+    reference = _reference_grad(prob, modes) if cls["kink"].any() else None
+    if reference is not None:
+        cls = classify_elements(grad, numeric, right, left, None, atol * scale, rtol, eps, smooth,
+                                reference)
     if (cls["fail"] & ~cls["kink"]).any():  # only then ask whether stop_gradient explains it
         g_st = _see_through_grad(prob, modes)
         if g_st is not None:
             cls = classify_elements(grad, numeric, right, left, g_st, atol * scale, rtol, eps,
-                                    smooth)
+                                    smooth, reference)
             if cls["sg"].any():
                 notes.append(_SG_NOTE[respect_sg])
     fwd = None
@@ -749,6 +780,9 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
     g_st = _see_through_grad(prob, modes) if mismatch else None
     if g_st is not None:
         notes.append(_SG_NOTE[respect_sg])
+    gap = np.abs(fp - 2 * f0 + fm) / eps  # |right - left| along each tangent
+    reference = (_reference_grad(prob, modes) if mismatch and (
+        gap > np.maximum(atol * scale, np.sqrt(eps) * (1 + np.abs(numeric)))).any() else None)
     rows = []
     for li, (lo, hi) in enumerate(segments):
         sel = slice(li * k, (li + 1) * k)
@@ -756,7 +790,8 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
-            atol * scale, rtol, eps, respect_sg)
+            atol * scale, rtol, eps, respect_sg,
+            None if reference is None else plan.rows(sel) @ np.nan_to_num(reference, nan=np.inf))
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
             j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))
