@@ -71,7 +71,8 @@ def _wide(dtype):
 
 
 def _dtype(x):
-    return getattr(x, "dtype", None) or jnp.result_type(x)
+    dtype = getattr(x, "dtype", None)  # (not `or`: a NumPy dtype's truth value is its length)
+    return jnp.result_type(x) if dtype is None else dtype
 
 
 def _up(x):

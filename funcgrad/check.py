@@ -30,11 +30,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from funcgrad import _lift
 from funcgrad import _objective as obj
-from funcgrad._jaxpr import arg_names, check_array_args, sub_jaxprs
+from funcgrad._jaxpr import arg_names, check_array_args
+from funcgrad._precision import lift_precision_of, narrowest_float
 from funcgrad._traced import traced_values
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
 
@@ -126,6 +126,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                                    or chunk_size < 1):
         raise ValueError(f"check_grads: chunk_size must be a positive int or None, got "
                          f"{chunk_size!r}.")
+    if not isinstance(lift_precision, (bool, np.bool_)):
+        raise TypeError(f"check_grads: lift_precision must be True or False, got "
+                        f"{lift_precision!r}.")
     _check_number("eps", eps, positive=True)
     _check_number("rtol", rtol)
     _check_number("atol", atol)
@@ -141,7 +144,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     check_array_args("check_grads", args, names)
     with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
-        prob = _lift_precision(prob, lift_precision, modes, rtol)
+        prob = lift_precision_of(prob, lift_precision, modes,
+                                 _tolerances(prob["dtype_used"], eps, rtol, atol)[1])
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = _run_full if mode == "full" else _run_directional
         try:
@@ -257,7 +261,7 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     cotangents = (rng.standard_normal(out.shape), rng.standard_normal(theta.shape))
     # The narrowest float the function computes in, not only the one it returns: a float32
     # cast inside a function that returns float64 rounds like float32.
-    inner = _narrowest_float(traced.jaxpr)
+    inner = narrowest_float(traced.jaxpr)
     dtype_used = min([str(out.dtype), *([inner] if inner else [])],
                      key=lambda d: jnp.finfo(d).bits)
     notes = []
@@ -272,55 +276,6 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     return dict(spec=spec, theta=theta, leaves=leaves, cotangents=cotangents, paths=paths,
                 shapes=shapes, skipped=skipped, dtype_used=dtype_used,
                 notes=notes, out_layout=out_layout, names=names, args=args)
-
-
-def _lift_precision(prob, lift, modes, rtol):
-    """`prob` checked in float64 when fn computes in a narrower float: its spec lifted
-    (`funcgrad._lift`), ``dtype_used`` float64 and ``lifted_from`` the narrow dtype, with a
-    note; or, when lifting is off or cannot reach every value on the differentiated path, as
-    computed, with a note giving the smallest relative error the check can see (its rtol)."""
-    low = prob["dtype_used"]
-    prob = dict(prob, lifted_from=None)
-    if low == "float64":
-        return prob
-    notes = [n for n in prob["notes"] if not n.startswith("fn computes in")]
-    seen = TOLERANCES.get(low, TOLERANCES["float32"])[1] if rtol is None else rtol
-    as_computed = (f"eps and tolerances are those of {low}: this check could not see relative "
-                   f"errors below {seen:g}.")
-    if not lift:
-        return dict(prob, notes=[f"fn computes in {low}; checked as computed "
-                                 f"(lift_precision=False): {as_computed}", *notes])
-    lifted = prob["spec"]._replace(lift_precision=True)
-    reason = _not_liftable(lifted, prob, modes)
-    if reason:
-        return dict(prob, notes=[f"fn computes in {low}; its casts could not be lifted to "
-                                 f"float64 ({reason}), so it was checked as computed: "
-                                 f"{as_computed}", *notes])
-    return dict(prob, spec=lifted, dtype_used="float64", lifted_from=low, notes=[
-        f"fn computes in {low}; the check lifted its {low} casts to float64 (custom rules "
-        "included) and used float64's eps and tolerances (lift_precision=False checks it as "
-        "computed).", *notes])
-
-
-def _not_liftable(lifted, prob, modes) -> str | None:
-    """Why the lifted program cannot be checked in float64 (None if it can): tracing it or
-    its derivative fails, or a value on the differentiated path stays narrower than float64."""
-    theta, leaves, cots = prob["theta"], prob["leaves"], prob["cotangents"]
-    phi = functools.partial(obj.objective, lifted, leaves=leaves, cotangents=cots)
-    try:
-        jaxprs = [jax.make_jaxpr(phi)(theta)]
-        if "rev" in modes or lifted.order > 1:
-            jaxprs.append(jax.make_jaxpr(jax.grad(phi))(theta))
-        else:
-            jaxprs.append(jax.make_jaxpr(lambda t: jax.jvp(phi, (t,), (t,))[1])(theta))
-    except Exception as error:  # noqa: BLE001 - any failure means: check as computed
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    for traced in jaxprs:
-        left = _narrowest_float(traced.jaxpr)
-        if left not in (None, "float64"):
-            return (f"a value on the differentiated path stays {left}: a bitcast, a host "
-                    "callback or a primitive the lifting does not enter")
-    return None
 
 
 def _raw_output(spec, theta, leaves):
@@ -353,51 +308,6 @@ def _describe(a):
     if len(leaves) == 1 and leaves[0] is a:
         return f"{jnp.result_type(a)}{list(np.shape(a))}"
     return f"pytree of {len(leaves)} leaves"
-
-
-def _narrowest_float(jaxpr) -> str | None:
-    """The narrowest real floating dtype produced by an equation of `jaxpr` on the
-    differentiated path: it depends on the first input (theta, the differentiated vector)
-    through floating values, and an output depends on it (nested jaxprs of such an equation
-    count whole). Returned as a name; None if no equation is on that path.
-
-    Left out, since they do not round the derivative being checked: work on constants (data
-    prepared in float32 inside fn); values computed after an integer or boolean result
-    (``(logits.argmax(-1) == y).mean()`` is float32 even under x64, and carries no tangent);
-    and values no output uses (an accuracy returned as aux, dropped from the checked output).
-    """
-    found = set()
-
-    def note(v):
-        dtype = getattr(v.aval, "dtype", None)
-        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            found.add(str(dtype))
-
-    def walk_all(j):
-        for eqn in j.eqns:
-            for v in eqn.outvars:
-                note(v)
-            for _, sub, _ in sub_jaxprs(eqn):
-                walk_all(sub)
-
-    is_var = lambda v: not isinstance(v, jex_core.Literal)
-    used = {v for v in jaxpr.outvars if is_var(v)}  # what the outputs depend on, backwards
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in used for v in eqn.outvars):
-            used.update(v for v in eqn.invars if is_var(v))
-    live = {jaxpr.invars[0]}
-    for eqn in jaxpr.eqns:
-        if any(is_var(v) and v in live for v in eqn.invars):
-            # A tangent flows on through floating outputs only (an int or bool has none).
-            live.update(v for v in eqn.outvars if jnp.issubdtype(
-                getattr(v.aval, "dtype", np.int32), jnp.inexact))
-            if not any(v in used for v in eqn.outvars):
-                continue
-            for v in eqn.outvars:
-                note(v)
-            for _, sub, _ in sub_jaxprs(eqn):
-                walk_all(sub)
-    return min(found, key=lambda d: jnp.finfo(d).bits) if found else None
 
 
 def _check_number(name: str, value: Any, positive: bool = False) -> None:
@@ -791,7 +701,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, respect_sg):
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
             atol * scale, rtol, eps, respect_sg,
-            None if reference is None else plan.rows(sel) @ np.nan_to_num(reference, nan=np.inf))
+            None if reference is None else plan.rows(sel) @ reference)
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
             j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))

@@ -197,10 +197,11 @@ class LeafCheck:
                              f"of {len(bad)} random unit tangents on this leaf")
             if c["convention"].any():
                 j = int(np.flatnonzero(c["convention"])[0])
+                own = (f"JAX's own rule gives {reference[j]:.6g} there"
+                       if np.isfinite(reference[j]) else "JAX's own rule could not be evaluated")
                 notes.append(f"{m}: a tangent crosses a non-differentiable point where the "
                              f"custom rule gives {a[j]:.6g}, neither one-sided derivative "
-                             f"({left[j]:.6g}, {right[j]:.6g}) nor their mean, and JAX's own "
-                             f"rule gives {reference[j]:.6g} there")
+                             f"({left[j]:.6g}, {right[j]:.6g}) nor their mean, and {own}")
         if any_kink:
             notes.append("a tangent crosses a non-differentiable point (one-sided differences disagree)")
         status = ("fail" if failed or (any_sg and not respect_sg) else
@@ -273,9 +274,9 @@ class GradCheckReport:
             raise AssertionError(f"gradient check failed for {len(self.failures)} leaf/leaves:\n{self}")
 
     def __str__(self) -> str:
+        lifted = f" (lifted from {self.lifted_from})" if self.lifted_from else ""
         head = (f"gradient check ({self.mode}, {'+'.join(self.modes)}, order {self.order}, "
-                f"{self.dtype_used}"
-                f"{f' (lifted from {self.lifted_from})' if self.lifted_from else ''}, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}): "
+                f"{self.dtype_used}{lifted}, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}): "
                 f"{'OK' if self.ok else 'FAILED'}")
         cols = ("leaf", "shape", "max abs err", "max rel err", "worst element", "analytic",
                 "numeric", "status")
