@@ -8,6 +8,7 @@ one-sided slopes".
 """
 import jax
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 
@@ -215,13 +216,26 @@ def custom_max(share):
     return mx
 
 
-def _max_tie(share):
-    return fg.check_grads(lambda v: 2.0 * custom_max(share)(v), jnp.array([1.0, 3.0, 3.0, -2.0]))
+def _max_tie(share, check=None):
+    fn, args = lambda v: 2.0 * custom_max(share)(v), (jnp.array([1.0, 3.0, 3.0, -2.0]),)
+    return check(fn, args) if check else fg.check_grads(fn, *args)
 
 
-def _maximum_tie(share):
-    return fg.check_grads(lambda x, y: jnp.sum(custom_maximum(share)(x, y) * jnp.array([1.0, 2.0])),
-                          jnp.array([0.5, 1.0]), jnp.array([0.5, -1.0]), argnums=(0, 1))
+def _maximum_tie(share, check=None):
+    fn = lambda x, y: jnp.sum(custom_maximum(share)(x, y) * jnp.array([1.0, 2.0]))
+    args = (jnp.array([0.5, 1.0]), jnp.array([0.5, -1.0]))
+    return check(fn, args) if check else fg.check_grads(fn, *args, argnums=(0, 1))
+
+
+def _jax_check_grads(fn, args):
+    """JAX's own checker (jax.test_util.check_grads, reverse mode, float64): True if it passes."""
+    with jax.enable_x64(True):
+        try:
+            jax.test_util.check_grads(fn, tuple(a.astype(jnp.float64) for a in args), order=1,
+                                      modes=["rev"])
+        except AssertionError:
+            return False
+    return True
 
 
 @pytest.mark.parametrize("share", [0.505, 0.55])
@@ -232,6 +246,7 @@ def test_a_custom_rule_off_the_convention_at_a_tie_fails(case, share):
     # also finds.
     report = case(share)
     assert not report.ok, str(report)
+    assert not case(share, check=_jax_check_grads)  # the second opinion agrees
     weight = 2.0 if case is _max_tie else 1.0
     bad = report.failures[0]
     # The worst element is either tied one: it got `share` or 1 - share of the weight.
@@ -244,6 +259,7 @@ def test_a_custom_rule_off_the_convention_at_a_tie_fails(case, share):
 def test_a_custom_rule_with_the_equal_share_passes_at_a_tie(case):
     report = case(0.5)
     assert report.ok, str(report)
+    assert case(0.5, check=_jax_check_grads)
     assert "nondifferentiable_point" in [r.status for r in report.rows]
 
 
