@@ -93,16 +93,20 @@ def lift_precision_of(prob, lift, modes, rtol_as_computed):
 
 
 def _not_liftable(lifted, prob, modes) -> str | None:
-    """Why the lifted program cannot be checked in float64 (None if it can): tracing it or
-    its derivative fails, or a value on the differentiated path stays narrower than float64."""
+    """Why the lifted program cannot be checked in float64 (None if it can): tracing it, or
+    tracing and lowering its derivative (where a mistyped lifted equation would show), fails,
+    or a value on the differentiated path stays narrower than float64."""
     theta, leaves, cots = prob["theta"], prob["leaves"], prob["cotangents"]
     phi = functools.partial(obj.objective, lifted, leaves=leaves, cotangents=cots)
+    if "rev" in modes or lifted.order > 1:
+        derivative = jax.grad(phi)
+    else:
+        derivative = lambda t: jax.jvp(phi, (t,), (t,))[1]  # noqa: E731
     try:
         jaxprs = [jax.make_jaxpr(phi)(theta)]
-        if "rev" in modes or lifted.order > 1:
-            jaxprs.append(jax.make_jaxpr(jax.grad(phi))(theta))
-        else:
-            jaxprs.append(jax.make_jaxpr(lambda t: jax.jvp(phi, (t,), (t,))[1])(theta))
+        traced = jax.jit(derivative).trace(theta)
+        traced.lower()  # no compilation
+        jaxprs.append(traced.jaxpr)
     except Exception as error:  # noqa: BLE001 - any failure means: check as computed
         return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     for traced in jaxprs:
