@@ -18,7 +18,11 @@ Hessian-vector products, the same way.
 Step size and tolerances come from the floating dtype the function actually computed in
 (`TOLERANCES`). Central differences have truncation error h²/6·|f'''| and round-off error
 about u·|f|/h for unit round-off u, so the best h is near (3u)^(1/3) and the attainable
-error near u^(2/3)·|f| (Nocedal & Wright, Numerical Optimization, §8.1).
+error near u^(2/3)·|f| (Nocedal & Wright, Numerical Optimization, §8.1). A function that
+computes in a narrower float on the differentiated path is checked with those casts lifted to
+float64 (`funcgrad._precision`, `funcgrad._lift`), so float64's step and tolerances apply.
+At a kink inside a custom rule, the rule's value is compared with JAX's own convention there
+(the gradient with the custom rules inlined).
 """
 from __future__ import annotations
 
