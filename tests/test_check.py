@@ -218,16 +218,47 @@ def test_kinks_are_reported_not_failed(fn, expected_value, convention):
     assert right - left == pytest.approx(1.0 if fn is not jnp.abs else 2.0, rel=1e-6)
 
 
-def test_stop_gradient_is_marked_not_failed():
+@pytest.mark.parametrize("mode", ["full", "directional"])
+def test_an_accidental_stop_gradient_fails_and_is_named(mode):
+    # f = sum(sg(a) * b): JAX's d/da is 0, the central difference sees b = [3, -1]. A weight
+    # detached by mistake trains no more, so by default the check fails and names the cause
+    # (PyTorch's gradcheck fails here too); funcgrad 0.1 passed it.
     def f(p):
         return jnp.sum(jax.lax.stop_gradient(p["a"]) * p["b"])
 
     p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
-    report = fg.check_grads(f, p)
-    assert report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"]
-    assert any("stop_gradient" in n for n in report.notes)
-    strict = fg.check_grads(f, p, respect_stop_gradient=False)
-    assert [r.path for r in strict.failures] == ["p['a']"]
+    report = fg.check_grads(f, p, mode=mode)
+    assert not report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"]
+    assert [r.path for r in report.failures] == ["p['a']"]
+    assert "FAILED" in str(report) and "allow_stop_gradient=[\"p['a']\"]" in str(report)
+    with pytest.raises(AssertionError, match="stop_gradient"):
+        report.raise_if_failed()
+    with pytest.raises(AssertionError, match="stop_gradient"):
+        assert_grads_close(f, p, mode=mode)
+    if mode == "full":  # the worst element shows the cut: JAX 0, finite differences b[0] = 3
+        assert report.rows[0].worst_index == (0,)
+        assert (report.rows[0].analytic, report.rows[0].numeric) == pytest.approx((0.0, 3.0))
+    # Declared, by path (or prefix) or for every leaf, it passes.
+    for allow in (["p['a']"], "p['a']", True):
+        declared = fg.check_grads(f, p, mode=mode, allow_stop_gradient=allow)
+        assert declared.ok and [r.status for r in declared.rows] == [
+            "stop_gradient_declared", "ok"], str(declared)
+    with pytest.raises(ValueError, match=r"names .p\['c'\]..*p\['a'\], p\['b'\]"):
+        fg.check_grads(f, p, allow_stop_gradient=["p['c']"])
+    with pytest.warns(DeprecationWarning, match="allow_stop_gradient"):
+        old = fg.check_grads(f, p, mode=mode, respect_stop_gradient=True)
+    assert old.ok
+
+
+def test_a_declared_stop_gradient_does_not_excuse_another_leaf():
+    # Declaring p['a'] detached leaves p['b'] checked: its detached copy fails.
+    def f(p):
+        sg = jax.lax.stop_gradient
+        return jnp.sum(sg(p["a"]) * p["b"]) + jnp.sum(sg(p["b"]) ** 2)
+
+    p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
+    report = fg.check_grads(f, p, allow_stop_gradient=["p['a']"])
+    assert [r.status for r in report.rows] == ["stop_gradient_declared", "stop_gradient"]
 
 
 def _sg_in_remat(p):
@@ -247,13 +278,15 @@ def _sg_in_cond(p):
 @pytest.mark.parametrize("f", [_sg_in_remat, _sg_in_scan, _sg_in_cond],
                          ids=["checkpoint", "scan", "cond"])
 @pytest.mark.parametrize("mode", ["full", "directional"])
-def test_stop_gradient_inside_remat_scan_and_cond_is_marked_not_failed(f, mode):
+def test_stop_gradient_inside_remat_scan_and_cond_is_named(f, mode):
     # Same function as above, inside checkpoint, scan (counted twice) and the taken cond
     # branch: JAX's d/da is 0 where the central difference sees b (or 2b), so only the
     # see-through gradient, rebuilt through these primitives, explains the difference.
     p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
     report = fg.check_grads(f, p, mode=mode)
-    assert report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"], str(report)
+    assert not report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"], str(report)
+    declared = fg.check_grads(f, p, mode=mode, allow_stop_gradient=True)
+    assert declared.ok and [r.status for r in declared.rows] == ["stop_gradient_declared", "ok"]
 
 
 def test_see_through_does_not_excuse_a_wrong_rule_inside_scan():
@@ -308,7 +341,7 @@ def test_forward_mode_alone_checks_every_element_and_catches_a_wrong_jvp():
 
 @pytest.mark.parametrize("kwargs", [{}, {"modes": ("fwd",)}, {"modes": ("rev",)},
                                     {"mode": "directional"}], ids=["both", "fwd", "rev", "dir"])
-def test_stop_gradient_inside_a_while_loop_is_marked_not_failed(kwargs):
+def test_stop_gradient_inside_a_while_loop_is_named(kwargs):
     # f(a) = sum over 3 iterations of sg(a)**2, plus sum(a): JAX's gradient is 1 per element,
     # the central difference 6a + 1. Without stop_gradient the loop depends on a, so the
     # see-through gradient can only be taken in forward mode.
@@ -318,7 +351,9 @@ def test_stop_gradient_inside_a_while_loop_is_marked_not_failed(kwargs):
         return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + sg(a) ** 2),
                                   (0, jnp.zeros(3)))[1].sum() + a.sum()
     report = fg.check_grads(f, jnp.array([1.0, 2.0, 3.0]), **kwargs)
-    assert report.ok and [r.status for r in report.rows] == ["stop_gradient"], str(report)
+    assert not report.ok and [r.status for r in report.rows] == ["stop_gradient"], str(report)
+    declared = fg.check_grads(f, jnp.array([1.0, 2.0, 3.0]), allow_stop_gradient=True, **kwargs)
+    assert declared.ok and [r.status for r in declared.rows] == ["stop_gradient_declared"]
 
 
 def test_second_order_through_a_while_loop_is_a_clear_error():
@@ -591,3 +626,51 @@ def test_zero_tolerances_and_an_explicit_step_are_used_as_given():
 def test_audit_refuses_a_negative_max_full_elements():
     with pytest.raises(ValueError, match="max_full_elements must be a non-negative int"):
         fg.audit(lambda p: jnp.sum(p ** 2), jnp.ones(2), max_full_elements=-1)
+
+
+def test_the_report_names_the_arguments_checked_and_not():
+    # With the default argnums=0 the second argument's gradient is silently unchecked in 0.1;
+    # the report now names both, and which unchecked one has floating leaves (could be meant).
+    def f(w, x, n):
+        return jnp.sum(w * x) * n
+
+    report = fg.check_grads(f, jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0]), 3)
+    assert report.checked_args == ("w (argnums=0)",)
+    assert report.unchecked_args == ("x (argnums=1)", "n (argnums=2, nothing floating)")
+    text = str(report)
+    assert "checked arguments: w (argnums=0)" in text
+    assert "not checked: x (argnums=1), n (argnums=2, nothing floating)" in text
+    assert "to check x too, pass argnums" in text
+    both = fg.check_grads(f, jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0]), 3, argnums=(0, 1))
+    assert both.unchecked_args == ("n (argnums=2, nothing floating)",)
+    assert [r.path for r in both.rows] == ["w", "x"]
+    assert both.to_dict()["checked_args"] == ["w (argnums=0)", "x (argnums=1)"]
+
+
+def test_a_long_full_check_announces_its_time_and_shows_progress(monkeypatch, capsys):
+    # 150 elements in chunks of 2: 75 chunk rows cut into 38 blocks of 2 rows, one compiled
+    # call each. With the "slow" threshold at 0 s the check must print its estimate and the
+    # directional suggestion on stderr; its verdicts must equal the one-block run's (the same
+    # 2n evaluations, only dispatched in pieces), including a planted bug's element.
+    from funcgrad import _full_pass
+    scale = jnp.ones(150).at[77].set(1.01)
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sum(jnp.sin(x))
+    f.defvjp(lambda x: (f(x), x), lambda x, g: (g * jnp.cos(x) * scale,))
+    x = jnp.linspace(-2.0, 2.0, 150)
+    one_call = fg.check_grads(f, x, progress=False)
+    assert "check_grads: full mode" not in capsys.readouterr().err  # quick: nothing printed
+    monkeypatch.setattr(_full_pass, "SLOW_SECONDS", 0.0)
+    blocked = fg.check_grads(f, x, chunk_size=2)
+    err = capsys.readouterr().err
+    assert "perturbs each of 150 elements twice (300 forward passes)" in err
+    assert "mode='directional'" in err and "left" in err
+    assert blocked.rows[0].worst_index == one_call.rows[0].worst_index == (77,)
+    # The sums run in other vmap widths, so f differs in its last bits: ~1e-16 / 2e-6 ≈ 1e-10.
+    assert blocked.rows[0].numeric == pytest.approx(one_call.rows[0].numeric, rel=1e-8)
+    assert blocked.rows[0].analytic == pytest.approx(float(scale[77]) * np.cos(float(x[77])),
+                                                     rel=1e-12)  # scale is float32 1.01
+    with pytest.raises(TypeError, match="progress must be True, False or None"):
+        fg.check_grads(f, x, progress="yes")
