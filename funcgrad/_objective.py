@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from funcgrad._jaxpr import closed_parts, interpret
+from funcgrad import _lift
 
 
 class Spec(NamedTuple):
@@ -28,6 +28,8 @@ class Spec(NamedTuple):
     order: int
     scalar_output: bool
     see_through_stop_gradient: bool = False
+    lift_precision: bool = False       # low-precision casts lifted to float64 (funcgrad._lift)
+    inline_custom_rules: bool = False  # custom_jvp/custom_vjp replaced by their primal
 
 
 def split(spec: Spec, theta: jax.Array) -> list[jax.Array]:
@@ -63,7 +65,8 @@ def _output(spec: Spec, args: tuple) -> jax.Array:
 
 
 def objective(spec: Spec, theta: jax.Array, leaves: tuple, cotangents: tuple) -> jax.Array:
-    """phi_order(theta): a scalar, float64 (computed in the function's own precision).
+    """phi_order(theta): a scalar, float64 (computed in the function's own precision, or in
+    float64 throughout with `spec.lift_precision`).
 
     cotangents[0] reduces a non-scalar output (unused for a scalar output); cotangents[k-1]
     (shape (n,)) reduces the order-(k-1) gradient for order k.
@@ -72,7 +75,8 @@ def objective(spec: Spec, theta: jax.Array, leaves: tuple, cotangents: tuple) ->
         y = output_vector(spec, t, leaves).astype(t.dtype)
         return y[0] if spec.scalar_output else jnp.dot(cotangents[0], y)
 
-    phi = _without_stop_gradient(phi1) if spec.see_through_stop_gradient else phi1
+    phi = _lift.transform(phi1, _lift.Flags(spec.see_through_stop_gradient,
+                                            spec.lift_precision, spec.inline_custom_rules))
     for k in range(1, spec.order):
         phi = _reduce_grad(phi, cotangents[k])
     return phi(theta)
@@ -85,13 +89,7 @@ def _reduce_grad(phi, u):
 # --- stop_gradient made transparent -------------------------------------------------------
 # Finite differences see through stop_gradient; to tell "zero because of stop_gradient" from a
 # wrong gradient, the check can differentiate the same program with stop_gradient replaced by
-# the identity. Calls (jit) and remat are entered, and scan, cond and while_loop are rebuilt
-# around bodies evaluated the same way; custom_jvp/custom_vjp rules are bound as they are, so
-# a stop_gradient inside a custom rule stays in force (the rule is what gets checked).
-
-_CALL_PRIMITIVES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-                    "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
-                    "remat2": "jaxpr"}
+# the identity (`see_through_stop_gradient`, evaluated by funcgrad._lift).
 
 
 def has_stop_gradient(jaxpr) -> bool:
@@ -111,58 +109,3 @@ def _param_jaxprs(eqn):
         for v in (value if isinstance(value, (tuple, list)) else (value,)):
             if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
                 yield v
-
-
-def _without_stop_gradient(f):
-    def wrapped(theta):
-        closed = jax.make_jaxpr(f)(theta)
-        return _eval(closed.jaxpr, closed.consts, theta)[0]
-    return wrapped
-
-
-def _eval(jaxpr, consts, *args):
-    def rule(eqn, ins):
-        name = eqn.primitive.name
-        if name == "stop_gradient":
-            return ins
-        if name in _CALL_PRIMITIVES and _CALL_PRIMITIVES[name] in eqn.params:
-            return _eval(*closed_parts(eqn.params[_CALL_PRIMITIVES[name]]), *ins)
-        if name in _LOOPS:
-            return _LOOPS[name](eqn.params, ins)
-        return None
-    return interpret(jaxpr, consts, args, rule)
-
-
-def _closed_fn(closed):
-    """A Python function evaluating a ClosedJaxpr with stop_gradient made transparent."""
-    jaxpr, consts = closed_parts(closed)
-    return lambda *args: _eval(jaxpr, consts, *args)
-
-
-def _scan(p, ins):
-    nc, nk = p["num_consts"], p["num_carry"]
-    body = _closed_fn(p["jaxpr"])
-    consts = ins[:nc]
-
-    def step(carry, xs):
-        outs = body(*consts, *carry, *xs)
-        return outs[:nk], outs[nk:]
-    carry, ys = jax.lax.scan(step, list(ins[nc:nc + nk]), list(ins[nc + nk:]),
-                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-    return [*carry, *ys]
-
-
-def _cond(p, ins):
-    branches = [_closed_fn(b) for b in p["branches"]]
-    return jax.lax.switch(ins[0], branches, *ins[1:])
-
-
-def _while(p, ins):
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cond, body = _closed_fn(p["cond_jaxpr"]), _closed_fn(p["body_jaxpr"])
-    cond_consts, body_consts = ins[:cn], ins[cn:cn + bn]
-    return jax.lax.while_loop(lambda c: cond(*cond_consts, *c)[0],
-                              lambda c: body(*body_consts, *c), list(ins[cn + bn:]))
-
-
-_LOOPS = {"scan": _scan, "cond": _cond, "while": _while}

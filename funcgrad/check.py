@@ -18,7 +18,11 @@ Hessian-vector products, the same way.
 Step size and tolerances come from the floating dtype the function actually computed in
 (`TOLERANCES`). Central differences have truncation error h²/6·|f'''| and round-off error
 about u·|f|/h for unit round-off u, so the best h is near (3u)^(1/3) and the attainable
-error near u^(2/3)·|f| (Nocedal & Wright, Numerical Optimization, §8.1).
+error near u^(2/3)·|f| (Nocedal & Wright, Numerical Optimization, §8.1). A function that
+computes in a narrower float on the differentiated path is checked with those casts lifted to
+float64 (`funcgrad._precision`, `funcgrad._lift`), so float64's step and tolerances apply.
+At a kink inside a custom rule, the rule's value is compared with JAX's own convention there
+(the gradient with the custom rules inlined).
 """
 from __future__ import annotations
 
@@ -31,12 +35,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
-from funcgrad import _full_pass, _noise
+from funcgrad import _full_pass, _lift, _noise
 from funcgrad import _objective as obj
 from funcgrad._full_pass import basis_jvp
-from funcgrad._jaxpr import arg_names, check_array_args, sub_jaxprs
+from funcgrad._jaxpr import arg_names, check_array_args
+from funcgrad._precision import lift_precision_of, narrowest_float
 from funcgrad._traced import traced_values
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
 
@@ -70,7 +74,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                 num_directions: int = 4, seed: int = 0, chunk_size: int | None = None,
                 allow_stop_gradient: bool | str | Sequence[str] = False,
                 respect_stop_gradient: bool | None = None,
-                progress: bool | None = None) -> GradCheckReport:
+                progress: bool | None = None, lift_precision: bool = True) -> GradCheckReport:
     """Compares the gradients of `fn` at `args` with central finite differences.
 
     Args:
@@ -109,6 +113,15 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         how long the rest takes. A check expected to run over 10 s prints that estimate on
         stderr with a suggestion of directional mode, and (progress None or True) shows a tqdm
         bar; True shows the bar for any check, False never.
+      respect_stop_gradient: if True, a leaf whose analytic gradient is zero only because of
+        ``stop_gradient`` (finite differences see through it) is marked "stop_gradient" and not
+        counted as a failure.
+      lift_precision: when fn computes in a float narrower than float64 on the differentiated
+        path (a bfloat16 layer, an ``astype(jnp.float32)``), check the same program with those
+        casts lifted to float64, custom_jvp/custom_vjp rules included (`funcgrad._lift`), at
+        float64's eps and tolerances (``report.lifted_from`` names the dtype). Where lifting
+        cannot reach (a bitcast, a host callback), and with False, fn is checked as computed,
+        at its dtype's tolerances, and a note gives the smallest relative error it could see.
     Returns:
       a `GradCheckReport`: one `LeafCheck` row per differentiated leaf, ``.ok``,
       ``.raise_if_failed()``, ``.to_dict()``; ``print(report)`` shows the table.
@@ -139,6 +152,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                                    or chunk_size < 1):
         raise ValueError(f"check_grads: chunk_size must be a positive int or None, got "
                          f"{chunk_size!r}.")
+    if not isinstance(lift_precision, (bool, np.bool_)):
+        raise TypeError(f"check_grads: lift_precision must be True or False, got "
+                        f"{lift_precision!r}.")
     if progress is not None and not isinstance(progress, (bool, np.bool_)):
         raise TypeError(f"check_grads: progress must be True, False or None, got {progress!r}.")
     _check_number("eps", eps, positive=True)
@@ -161,6 +177,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         allow_stop_gradient = bool(respect_stop_gradient)
     with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
+        prob = lift_precision_of(prob, lift_precision, modes,
+                                 _tolerances(prob["dtype_used"], eps, rtol, atol)[1])
         allowed = _allowed_stop_gradient(allow_stop_gradient, prob["paths"])
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = _run_full if mode == "full" else _run_directional
@@ -188,7 +206,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                            dtype_used=prob["dtype_used"], eps=cfg_tol[0], rtol=cfg_tol[1],
                            atol=cfg_tol[2], skipped=prob["skipped"], notes=notes,
                            checked_args=prob["checked_args"],
-                           unchecked_args=prob["unchecked_args"])
+                           unchecked_args=prob["unchecked_args"],
+                           lifted_from=prob["lifted_from"])
 
 
 def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 50_000,
@@ -278,7 +297,7 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     cotangents = (rng.standard_normal(out.shape), rng.standard_normal(theta.shape))
     # The narrowest float the function computes in, not only the one it returns: a float32
     # cast inside a function that returns float64 rounds like float32.
-    inner = _narrowest_float(traced.jaxpr)
+    inner = narrowest_float(traced.jaxpr)
     dtype_used = min([str(out.dtype), *([inner] if inner else [])],
                      key=lambda d: jnp.finfo(d).bits)
     notes = []
@@ -340,51 +359,6 @@ def _describe(a):
     if len(leaves) == 1 and leaves[0] is a:
         return f"{jnp.result_type(a)}{list(np.shape(a))}"
     return f"pytree of {len(leaves)} leaves"
-
-
-def _narrowest_float(jaxpr) -> str | None:
-    """The narrowest real floating dtype produced by an equation of `jaxpr` on the
-    differentiated path: it depends on the first input (theta, the differentiated vector)
-    through floating values, and an output depends on it (nested jaxprs of such an equation
-    count whole). Returned as a name; None if no equation is on that path.
-
-    Left out, since they do not round the derivative being checked: work on constants (data
-    prepared in float32 inside fn); values computed after an integer or boolean result
-    (``(logits.argmax(-1) == y).mean()`` is float32 even under x64, and carries no tangent);
-    and values no output uses (an accuracy returned as aux, dropped from the checked output).
-    """
-    found = set()
-
-    def note(v):
-        dtype = getattr(v.aval, "dtype", None)
-        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            found.add(str(dtype))
-
-    def walk_all(j):
-        for eqn in j.eqns:
-            for v in eqn.outvars:
-                note(v)
-            for _, sub, _ in sub_jaxprs(eqn):
-                walk_all(sub)
-
-    is_var = lambda v: not isinstance(v, jex_core.Literal)
-    used = {v for v in jaxpr.outvars if is_var(v)}  # what the outputs depend on, backwards
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in used for v in eqn.outvars):
-            used.update(v for v in eqn.invars if is_var(v))
-    live = {jaxpr.invars[0]}
-    for eqn in jaxpr.eqns:
-        if any(is_var(v) and v in live for v in eqn.invars):
-            # A tangent flows on through floating outputs only (an int or bool has none).
-            live.update(v for v in eqn.outvars if jnp.issubdtype(
-                getattr(v.aval, "dtype", np.int32), jnp.inexact))
-            if not any(v in used for v in eqn.outvars):
-                continue
-            for v in eqn.outvars:
-                note(v)
-            for _, sub, _ in sub_jaxprs(eqn):
-                walk_all(sub)
-    return min(found, key=lambda d: jnp.finfo(d).bits) if found else None
 
 
 def _check_number(name: str, value: Any, positive: bool = False) -> None:
@@ -623,6 +597,32 @@ def _see_through_grad(prob, modes):
         return None
 
 
+def _reference_grad(prob, modes):
+    """JAX's own convention where fn has custom rules: the gradient of the same program with
+    every custom_jvp/custom_vjp replaced by its primal, differentiated by JAX (in reverse mode,
+    or forward mode as for the see-through gradient). None when fn has no custom rule (its
+    gradient is its own reference); NaNs when that program cannot be differentiated."""
+    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
+    first = spec._replace(order=1)  # custom_vjp calls are gone from a differentiated jaxpr
+    if not _lift.has_custom_rule(jax.make_jaxpr(
+            lambda t: obj.objective(first, t, leaves, cots))(theta)):
+        return None
+    inlined = spec._replace(inline_custom_rules=True)
+    if "rev" in modes:
+        try:
+            return np.asarray(_rev_kernel(inlined, theta, leaves, cots))
+        except Exception:  # noqa: BLE001 - e.g. a while_loop: try forward mode
+            pass
+    n = theta.shape[0]
+    if n <= _FWD_SEE_THROUGH_LIMIT:
+        try:
+            return np.asarray(_fwd_grad_kernel(inlined, theta, leaves, cots,
+                                               chunk=max(1, min(n, _CHUNK_ELEMENTS // max(n, 1)))))
+        except Exception:  # noqa: BLE001 - the primal of a custom rule may not differentiate
+            pass
+    return np.full(n, np.nan)
+
+
 def _judge_elements(prob, f0, fp, fm, grad, out, tol):
     """First verdicts on every element, with each one's step and noise (the error bound of its
     central difference) refined where needed: the round-off floor for all; the step eps/8 for
@@ -686,11 +686,15 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, allowed, progress=None):
     _check_finite_output(prob, out)
     cls, (numeric, right, left, step, noise, smooth) = _judge_elements(
         prob, float(f0), fp, fm, grad, out, tol)
+    reference = _reference_grad(prob, modes) if cls["kink"].any() else None
+    if reference is not None:  # custom rules: their kinks are held to JAX's convention
+        cls = {**cls, **classify_elements(grad, numeric, right, left, None, atol + noise, rtol,
+                                          step, smooth, reference)}
     if (cls["fail"] & ~cls["kink"]).any():  # only then ask whether stop_gradient explains it
         g_st = _see_through_grad(prob, modes)
         if g_st is not None:
             cls = {**cls, **classify_elements(grad, numeric, right, left, g_st, atol + noise,
-                                              rtol, step, smooth)}  # keeps noise, step, ...
+                                              rtol, step, smooth, reference)}  # keeps noise, ...
     fwd = None
     if tangents is not None:
         accepted = np.where(cls["explained"], grad, numeric)  # JAX's value at kinks
@@ -744,12 +748,18 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
         return np.any([np.abs(a - numeric) > atol_abs + rtol * np.abs(numeric)
                        for a in analytic.values()], axis=0)
 
-    suspects = np.flatnonzero(mismatched())
+    # Tangents crossing a kink: as in full mode, their one-sided gap is the kink, not noise
+    # (a fit across it would call any rule's value there noise), so they are not measured.
+    right, left = (fp - f0) / eps, (f0 - fm) / eps
+    kinked = np.any([classify_elements(a, numeric, right, left, None, atol_abs, rtol, eps)["kink"]
+                     for a in analytic.values()], axis=0)
+    suspects = np.flatnonzero(mismatched() & ~kinked)
     if suspects.size:
         measured = _noise.noise_from_values(_probe_tangents(prob, on_device, suspects, eps), eps)
         atol_abs[suspects] = np.fmax(atol_abs[suspects], atol + measured)
     mismatch = bool(mismatched().any())
     g_st = _see_through_grad(prob, modes) if mismatch else None
+    reference = _reference_grad(prob, modes) if mismatch and kinked.any() else None
     rows = []
     for li, (lo, hi) in enumerate(segments):
         sel = slice(li * k, (li + 1) * k)
@@ -757,7 +767,8 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
-            atol_abs[sel], rtol, eps, allowed[li])
+            atol_abs[sel], rtol, eps, allowed[li],
+            None if reference is None else plan.rows(sel) @ reference)
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
             j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))

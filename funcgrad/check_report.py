@@ -25,7 +25,7 @@ PASSING = ("ok", "nondifferentiable_point", "stop_gradient_declared")
 
 
 def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol, eps,
-                      smooth=None) -> dict[str, Any]:
+                      smooth=None, reference=None) -> dict[str, Any]:
     """Element-wise verdicts; every argument is a float64 vector of the same length (or None);
     `atol_abs` (atol + each element's noise) and `eps` (each element's step) may be scalars.
 
@@ -34,9 +34,13 @@ def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol, e
     (1,000 in float64) or a jump in the derivative; a gap that large is reported as a kink even
     when the central difference happens to match JAX's value (maximum(x, 0) at 0: both 0.5).
     `smooth` (bool, optional) marks elements a second, smaller step showed to be curvature (the
-    gap shrank with the step, which a jump's does not): never kinks. A NaN or inf derivative
-    (analytic or numeric) that the other does not equal fails: ``err > tol`` alone is False
-    for NaN.
+    gap shrank with the step, which a jump's does not): never kinks. `reference` (optional;
+    given when the program has custom rules) is the gradient with those rules inlined, JAX's
+    own convention at a kink (NaN where unknown): a kink is then excused only where `grad` is
+    JAX's value, a one-sided difference or their mean, not anywhere between them (a custom
+    rule giving 0.55 of a maximum's tie is wrong); the others are marked "convention" and
+    fail. A NaN or inf derivative (analytic or numeric) that the other does not equal fails:
+    ``err > tol`` alone is False for NaN.
     """
     tol = atol_abs + rtol * np.abs(numeric)
     with np.errstate(invalid="ignore"):
@@ -48,12 +52,22 @@ def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol, e
             & (grad >= lo - tol) & (grad <= hi + tol))
     if smooth is not None:
         kink &= ~smooth
+    convention = np.zeros_like(kink)
+    if reference is not None:
+        # A one-sided difference is off by eps/2·|f''| < sqrt(eps)/2 (the curvature bound above).
+        slack = tol + np.sqrt(eps) / 2 * (1 + np.abs(numeric))
+        with np.errstate(invalid="ignore"):
+            follows = ((np.abs(grad - reference) <= tol) | (np.abs(grad - left) <= slack)
+                       | (np.abs(grad - right) <= slack) | (np.abs(grad - numeric) <= slack))
+        convention = kink & ~follows
+        kink &= follows
     if see_through is None:
         sg = np.zeros_like(fail)
     else:
         sg = fail & ~kink & (np.abs(see_through - numeric) <= tol) & (np.abs(grad - see_through) > tol)
     return dict(grad=grad, numeric=numeric, right=right, left=left, err=err, tol=tol, fail=fail,
-                kink=kink, sg=sg, explained=kink | sg)
+                kink=kink, sg=sg, explained=kink | sg, convention=convention,
+                reference=reference)
 
 
 def _convention(a, left, right, tol):
@@ -155,6 +169,18 @@ class LeafCheck:
                          f"the one-sided derivatives are {kinks[0][1]:.6g} (left) and "
                          f"{kinks[0][2]:.6g} (right) and JAX's value {kinks[0][3]:.6g} is "
                          f"{kinks[0][4]}")
+        wrong = np.flatnonzero(c["convention"][s]) if "convention" in c else ()
+        if len(wrong):
+            i = wrong[0]
+            ref = c["reference"][s][i]
+            own = (f"JAX's own rule gives {ref:.6g} there" if np.isfinite(ref) else
+                   "JAX's own rule could not be evaluated")
+            notes.append(f"{len(wrong)} element(s) at a non-differentiable point where the "
+                         f"custom rule's value follows no convention: at "
+                         f"{tuple(int(j) for j in np.unravel_index(i, shape))} it gives "
+                         f"{grad[i]:.6g}, the one-sided derivatives are {c['left'][s][i]:.6g} "
+                         f"(left) and {c['right'][s][i]:.6g} (right), and {own} (the custom "
+                         "function's primal differentiated by JAX)")
         jumped = c["jumped"][s] if "jumped" in c else np.zeros_like(kink)
         if jumped.any():
             i = int(np.flatnonzero(jumped)[0])
@@ -175,12 +201,13 @@ class LeafCheck:
 
     @classmethod
     def from_directions(cls, path, shape, dtype, analytic, numeric, right, left, see_through,
-                        atol_abs, rtol, eps, allowed) -> LeafCheck:
+                        atol_abs, rtol, eps, allowed, reference=None) -> LeafCheck:
         notes, abs_err, rel_err, failed = [], 0.0, 0.0, False
         any_kink = any_sg = False
         worst = (None, None, None)
         for m, a in analytic.items():
-            c = classify_elements(a, numeric, right, left, see_through, atol_abs, rtol, eps)
+            c = classify_elements(a, numeric, right, left, see_through, atol_abs, rtol, eps,
+                                  reference=reference)
             excused = c["kink"] | (c["sg"] if allowed else np.zeros_like(c["sg"]))
             any_kink |= bool(c["kink"].any())
             any_sg |= bool(c["sg"].any())
@@ -196,6 +223,13 @@ class LeafCheck:
                 failed = True
                 notes.append(f"{m}: disagrees with the central difference along {int(bad.sum())} "
                              f"of {len(bad)} random unit tangents on this leaf")
+            if c["convention"].any():
+                j = int(np.flatnonzero(c["convention"])[0])
+                own = (f"JAX's own rule gives {reference[j]:.6g} there"
+                       if np.isfinite(reference[j]) else "JAX's own rule could not be evaluated")
+                notes.append(f"{m}: a tangent crosses a non-differentiable point where the "
+                             f"custom rule gives {a[j]:.6g}, neither one-sided derivative "
+                             f"({left[j]:.6g}, {right[j]:.6g}) nor their mean, and {own}")
         if any_sg:
             notes.append("differs from the central difference along some tangents only because "
                          "of stop_gradient (which finite differences see through)")
@@ -239,13 +273,16 @@ class GradCheckReport:
       rows: one `LeafCheck` per differentiated leaf, in pytree order.
       mode, modes, order: what was checked ("full"/"directional", ("rev", "fwd"), 1 or 2);
         `modes` lists the modes actually checked (no "fwd" when it was skipped, see notes).
-      dtype_used: the dtype the function computed in (float64 unless it forces lower).
+      dtype_used: the dtype the check's arithmetic ran in: float64, or the narrower float fn
+        computes in when its casts were not lifted (see `lifted_from` and the notes).
       eps, rtol, atol: the step and tolerances used (see `funcgrad.check.TOLERANCES`).
       skipped: integer/boolean leaves that were not differentiated.
       checked_args, unchecked_args: the positional arguments differentiated (`argnums`) and
         those passed through unchecked, as ``"name (argnums=i)"``; an unchecked argument with
         floating leaves is one a caller may have meant to check (``argnums=(0, 1)``).
       notes: remarks (fwd skipped for custom_vjp, lower precision, stop_gradient, ...).
+      lifted_from: the dtype narrower than float64 that fn computes in and whose casts the
+        check lifted to float64 (e.g. "bfloat16"; `dtype_used` is then "float64"), or None.
     """
     rows: list[LeafCheck]
     mode: str
@@ -259,6 +296,7 @@ class GradCheckReport:
     notes: list[str]
     checked_args: tuple[str, ...] = ()
     unchecked_args: tuple[str, ...] = ()
+    lifted_from: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -274,6 +312,7 @@ class GradCheckReport:
                 "atol": self.atol, "skipped": list(self.skipped), "notes": list(self.notes),
                 "checked_args": list(self.checked_args),
                 "unchecked_args": list(self.unchecked_args),
+                "lifted_from": self.lifted_from,
                 "rows": [r.to_dict() for r in self.rows]}
 
     def raise_if_failed(self) -> None:
@@ -282,8 +321,9 @@ class GradCheckReport:
             raise AssertionError(f"gradient check failed for {len(self.failures)} leaf/leaves:\n{self}")
 
     def __str__(self) -> str:
+        lifted = f" (lifted from {self.lifted_from})" if self.lifted_from else ""
         head = (f"gradient check ({self.mode}, {'+'.join(self.modes)}, order {self.order}, "
-                f"{self.dtype_used}, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}): "
+                f"{self.dtype_used}{lifted}, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}): "
                 f"{'OK' if self.ok else 'FAILED'}")
         cols = ("leaf", "shape", "max abs err", "max rel err", "resolution", "worst element",
                 "analytic", "numeric", "status")

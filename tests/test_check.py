@@ -104,12 +104,13 @@ def test_float32_work_off_the_differentiated_path_keeps_the_check_in_float64():
 
     for fn, aux in ((with_accuracy, True), (with_count, False)):
         report = fg.check_grads(fn, params, x, y, has_aux=aux)
-        assert report.dtype_used == "float64", str(report)
+        assert report.dtype_used == "float64" and report.lifted_from is None, str(report)
         assert report.ok, str(report)
-    # A float32 cast on the differentiated path still sets the tolerances.
-    report = fg.check_grads(lambda p, x, y: plain_loss(jax.tree.map(
-        lambda a: a.astype(jnp.float32), p), x, y), params, x, y)
-    assert report.dtype_used == "float32"
+    # A float32 cast on the differentiated path is seen: lifted to float64 by default, or,
+    # checked as computed, it sets the tolerances.
+    cast = lambda p, x, y: plain_loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), x, y)
+    assert fg.check_grads(cast, params, x, y).lifted_from == "float32"
+    assert fg.check_grads(cast, params, x, y, lift_precision=False).dtype_used == "float32"
 
 
 def test_has_aux_and_argnums_tuple_name_each_argument():
@@ -438,8 +439,12 @@ def test_order_two_catches_a_wrong_hessian():
 
 # --- precision, skipped leaves, errors ---------------------------------------------------
 
-def test_function_forcing_float32_is_checked_with_float32_tolerances():
-    report = fg.check_grads(lambda x: jnp.sum(jnp.tanh(x.astype(jnp.float32))), jnp.linspace(-1, 1, 5))
+def test_function_forcing_float32_is_checked_with_float32_tolerances_as_computed():
+    f = lambda x: jnp.sum(jnp.tanh(x.astype(jnp.float32)))
+    lifted = fg.check_grads(f, jnp.linspace(-1, 1, 5))  # the default: float32 lifted
+    assert lifted.ok and lifted.dtype_used == "float64" and lifted.lifted_from == "float32"
+    assert (lifted.eps, lifted.rtol, lifted.atol) == fg.check.TOLERANCES["float64"]
+    report = fg.check_grads(f, jnp.linspace(-1, 1, 5), lift_precision=False)
     assert report.ok and report.dtype_used == "float32"
     assert (report.eps, report.rtol, report.atol) == fg.check.TOLERANCES["float32"]
     assert any("computes in float32" in n for n in report.notes)
@@ -576,15 +581,21 @@ def test_non_array_and_static_arguments_get_the_partial_fix():
 def test_tolerances_follow_a_float32_cast_inside_a_float64_function():
     # softmax computed in float32 inside a function that returns float64: its rounding
     # (~6e-8 relative, amplified by eps = 1e-6 central differences to ~1e-1) is float32's, so
-    # float64 tolerances would fail a correct gradient. The check must use float32's.
+    # float64 tolerances would fail a correct gradient. Checked as computed, the check must
+    # use float32's; by default it lifts the cast and checks in float64 (custom_jvp of
+    # softmax included).
     x = jax.random.normal(jax.random.key(0), (5,))
 
     def f(h):
         return jnp.sum(jax.nn.softmax(h.astype(jnp.float32)).astype(h.dtype) * x)
 
-    report = fg.check_grads(f, jax.random.normal(jax.random.key(1), (5,)))
+    point = jax.random.normal(jax.random.key(1), (5,))
+    report = fg.check_grads(f, point, lift_precision=False)
     assert report.ok and report.dtype_used == "float32"
     assert any("computes in float32" in n for n in report.notes)
+    lifted = fg.check_grads(f, point)
+    assert lifted.ok and lifted.lifted_from == "float32" and lifted.dtype_used == "float64"
+    assert all(r.max_rel_error < 1e-6 for r in lifted.rows), str(lifted)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
