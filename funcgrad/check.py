@@ -26,6 +26,7 @@ At a kink inside a custom rule, the rule's value is compared with JAX's own conv
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad import _full_pass, _lift, _noise
+from funcgrad import _directions, _full_pass, _lift, _noise
 from funcgrad import _objective as obj
 from funcgrad._full_pass import basis_jvp
 from funcgrad._jaxpr import arg_names, check_array_args
@@ -74,7 +75,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                 num_directions: int = 4, seed: int = 0, chunk_size: int | None = None,
                 allow_stop_gradient: bool | str | Sequence[str] = False,
                 respect_stop_gradient: bool | None = None,
-                progress: bool | None = None, lift_precision: bool = True) -> GradCheckReport:
+                progress: bool | None = None, lift_precision: bool = True,
+                block_size: int | None = None) -> GradCheckReport:
     """Compares the gradients of `fn` at `args` with central finite differences.
 
     Args:
@@ -95,11 +97,11 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         step, in the units of the differentiated leaves), rtol and atol finite numbers >= 0
         (atol in the derivative's units, not scaled by |f|; each element's tolerance is
         atol + rtol·|numeric| + the estimated error of its central difference).
-      num_directions: random tangents per check in directional mode, and per leaf for the
-        fwd check in full mode.
+      num_directions: random tangents per check in directional mode (per block, and k over
+        all leaves together), and per leaf for the fwd check in full mode.
       seed: a non-negative int; seeds the tangents and the output cotangents.
-      chunk_size: perturbations evaluated per vmapped batch in full mode; by default about
-        2^20 / n (8 MiB of perturbed float64 inputs).
+      chunk_size: perturbations (full mode) or tangents (directional mode) evaluated per
+        vmapped batch; by default about 2^20 / n (8 MiB of perturbed float64 inputs).
       allow_stop_gradient: which leaves may differ from finite differences because of
         ``stop_gradient``. By default none: a leaf whose gradient is cut (or changed) by a
         ``stop_gradient`` that finite differences see through fails with status
@@ -122,11 +124,17 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         float64's eps and tolerances (``report.lifted_from`` names the dtype). Where lifting
         cannot reach (a bitcast, a host callback), and with False, fn is checked as computed,
         at its dtype's tolerances, and a note gives the smallest relative error it could see.
+      block_size: directional mode only: cut each leaf into blocks of at most this many
+        elements, with `num_directions` tangents restricted to each block; None (default)
+        draws them over each whole leaf. A single-element error is diluted about
+        sqrt(block size)-fold along a tangent; each row's ``resolution`` says what the check
+        could see (`funcgrad._directions`). `audit` picks it within an evaluation budget.
     Returns:
       a `GradCheckReport`: one `LeafCheck` row per differentiated leaf, ``.ok``,
       ``.raise_if_failed()``, ``.to_dict()``; ``print(report)`` shows the table.
     Raises:
-      ValueError: for an unknown mode, an eps that is not a finite number > 0, an rtol or atol
+      ValueError: for an unknown mode, a block_size that is not a positive int or None (or
+        one given in full mode), an eps that is not a finite number > 0, an rtol or atol
         that is not a finite number >= 0, a negative seed, an argnum out of range, a selected argument that is an
         integer or boolean array, nothing floating to differentiate, a non-finite output at
         the primal point (the message names the output leaf and the argument shapes), "rev"
@@ -157,6 +165,11 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                         f"{lift_precision!r}.")
     if progress is not None and not isinstance(progress, (bool, np.bool_)):
         raise TypeError(f"check_grads: progress must be True, False or None, got {progress!r}.")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(
+            block_size, (int, np.integer)) or block_size < 1 or mode != "directional"):
+        raise ValueError(f"check_grads: block_size must be a positive int (elements per block "
+                         f"of directional tangents) or None, and only with "
+                         f"mode='directional'; got {block_size!r} with mode={mode!r}.")
     _check_number("eps", eps, positive=True)
     _check_number("rtol", rtol)
     _check_number("atol", atol)
@@ -181,7 +194,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                                  _tolerances(prob["dtype_used"], eps, rtol, atol)[1])
         allowed = _allowed_stop_gradient(allow_stop_gradient, prob["paths"])
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
-        run = _run_full if mode == "full" else _run_directional
+        run = (_run_full if mode == "full" else
+               functools.partial(_run_directional, block_size=block_size))
         try:
             rows, notes = run(prob, cfg_tol, modes, num_directions, seed, chunk_size, allowed,
                               progress)
@@ -211,10 +225,16 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
 
 
 def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 50_000,
-          **kwargs: Any) -> GradCheckReport:
+          max_evaluations: int | None = None, **kwargs: Any) -> GradCheckReport:
     """Checks every leaf of a model's loss gradient: full mode when small, directional when large.
 
-    The article's audit (B §3.3): one row per parameter leaf (``params[1]['w']``, ...).
+    The article's audit (B §3.3): one row per parameter leaf (``params[1]['w']``, ...). In
+    directional mode a single wrong element of a B-element leaf moves a directional derivative
+    by only about 1/sqrt(B) of its error, so audit cuts the leaves into the smallest blocks
+    (each with its own `num_directions` tangents) whose check fits in `max_evaluations`
+    function evaluations, and a note in the report says which block size, how many
+    evaluations and the resolution reached (each row's ``resolution``: the smallest
+    single-element error reported with probability >= 99%; `funcgrad._directions`).
 
     Args:
       loss_fn: ``loss_fn(params, *batch) -> scalar``.
@@ -223,16 +243,42 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
       max_full_elements: up to this many floating parameter elements the check is "full"
         (2n forward passes); above it "directional". 50,000 keeps a full check under a few
         seconds for an MLP with a small batch on a 2-core CPU.
-      **kwargs: passed to `check_grads`.
+      max_evaluations: directional mode's budget of function evaluations (2 per tangent, 3
+        with the jvp of "fwd"). None: 2·max_full_elements²/n for n parameter elements, about
+        the cost of the largest full check (a forward pass costing in proportion to n).
+      **kwargs: passed to `check_grads` (a ``block_size`` given here is used as it is).
+    Raises:
+      ValueError: for a negative max_full_elements or a max_evaluations that is not a
+        positive int; and as `check_grads`.
     """
     if (isinstance(max_full_elements, bool) or not isinstance(max_full_elements, (int, np.integer))
             or max_full_elements < 0):
         raise ValueError(f"audit: max_full_elements must be a non-negative int (floating "
                          f"parameter elements), got {max_full_elements!r}.")
-    n = sum(int(np.size(x)) for x in jax.tree.leaves(params)
-            if jnp.issubdtype(jnp.result_type(x), jnp.floating))
-    mode = "full" if n <= max_full_elements else "directional"
-    return check_grads(loss_fn, params, *batch, argnums=0, mode=mode, **kwargs)
+    if max_evaluations is not None and (isinstance(max_evaluations, bool) or not isinstance(
+            max_evaluations, (int, np.integer)) or max_evaluations < 1):
+        raise ValueError(f"audit: max_evaluations must be a positive int (function "
+                         f"evaluations of the directional check) or None, got "
+                         f"{max_evaluations!r}.")
+    sizes = [int(np.size(x)) for x in jax.tree.leaves(params)
+             if jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x) > 0]
+    n = sum(sizes)
+    if n <= max_full_elements:
+        return check_grads(loss_fn, params, *batch, argnums=0, mode="full", **kwargs)
+    if "block_size" in kwargs:
+        return check_grads(loss_fn, params, *batch, argnums=0, mode="directional", **kwargs)
+    budget = (_directions.default_budget(n, max_full_elements) if max_evaluations is None
+              else int(max_evaluations))
+    k = kwargs.get("num_directions", 4)
+    per_tangent = 2 + ("fwd" in kwargs.get("modes", ("rev", "fwd")))
+    valid_k = isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 1
+    block = _directions.choose_block_size(sizes, k, per_tangent, budget) if valid_k else None
+    report = check_grads(loss_fn, params, *batch, argnums=0, mode="directional",
+                         block_size=block, **kwargs)
+    worst = max(report.rows, key=lambda r: r.resolution)
+    note = _directions.describe(block, sizes, k, per_tangent, budget, worst.resolution,
+                                worst.path)
+    return dataclasses.replace(report, notes=[note, *report.notes])
 
 
 # --- set-up -------------------------------------------------------------------------------
@@ -464,18 +510,29 @@ def _tangent(plan, t, n):
     return jnp.where((index >= lo[t]) & (index < hi[t]), raw[row[t]], 0.0) / norm[t]
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _jvp_kernel(spec, theta, leaves, cotangents, plan):
+def _over_tangents(fn, count, chunk):
+    """``fn(t)`` for t = 0..count-1, vmapped in chunks of `chunk` (a padded t repeats the
+    last tangent; its results are dropped): one loop body, as in `_full_kernel`."""
+    c = min(chunk, count)
+    ids = jnp.minimum(jnp.arange(-(-count // c) * c), count - 1).reshape(-1, c)
+    batched = jax.vmap(fn)
+    out = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
+    return jax.tree.map(lambda a: jnp.ravel(a)[:count], out)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "chunk"))
+def _jvp_kernel(spec, theta, leaves, cotangents, plan, *, chunk):
     phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
     n = theta.shape[0]
-    return jax.lax.map(lambda t: jax.jvp(phi, (theta,), (_tangent(plan, t, n),))[1],
-                       jnp.arange(plan[1].shape[0]))
+    return _over_tangents(lambda t: jax.jvp(phi, (theta,), (_tangent(plan, t, n),))[1],
+                          plan[1].shape[0], chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "eps", "rev"))
-def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps, rev=True):
-    """phi(theta), phi(theta ± eps·t) for every tangent t of `plan`, grad phi(theta) (zeros
-    without `rev`: a fwd-only check does not take it) and the output at theta."""
+@functools.partial(jax.jit, static_argnames=("spec", "eps", "chunk", "rev"))
+def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps, chunk, rev=True):
+    """phi(theta), phi(theta ± eps·t) for every tangent t of `plan` (vmapped in chunks of
+    `chunk` tangents), grad phi(theta) (zeros without `rev`: a fwd-only check does not take
+    it) and the output at theta."""
     phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
     n = theta.shape[0]
 
@@ -483,7 +540,7 @@ def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps, rev=True)
         v = _tangent(plan, t, n)
         return phi(theta + eps * v), phi(theta - eps * v)
 
-    f_plus, f_minus = jax.lax.map(plus_minus, jnp.arange(plan[1].shape[0]))
+    f_plus, f_minus = _over_tangents(plus_minus, plan[1].shape[0], chunk)
     return (phi(theta), f_plus, f_minus, jax.grad(phi)(theta) if rev else jnp.zeros_like(theta),
             obj.output_vector(spec, theta, leaves))
 
@@ -531,11 +588,11 @@ def _tangent_plan(seed, n, segments, k) -> _Tangents:
     return _Tangents(raw, lo, hi, row, norm)
 
 
-def _jvps(spec, theta, leaves, cotangents, plan):
+def _jvps(spec, theta, leaves, cotangents, plan, chunk):
     """jvp of phi along each tangent of `plan` (device arrays), or (None, note) when fn has a
     custom_vjp."""
     try:
-        return np.asarray(_jvp_kernel(spec, theta, leaves, cotangents, plan)), None
+        return np.asarray(_jvp_kernel(spec, theta, leaves, cotangents, plan, chunk=chunk)), None
     except TypeError as e:
         if "custom_vjp" in str(e):
             return None, _NO_FWD_NOTE
@@ -714,17 +771,18 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, allowed, progress=None):
     return rows, notes
 
 
-def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=None):
-    del chunk_size, progress
+def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=None,
+                     block_size=None):
+    del progress
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
     n = theta.shape[0]
-    segments = _segments(prob)
-    plan = _tangent_plan(seed, n, segments, k)
-    raw = plan.raw
+    blocks, first = _directions.split_blocks(_segments(prob), block_size)
+    plan = _tangent_plan(seed, n, blocks, k)  # k per block, then k over all leaves together
+    chunk = int(chunk_size or max(1, min(plan.lo.size, _CHUNK_ELEMENTS // max(n, 1))))
     on_device = tuple(jnp.asarray(a) for a in plan)
     f0, fp, fm, grad, out = (np.asarray(a) for a in _directional_kernel(
-        spec, theta, leaves, cots, on_device, eps=eps, rev="rev" in modes))
+        spec, theta, leaves, cots, on_device, eps=eps, chunk=chunk, rev="rev" in modes))
     _check_finite_output(prob, out)
     # atol plus the round-off floor of a central difference (the same along a unit tangent);
     # measured instead along the tangents that miss it, as in full mode.
@@ -736,7 +794,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
         analytic["rev"] = plan.dot(grad)
     notes = []
     if "fwd" in modes:
-        jvps, note = _jvps(spec, theta, leaves, cots, on_device)
+        jvps, note = _jvps(spec, theta, leaves, cots, on_device, chunk)
         if jvps is not None:
             analytic["fwd"] = jvps
         elif not analytic:
@@ -760,20 +818,29 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
     mismatch = bool(mismatched().any())
     g_st = _see_through_grad(prob, modes) if mismatch else None
     reference = _reference_grad(prob, modes) if mismatch and kinked.any() else None
+    see_through = None if g_st is None else plan.dot(g_st)
+    reference = None if reference is None else plan.dot(reference)
+    # A tangent's numeric value may be off by its noise (atol_abs - atol) in the direction
+    # that hides an error, so the floor an error must clear is atol + 2·noise, as in full mode.
+    resolutions = _directions.leaf_resolutions(blocks, first, grad if "rev" in modes else None,
+                                               numeric, k, 2 * atol_abs - atol, rtol)
+    notes.append(_directions.resolution_note(k, len(blocks) > len(first) - 1))
     rows = []
-    for li, (lo, hi) in enumerate(segments):
-        sel = slice(li * k, (li + 1) * k)
+    for li, (lo, hi) in enumerate(_segments(prob)):
+        sel = slice(first[li] * k, first[li + 1] * k)  # this leaf's blocks' tangents
         row = LeafCheck.from_directions(
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
-            (f0 - fm[sel]) / eps, None if g_st is None else plan.rows(sel) @ g_st,
-            atol_abs[sel], rtol, eps, allowed[li],
-            None if reference is None else plan.rows(sel) @ reference)
+            (f0 - fm[sel]) / eps, None if see_through is None else see_through[sel],
+            atol_abs[sel], rtol, eps, allowed[li], None if reference is None else reference[sel])
+        row = dataclasses.replace(row, resolution=resolutions[li])
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
-            j = int(np.argmax(np.abs(analytic[m][sel] - numeric[sel])))
-            i, a, num, evaluations = _bisect(prob, tol, grad if m == "rev" else None, raw[j],
-                                             lo, hi)
+            err = np.abs(analytic[m][sel] - numeric[sel])
+            t = sel.start + int(np.argmax(err / (atol_abs[sel] + rtol * np.abs(numeric[sel]))))
+            i, a, num, evaluations = _bisect(prob, tol, grad if m == "rev" else None,
+                                             plan.raw[plan.row[t]], int(plan.lo[t]),
+                                             int(plan.hi[t]))
             row = row.located(i - lo, a, num, evaluations)
         rows.append(row)
     if any(r.status.startswith("stop_gradient") for r in rows):

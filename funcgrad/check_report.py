@@ -104,8 +104,10 @@ class LeafCheck:
         bound of element i's central difference: the round-off floor ``4·u·|f|/h`` (u the
         dtype's unit round-off), or where that was not enough, the round-off and truncation
         measured from 17 evaluations around the point (`funcgrad._noise`). It counts twice
-        because the numeric value may be off by noise_i in the direction that hides e. None
-        when not stated.
+        because the numeric value may be off by noise_i in the direction that hides e. In
+        directional mode, the smallest single-element error reported with probability >= 99%
+        over the random tangents (`funcgrad._directions.block_resolution`). None when not
+        stated.
     """
     path: str
     shape: tuple[int, ...]
