@@ -103,7 +103,10 @@ def _flop_limit(params, x64, y, repeats):
 
 def _localise_large(seed=0):
     """Directional mode on a 512 -> 1024 -> 512 -> 10 tanh MLP (1,055,242 params) with one
-    element of dW[1] doubled by a custom_vjp: seconds to find and locate it (first call)."""
+    element of dW[1] doubled by a custom_vjp: seconds to find and locate it (first call), with
+    tangents over each whole leaf (``check_grads(mode="directional")``) and with the blocks
+    `audit` picks within its default evaluation budget, and the resolution each states for
+    the leaf."""
     def make(bug):
         @jax.custom_vjp
         def d(w, b, x):
@@ -133,10 +136,19 @@ def _localise_large(seed=0):
                             mode="directional")
     seconds = time.perf_counter() - start
     [bad] = report.failures
+    start = time.perf_counter()
+    blocked = fg.audit(lambda params, x, y: loss(params, x, y, make(bug)), params, x, y)
+    audit_seconds = time.perf_counter() - start
+    [bad_blocked] = blocked.failures
     n = sum(int(np.size(v)) for p in params for v in p.values())
     return {"params": n, "planted": list(bug), "located_leaf": bad.path,
             "located_element": list(bad.worst_index), "seconds": seconds,
-            "correct": bad.path == "params[1]['w']" and bad.worst_index == bug}
+            "resolution": bad.resolution,
+            "correct": bad.path == "params[1]['w']" and bad.worst_index == bug,
+            "audit_seconds": audit_seconds, "audit_resolution": bad_blocked.resolution,
+            "audit_note": blocked.notes[0],
+            "audit_correct": (bad_blocked.path == "params[1]['w']"
+                              and bad_blocked.worst_index == bug)}
 
 
 def main() -> None:
@@ -201,7 +213,11 @@ def main() -> None:
     print(f"directional localisation, {loc['params']:,} params: planted at params[1]['w']"
           f"{tuple(loc['planted'])}, located {loc['located_leaf']}{tuple(loc['located_element'])} "
           f"in {loc['seconds']:.2f} s (first call, compile included)"
-          + ("" if loc["correct"] else "  WRONG"))
+          + ("" if loc["correct"] else "  WRONG")
+          + f"; resolution of that leaf {loc['resolution']:.3g} (whole-leaf tangents)")
+    print(f"audit on the same model: {loc['audit_seconds']:.2f} s, resolution "
+          f"{loc['audit_resolution']:.3g}" + ("" if loc["audit_correct"] else "  WRONG"))
+    print(f"  {loc['audit_note']}")
     if not have_torch:
         print("note: PyTorch is not installed; torch.autograd.gradcheck rows skipped "
               "(pip install torch to include them)")

@@ -514,6 +514,8 @@ def _over_tangents(fn, count, chunk):
     """``fn(t)`` for t = 0..count-1, vmapped in chunks of `chunk` (a padded t repeats the
     last tangent; its results are dropped): one loop body, as in `_full_kernel`."""
     c = min(chunk, count)
+    if c == 1:  # a large model: one tangent at a time, without a batch axis of one
+        return jax.lax.map(fn, jnp.arange(count))
     ids = jnp.minimum(jnp.arange(-(-count // c) * c), count - 1).reshape(-1, c)
     batched = jax.vmap(fn)
     out = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
