@@ -276,8 +276,8 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
     report = check_grads(loss_fn, params, *batch, argnums=0, mode="directional",
                          block_size=block, **kwargs)
     worst = max(report.rows, key=lambda r: r.resolution)
-    note = _directions.describe(block, sizes, k, per_tangent, budget, worst.resolution,
-                                worst.path)
+    used = 2 + ("fwd" in report.modes)  # fwd is skipped (with a note) for a custom_vjp
+    note = _directions.describe(block, sizes, k, used, budget, worst.resolution, worst.path)
     return dataclasses.replace(report, notes=[note, *report.notes])
 
 
