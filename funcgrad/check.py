@@ -246,7 +246,8 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
       max_evaluations: directional mode's budget of function evaluations (2 per tangent, 3
         with the jvp of "fwd"). None: 2·max_full_elements²/n for n parameter elements, about
         the cost of the largest full check (a forward pass costing in proportion to n).
-      **kwargs: passed to `check_grads` (a ``block_size`` given here is used as it is).
+      **kwargs: passed to `check_grads`; a ``block_size`` given here is used as it is in
+        directional mode (and ignored in full mode).
     Raises:
       ValueError: for a negative max_full_elements or a max_evaluations that is not a
         positive int; and as `check_grads`.
@@ -263,7 +264,8 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
     sizes = [int(np.size(x)) for x in jax.tree.leaves(params)
              if jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x) > 0]
     n = sum(sizes)
-    if n <= max_full_elements:
+    if n <= max_full_elements:  # a block_size is for the directional case only
+        kwargs = {key: v for key, v in kwargs.items() if key != "block_size"}
         return check_grads(loss_fn, params, *batch, argnums=0, mode="full", **kwargs)
     if "block_size" in kwargs:
         return check_grads(loss_fn, params, *batch, argnums=0, mode="directional", **kwargs)

@@ -168,3 +168,25 @@ def test_bad_block_sizes_are_named(kwargs, match):
 def test_audit_refuses_a_bad_evaluation_budget():
     with pytest.raises(ValueError, match="max_evaluations must be a positive int"):
         fg.audit(lambda p: jnp.sum(p ** 2), jnp.ones(2), max_full_elements=1, max_evaluations=0)
+
+
+def test_audit_uses_a_given_block_size_when_directional_and_ignores_it_when_full():
+    # f(w) = sum(w³)/3 on 6 elements: full mode below max_full_elements (block_size ignored);
+    # above it, blocks of 2 -> 3 blocks, each with its own tangents: 4·(3 + 1) = 16 tangents,
+    # and the row states the 2-element block's resolution.
+    f = lambda w: jnp.sum(w ** 3) / 3
+    w = jnp.linspace(0.5, 1.0, 6)
+    assert fg.audit(f, w, block_size=2).mode == "full"
+    report = fg.audit(f, w, max_full_elements=1, block_size=2)
+    [row] = report.rows
+    assert report.mode == "directional" and report.ok
+    # For B = 2, v_j = cos(theta) with theta uniform: P(|v_j| < c) = 2·arcsin(c)/pi = p/2, so
+    # c = sin(p·pi/4), and the resolution is at least floor/c; its rtol terms add at most
+    # rtol·s·||g_B||/(c - rtol) <= 1e-6·1·sqrt(2)/0.24 < 1e-5 (g = w² <= 1, s <= 1).
+    p = 0.01 ** 0.25
+    floor = report.atol * max(1.0, float(f(w)))
+    assert row.resolution >= floor / np.sin(p * np.pi / 4)
+    assert row.resolution < 1.01 * floor / np.sin(p * np.pi / 4) + 1e-5
+    # The whole 6-element leaf's tangents see less: c is about 0.2/sqrt(6) = 0.08 < 0.245.
+    whole = fg.check_grads(f, w, mode="directional")
+    assert whole.rows[0].resolution > 2 * row.resolution
