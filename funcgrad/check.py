@@ -111,13 +111,10 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         covers the leaves under it): those leaves get "stop_gradient_declared" and pass.
       respect_stop_gradient: deprecated spelling (funcgrad 0.1); True means
         ``allow_stop_gradient=True``.
-      progress: full mode runs its 2n forward passes in up to 64 blocks and, after two, knows
-        how long the rest takes. A check expected to run over 10 s prints that estimate on
+      progress: full mode first runs two chunks of its 2n forward passes (the first compiles,
+        the second is timed), so it knows how long the rest takes. A check expected to run over 10 s prints that estimate on
         stderr with a suggestion of directional mode, and (progress None or True) shows a tqdm
         bar; True shows the bar for any check, False never.
-      respect_stop_gradient: if True, a leaf whose analytic gradient is zero only because of
-        ``stop_gradient`` (finite differences see through it) is marked "stop_gradient" and not
-        counted as a failure.
       lift_precision: when fn computes in a float narrower than float64 on the differentiated
         path (a bfloat16 layer, an ``astype(jnp.float32)``), check the same program with those
         casts lifted to float64, custom_jvp/custom_vjp rules included (`funcgrad._lift`), at
