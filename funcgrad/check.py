@@ -2,14 +2,16 @@
 
 Concept 19 (article A §4.5, B §3.2-3.3). Two modes:
 
-* ``mode="full"`` perturbs every element of every differentiated leaf: all 2n forward
-  evaluations run inside one compiled call (``jax.lax.map`` over ``vmap``-ed chunks), and the
-  reverse-mode gradient is compared element by element; forward mode (``jvp``) is compared
-  along random tangents restricted to each leaf against the same numerical gradient.
-* ``mode="directional"`` checks random unit tangents v: the central difference of
-  phi(theta + h v) against ``jvp`` (fwd) and ``<grad, v>`` (rev), for all leaves together and
-  for each leaf alone; a failing leaf is then bisected over element ranges (O(log n)
-  evaluations) to name the element responsible.
+* ``mode="full"`` perturbs every element of every differentiated leaf: the 2n forward
+  evaluations run in ``vmap``-ed chunks inside few compiled calls (`funcgrad._full_pass`, which
+  also times a long check and shows its progress), and the reverse-mode gradient is compared
+  element by element; forward mode (``jvp``) is compared along random tangents restricted to
+  each leaf against the same numerical gradient.
+* ``mode="directional"`` (`funcgrad._directional_mode`) checks random unit tangents v: the
+  central difference of phi(theta + h v) against ``jvp`` (fwd) and ``<grad, v>`` (rev), for
+  all leaves together and for each leaf (or block of a leaf, `funcgrad._directions`) alone; a
+  failing leaf is then bisected over element ranges (O(log n) evaluations) to name the element
+  responsible. Each row states its resolution.
 
 Non-scalar outputs are reduced by a fixed random cotangent u (seeded), so what is checked is
 the vector-Jacobian product uᵀJ. ``order=2`` checks the gradient of <u2, grad f>, i.e.
@@ -31,15 +33,18 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad import _directions, _full_pass, _lift, _noise
+from funcgrad import _directions, _full_pass, _noise
 from funcgrad import _objective as obj
-from funcgrad._full_pass import basis_jvp
+from funcgrad._check_shared import (_CHUNK_ELEMENTS, _FWD_ONLY_CUSTOM_VJP, _NO_FWD_NOTE,
+                                    _check_finite_output, _reference_grad, _roundoff_scale,
+                                    _see_through_grad, _segments, _sg_note)
+from funcgrad._directional_mode import _random_tangents, _run_directional
 from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._precision import lift_precision_of, narrowest_float
 from funcgrad._traced import traced_values
@@ -62,11 +67,6 @@ TOLERANCES: dict[str, tuple[float, float, float]] = {
     "float16": (3e-2, 1e-1, 1e-1),
     "bfloat16": (1e-1, 2e-1, 2e-1),
 }
-
-#: Full mode perturbs one leaf element at a time; a vmapped chunk of c perturbations of an
-#: n-element problem touches about c x n floats. 2^20 float64 (8 MiB) stays cache-friendly: on a
-#: 2-core CPU, chunks of 64-256 perturbations of a 64-64-10 MLP ran faster than chunks of 3,500.
-_CHUNK_ELEMENTS = 1 << 20
 
 
 def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_aux: bool = False,
@@ -379,33 +379,6 @@ def _raw_output(spec, theta, leaves):
     return out[0] if spec.has_aux else out
 
 
-def _check_finite_output(prob, out):
-    bad = ~np.isfinite(out)
-    if bad.any():
-        # Map the first bad element of the raveled output back to its output leaf and index.
-        first = int(np.argmax(bad))
-        for path, shape, start in prob["out_layout"]:
-            size = math.prod(shape)
-            if first < start + size:
-                index = tuple(int(i) for i in np.unravel_index(first - start, shape))
-                where = "output" + path
-                break
-        point = ", ".join(f"{n}: {_describe(a)}" for n, a in zip(prob["names"], prob["args"]))
-        raise ValueError(
-            f"check_grads: the function's output is not finite at the primal point: "
-            f"{int(bad.sum())} non-finite element(s), the first at "
-            f"{where}{list(index) if index else ''} = "
-            f"{out[first]}. Finite differences need a finite output there; move the point or "
-            f"fix the function. Point: {point}.")
-
-
-def _describe(a):
-    leaves = jax.tree.leaves(a)
-    if len(leaves) == 1 and leaves[0] is a:
-        return f"{jnp.result_type(a)}{list(np.shape(a))}"
-    return f"pytree of {len(leaves)} leaves"
-
-
 def _check_number(name: str, value: Any, positive: bool = False) -> None:
     """TypeError unless `value` is None or a real number; ValueError unless it is finite and
     > 0 (`positive`) or >= 0."""
@@ -452,233 +425,7 @@ def _tolerances(dtype_used, eps, rtol, atol):
             d_atol if atol is None else float(atol))
 
 
-def _segments(prob):
-    sizes = [math.prod(s) for s in prob["shapes"]]
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
-
-
-# --- compiled kernels (cached on the static spec) -----------------------------------------
-
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _rev_kernel(spec, theta, leaves, cotangents):
-    return jax.grad(lambda t: obj.objective(spec, t, leaves, cotangents))(theta)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "chunk"))
-def _fwd_grad_kernel(spec, theta, leaves, cotangents, *, chunk):
-    """The gradient of phi in forward mode: one jvp per element, vmapped in chunks."""
-    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-    n = theta.shape[0]
-    c = min(chunk, n)
-    ids = jnp.arange(-(-n // c) * c).reshape(-1, c)
-    index = jnp.arange(n)
-    column = jax.vmap(lambda i: basis_jvp(phi, theta, index, i))
-    out = column(ids[0]) if ids.shape[0] == 1 else jax.lax.map(column, ids)
-    return jnp.ravel(out)[:n]
-
-
-class _Tangents(NamedTuple):
-    """Unit tangents described, not stored: tangent t is ``raw[row[t]]`` restricted to
-    ``[lo[t], hi[t])`` and divided by ``norm[t]``. A dense (tangents x n) matrix would take
-    k·(leaves+1)·n floats: 6 GB for 300 leaves and 625k parameters."""
-    raw: np.ndarray   # (k, n) standard-normal draws
-    lo: np.ndarray    # (T,) int
-    hi: np.ndarray    # (T,) int
-    row: np.ndarray   # (T,) int, which draw
-    norm: np.ndarray  # (T,) float
-
-    def dot(self, g: np.ndarray) -> np.ndarray:
-        """``tangents @ g`` (T,), on the host, one segment at a time."""
-        return np.array([self.raw[j, a:b] @ g[a:b] / m
-                         for a, b, j, m in zip(self.lo, self.hi, self.row, self.norm)])
-
-    def rows(self, sel: slice) -> np.ndarray:
-        """The dense tangents ``sel`` (a few, e.g. one leaf's k), (len, n)."""
-        out = np.zeros((len(self.lo[sel]), self.raw.shape[1]))
-        for r, (a, b, j, m) in enumerate(zip(self.lo[sel], self.hi[sel], self.row[sel],
-                                             self.norm[sel])):
-            out[r, a:b] = self.raw[j, a:b] / m
-        return out
-
-
-def _tangent(plan, t, n):
-    """Tangent t of a `_Tangents` plan (device arrays), built inside a kernel: shape (n,)."""
-    raw, lo, hi, row, norm = plan
-    index = jnp.arange(n)
-    return jnp.where((index >= lo[t]) & (index < hi[t]), raw[row[t]], 0.0) / norm[t]
-
-
-def _over_tangents(fn, count, chunk):
-    """``fn(t)`` for t = 0..count-1, vmapped in chunks of `chunk` (a padded t repeats the
-    last tangent; its results are dropped): one loop body, as in `_full_kernel`."""
-    c = min(chunk, count)
-    if c == 1:  # a large model: one tangent at a time, without a batch axis of one
-        return jax.lax.map(fn, jnp.arange(count))
-    ids = jnp.minimum(jnp.arange(-(-count // c) * c), count - 1).reshape(-1, c)
-    batched = jax.vmap(fn)
-    out = batched(ids[0]) if ids.shape[0] == 1 else jax.lax.map(batched, ids)
-    return jax.tree.map(lambda a: jnp.ravel(a)[:count], out)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "chunk"))
-def _jvp_kernel(spec, theta, leaves, cotangents, plan, *, chunk):
-    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-    n = theta.shape[0]
-    return _over_tangents(lambda t: jax.jvp(phi, (theta,), (_tangent(plan, t, n),))[1],
-                          plan[1].shape[0], chunk)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "eps", "chunk", "rev"))
-def _directional_kernel(spec, theta, leaves, cotangents, plan, *, eps, chunk, rev=True):
-    """phi(theta), phi(theta ± eps·t) for every tangent t of `plan` (vmapped in chunks of
-    `chunk` tangents), grad phi(theta) (zeros without `rev`: a fwd-only check does not take
-    it) and the output at theta."""
-    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-    n = theta.shape[0]
-
-    def plus_minus(t):
-        v = _tangent(plan, t, n)
-        return phi(theta + eps * v), phi(theta - eps * v)
-
-    f_plus, f_minus = _over_tangents(plus_minus, plan[1].shape[0], chunk)
-    return (phi(theta), f_plus, f_minus, jax.grad(phi)(theta) if rev else jnp.zeros_like(theta),
-            obj.output_vector(spec, theta, leaves))
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "eps", "jvp"))
-def _masked_kernel(spec, theta, leaves, cotangents, direction, lo, hi, *, eps, jvp=False):
-    """Central/one-sided differences along `direction` restricted to [lo, hi), unit-normalised;
-    with `jvp`, also the jvp of phi along it (the analytic value a fwd-only check compares)."""
-    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-    index = jnp.arange(theta.shape[0])
-    v = jnp.where((index >= lo) & (index < hi), direction, 0.0)
-    v = v / jnp.linalg.norm(v)
-    out = v, phi(theta + eps * v), phi(theta - eps * v)
-    return (*out, jax.jvp(phi, (theta,), (v,))[1]) if jvp else out
-
-
-def _roundoff_scale(prob, f0, out):
-    """S of `_noise.roundoff_scale` for this problem: |f| for a scalar output, Σ|u_k·y_k| for
-    an output reduced by the cotangent u."""
-    return _noise.roundoff_scale(f0, np.asarray(out, np.float64),
-                                 np.asarray(prob["cotangents"][0]), prob["spec"].scalar_output)
-
-
-def _random_tangents(seed, n, segments, k):
-    """k unit tangents per segment (zero outside it) then k over everything: (k*(L+1), n), and
-    the k raw standard-normal draws they were cut from: (k, n)."""
-    raw = np.random.default_rng([seed, 1]).standard_normal((k, n))
-    out = []
-    for lo, hi in [*segments, (0, n)]:
-        for j in range(k):
-            v = np.zeros(n)
-            v[lo:hi] = raw[j, lo:hi]
-            out.append(v / np.linalg.norm(v))
-    return np.stack(out), raw
-
-
-def _tangent_plan(seed, n, segments, k) -> _Tangents:
-    """The tangents of `_random_tangents` (same draws, same order), described lazily."""
-    raw = np.random.default_rng([seed, 1]).standard_normal((k, n))
-    bounds = [*segments, (0, n)]
-    lo = np.repeat([a for a, _ in bounds], k)
-    hi = np.repeat([b for _, b in bounds], k)
-    row = np.tile(np.arange(k), len(bounds))
-    norm = np.array([np.linalg.norm(raw[j, a:b]) for a, b, j in zip(lo, hi, row)])
-    return _Tangents(raw, lo, hi, row, norm)
-
-
-def _jvps(spec, theta, leaves, cotangents, plan, chunk):
-    """jvp of phi along each tangent of `plan` (device arrays), or (None, note) when fn has a
-    custom_vjp."""
-    try:
-        return np.asarray(_jvp_kernel(spec, theta, leaves, cotangents, plan, chunk=chunk)), None
-    except TypeError as e:
-        if "custom_vjp" in str(e):
-            return None, _NO_FWD_NOTE
-        raise
-
-
-_NO_FWD_NOTE = ("fwd skipped: fn uses a custom_vjp function, which cannot be "
-                "forward-differentiated (jvp, jacfwd); rev checked only.")
-
-
-_FWD_ONLY_CUSTOM_VJP = ("check_grads: modes=('fwd',) but fn uses a custom_vjp function, which "
-                        "cannot be forward-differentiated (jvp, jacfwd): nothing is left to "
-                        "check. Use modes=('rev',) (the default checks rev and notes the skip).")
-
-
-def _sg_note(allowed, rows) -> str:
-    """The report's note on stop_gradient: which leaves it cut, and how to declare them."""
-    cut = [r.path for r in rows if r.status == "stop_gradient"]
-    declared = [r.path for r in rows if r.status == "stop_gradient_declared"]
-    text = "fn contains stop_gradient, which finite differences see through."
-    if cut:
-        text += (f" It cuts the gradient of {', '.join(cut)}: failed, since a detached weight "
-                 "trains no more. If that is intended, declare it: "
-                 f"check_grads(..., allow_stop_gradient={cut!r}).")
-    if declared:
-        text += f" Declared cut (allow_stop_gradient): {', '.join(declared)}."
-    return text
-
-
-# --- the two modes ------------------------------------------------------------------------
-
-#: Most elements whose see-through gradient is taken in forward mode (one jvp each).
-_FWD_SEE_THROUGH_LIMIT = 1 << 16
-
-
-def _see_through_grad(prob, modes):
-    """Gradient with stop_gradient made transparent, or None if the program has none.
-
-    In reverse mode, or in forward mode (one jvp per element, up to `_FWD_SEE_THROUGH_LIMIT`
-    elements) when only "fwd" is checked or reverse mode fails: with stop_gradient gone, a
-    while_loop may come to depend on theta, and only forward mode differentiates it."""
-    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
-    jaxpr = jax.make_jaxpr(lambda t: obj.objective(spec, t, leaves, cots))(theta)
-    if not obj.has_stop_gradient(jaxpr):
-        return None
-    see_through = spec._replace(see_through_stop_gradient=True)
-    if "rev" in modes:
-        try:
-            return np.asarray(_rev_kernel(see_through, theta, leaves, cots))
-        except Exception:  # noqa: BLE001 - e.g. a while_loop: try forward mode
-            pass
-    n = theta.shape[0]
-    if n > _FWD_SEE_THROUGH_LIMIT:  # one jvp per element would take too long: no verdicts
-        return None
-    try:
-        return np.asarray(_fwd_grad_kernel(see_through, theta, leaves, cots,
-                                           chunk=max(1, min(n, _CHUNK_ELEMENTS // max(n, 1)))))
-    except Exception:  # noqa: BLE001 - a primitive we cannot re-bind: no stop_gradient verdicts
-        return None
-
-
-def _reference_grad(prob, modes):
-    """JAX's own convention where fn has custom rules: the gradient of the same program with
-    every custom_jvp/custom_vjp replaced by its primal, differentiated by JAX (in reverse mode,
-    or forward mode as for the see-through gradient). None when fn has no custom rule (its
-    gradient is its own reference); NaNs when that program cannot be differentiated."""
-    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
-    first = spec._replace(order=1)  # custom_vjp calls are gone from a differentiated jaxpr
-    if not _lift.has_custom_rule(jax.make_jaxpr(
-            lambda t: obj.objective(first, t, leaves, cots))(theta)):
-        return None
-    inlined = spec._replace(inline_custom_rules=True)
-    if "rev" in modes:
-        try:
-            return np.asarray(_rev_kernel(inlined, theta, leaves, cots))
-        except Exception:  # noqa: BLE001 - e.g. a while_loop: try forward mode
-            pass
-    n = theta.shape[0]
-    if n <= _FWD_SEE_THROUGH_LIMIT:
-        try:
-            return np.asarray(_fwd_grad_kernel(inlined, theta, leaves, cots,
-                                               chunk=max(1, min(n, _CHUNK_ELEMENTS // max(n, 1)))))
-        except Exception:  # noqa: BLE001 - the primal of a custom rule may not differentiate
-            pass
-    return np.full(n, np.nan)
+# --- full mode (directional mode: funcgrad._directional_mode) ----------------------------
 
 
 def _judge_elements(prob, f0, fp, fm, grad, out, tol):
@@ -772,133 +519,3 @@ def _run_full(prob, tol, modes, k, seed, chunk_size, allowed, progress=None):
     return rows, notes
 
 
-def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=None,
-                     block_size=None):
-    del progress
-    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
-    eps, rtol, atol = tol
-    n = theta.shape[0]
-    blocks, first = _directions.split_blocks(_segments(prob), block_size)
-    plan = _tangent_plan(seed, n, blocks, k)  # k per block, then k over all leaves together
-    chunk = int(chunk_size or max(1, min(plan.lo.size, _CHUNK_ELEMENTS // max(n, 1))))
-    on_device = tuple(jnp.asarray(a) for a in plan)
-    f0, fp, fm, grad, out = (np.asarray(a) for a in _directional_kernel(
-        spec, theta, leaves, cots, on_device, eps=eps, chunk=chunk, rev="rev" in modes))
-    _check_finite_output(prob, out)
-    # atol plus the round-off floor of a central difference (the same along a unit tangent);
-    # measured instead along the tangents that miss it, as in full mode.
-    floor = _noise.floor(prob["dtype_used"], _roundoff_scale(prob, f0, out), eps)
-    atol_abs = np.full(fp.shape, atol + floor)
-    numeric = (fp - fm) / (2 * eps)
-    analytic = {}
-    if "rev" in modes:
-        analytic["rev"] = plan.dot(grad)
-    notes = []
-    if "fwd" in modes:
-        jvps, note = _jvps(spec, theta, leaves, cots, on_device, chunk)
-        if jvps is not None:
-            analytic["fwd"] = jvps
-        elif not analytic:
-            raise ValueError(_FWD_ONLY_CUSTOM_VJP)
-        else:
-            notes.append(note)
-
-    def mismatched():
-        return np.any([np.abs(a - numeric) > atol_abs + rtol * np.abs(numeric)
-                       for a in analytic.values()], axis=0)
-
-    # Tangents crossing a kink: as in full mode, their one-sided gap is the kink, not noise
-    # (a fit across it would call any rule's value there noise), so they are not measured.
-    right, left = (fp - f0) / eps, (f0 - fm) / eps
-    kinked = np.any([classify_elements(a, numeric, right, left, None, atol_abs, rtol, eps)["kink"]
-                     for a in analytic.values()], axis=0)
-    suspects = np.flatnonzero(mismatched() & ~kinked)
-    if suspects.size:
-        measured = _noise.noise_from_values(_probe_tangents(prob, on_device, suspects, eps), eps)
-        atol_abs[suspects] = np.fmax(atol_abs[suspects], atol + measured)
-    mismatch = bool(mismatched().any())
-    g_st = _see_through_grad(prob, modes) if mismatch else None
-    reference = _reference_grad(prob, modes) if mismatch and kinked.any() else None
-    see_through = None if g_st is None else plan.dot(g_st)
-    reference = None if reference is None else plan.dot(reference)
-    # A tangent's numeric value may be off by its noise (atol_abs - atol) in the direction
-    # that hides an error, so the floor an error must clear is atol + 2·noise, as in full mode.
-    resolutions = _directions.leaf_resolutions(blocks, first, grad if "rev" in modes else None,
-                                               numeric, k, 2 * atol_abs - atol, rtol)
-    notes.append(_directions.resolution_note(k, len(blocks) > len(first) - 1))
-    rows = []
-    for li, (lo, hi) in enumerate(_segments(prob)):
-        sel = slice(first[li] * k, first[li + 1] * k)  # this leaf's blocks' tangents
-        row = LeafCheck.from_directions(
-            prob["paths"][li], prob["shapes"][li], prob["dtype_used"],
-            {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
-            (f0 - fm[sel]) / eps, None if see_through is None else see_through[sel],
-            atol_abs[sel], rtol, eps, allowed[li], None if reference is None else reference[sel])
-        row = dataclasses.replace(row, resolution=resolutions[li])
-        if row.status == "fail":
-            m = "rev" if "rev" in analytic else "fwd"
-            err = np.abs(analytic[m][sel] - numeric[sel])
-            t = sel.start + int(np.argmax(err / (atol_abs[sel] + rtol * np.abs(numeric[sel]))))
-            i, a, num, evaluations = _bisect(prob, tol, grad if m == "rev" else None,
-                                             plan.raw[plan.row[t]], int(plan.lo[t]),
-                                             int(plan.hi[t]))
-            row = row.located(i - lo, a, num, evaluations)
-        rows.append(row)
-    if any(r.status.startswith("stop_gradient") for r in rows):
-        notes.append(_sg_note(allowed, rows))
-    return rows, notes
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "eps"))
-def _tangent_probe_kernel(spec, theta, leaves, cotangents, plan, ids, *, eps):
-    """phi(theta + o·eps·t) for each tangent t in `ids` (of `plan`) and each o in
-    `_noise.OFFSETS`: (len(ids), 17); an id of -1 (padding) gives the last tangent."""
-    phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cotangents)
-    n = theta.shape[0]
-    offsets = jnp.asarray(_noise.OFFSETS, theta.dtype)
-
-    def along(t):
-        v = _tangent(plan, t, n)
-        return jax.vmap(lambda o: phi(theta + o * eps * v))(offsets)
-
-    return jax.lax.map(along, ids)
-
-
-def _probe_tangents(prob, plan, ids, eps):
-    """`_tangent_probe_kernel` on the host: float64 (len(ids), 17), ids padded to 8, 16, ..."""
-    padded = np.full(_noise.padded(len(ids)), -1)
-    padded[:len(ids)] = ids
-    return np.asarray(_tangent_probe_kernel(prob["spec"], prob["theta"], prob["leaves"],
-                                            prob["cotangents"], plan, jnp.asarray(padded),
-                                            eps=eps))[:len(ids)]
-
-
-def _bisect(prob, tol, grad, direction, lo, hi):
-    """Halves [lo, hi) towards the larger analytic-vs-numeric discrepancy; returns the element
-    found. The analytic side is ``grad · v`` (rev), or without `grad` a jvp along v (fwd)."""
-    spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
-    eps = tol[0]
-    fwd = grad is None
-
-    def analytic_and_numeric(direction, a, b):
-        out = _masked_kernel(spec, theta, leaves, cots, direction, a, b, eps=eps, jvp=fwd)
-        v, f_plus, f_minus = out[:3]
-        value = float(out[3]) if fwd else float(jnp.dot(grad_on_device, v))
-        return value, (float(f_plus) - float(f_minus)) / (2 * eps)
-
-    grad_on_device, direction = jax.device_put((grad, direction))  # once, not per evaluation
-
-    def discrepancy(a, b):
-        value, numeric = analytic_and_numeric(direction, a, b)
-        return abs(value - numeric)
-
-    evaluations = 0
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        left, right = discrepancy(lo, mid), discrepancy(mid, hi)
-        evaluations += 2
-        lo, hi = (lo, mid) if left >= right else (mid, hi)
-    one_hot = np.zeros(theta.shape[0])
-    one_hot[lo] = 1.0
-    value, numeric = analytic_and_numeric(jnp.asarray(one_hot), lo, lo + 1)
-    return lo, value, numeric, evaluations + 1

@@ -538,7 +538,7 @@ def test_directional_tangents_are_described_not_stored():
     # Second method: the dense tangents of the full mode's fwd check. The directional mode's
     # plan (draw rows, segment bounds and norms) must describe exactly the same unit tangents
     # in the same order, and its host dot products must equal the dense ones.
-    from funcgrad.check import _random_tangents, _tangent_plan
+    from funcgrad._directional_mode import _random_tangents, _tangent_plan
     segments, n, k = [(0, 3), (3, 10), (10, 11)], 11, 2
     dense, _ = _random_tangents(5, n, segments, k)
     plan = _tangent_plan(5, n, segments, k)
