@@ -206,6 +206,11 @@ def _svd_values(a):
     return jnp.linalg.svd(a, compute_uv=False)
 
 
+def _broadcast(x):
+    ramp = jnp.arange(3.0, dtype=x.dtype)[:, None, None]
+    return jnp.broadcast_to(x, (3, *x.shape)) * ramp
+
+
 def _sort_axis0(x):
     return jnp.sort(x, axis=0)
 
@@ -360,8 +365,7 @@ OPS: tuple[Op, ...] = (
     _bin("conv grouped", functools.partial(_conv, groups=2), shapes=((1, 4, 4, 4), (4, 2, 2, 2))),
     # lax_autodiff_test: structural ops (transpose, reshape, slice, gather, scatter, pad, ...)
     _un("transpose", lambda x: jnp.transpose(x, (2, 0, 1)), shape=(2, 3, 2)),
-    _un("broadcast_in_dim", lambda x: jnp.broadcast_to(x, (3, 2, 3)) * jnp.arange(3.0)[:, None, None]
-        .astype(x.dtype)),
+    _un("broadcast_in_dim", _broadcast),
     _un("slice strided", lambda x: x[1:, ::2], shape=(3, 5)),
     _un("dynamic_slice", lambda x: lax.dynamic_slice(x, (1, 2), (2, 2)), shape=(3, 5)),
     _bin("dynamic_update_slice", lambda x, u: lax.dynamic_update_slice(x, u, (1, 1)),
@@ -369,7 +373,8 @@ OPS: tuple[Op, ...] = (
     _un("gather", _gather, shape=(3, 3)),
     _bin("scatter_add", _scatter_add, shapes=((4,), (3,))),
     _bin("scatter set", _scatter_set, shapes=((5,), (2,))),
-    _un("pad interior/negative", lambda x: lax.pad(x, 0.5, ((1, -1, 1), (0, 2, 0))),
+    _un("pad interior/negative", lambda x: lax.pad(x, jnp.asarray(0.5, x.dtype),
+                                                    ((1, -1, 1), (0, 2, 0))),
         shape=(3, 2)),
     _bin("concatenate", lambda a, b: jnp.concatenate([a, b], axis=0), shapes=((2, 3), (1, 3))),
     _un("jnp.roll", lambda x: jnp.roll(x, 2, axis=1), shape=(2, 4), source="lax_numpy"),
