@@ -12,7 +12,7 @@ import funcgrad as fg
 from _op_judge import check_planted, directional_quantile, problems
 from _op_table import BY_NAME, objective, plant_site, planted
 
-# 26 ops, one or two per family of the table: elementwise unary at JAX's input ranges
+# 27 ops, one or two per family of the table: elementwise unary at JAX's input ranges
 # (including the edges: tan near +-1.3, arcsin on (-1, 1)), binary (div, pow, atan2, rem, max),
 # special functions, reductions, cumulative and sorting ops, dot/conv, gather/scatter, linalg,
 # control flow and nn losses.
@@ -20,21 +20,28 @@ FAST = ("lax.sin", "lax.exp", "lax.log", "lax.tan", "lax.asin", "lax.sqrt", "lax
         "lax.div", "lax.pow", "lax.atan2", "lax.rem", "lax.max", "lax.erf_inv", "lax.lgamma",
         "jnp.arcsin", "jnp.logaddexp", "reduce_max axis 1", "reduce_prod axis 0", "cumprod",
         "sort", "matmul", "conv SAME stride 2", "scatter_add", "cholesky", "scan",
-        "cross-entropy")
+        "cross-entropy", "jnp.arccosh")
 
 # The judge's verdicts on today's code, with the issue point that must change them: strict,
 # so that the fix shows up as an XPASS to be removed here.
-KNOWN = {}
+KNOWN = {
+    ("jnp.arccosh", "float32"): (
+        "issue 12 points 3/5/6: x = 1.0030 (JAX's rand_positive, U(1, 3)), d/dx arccosh = "
+        "1/sqrt(x^2 - 1) = 12.9 curves fast; the float32 step 1e-3 gives numeric 16.42 vs "
+        "analytic 16.19 for phi, a false 'fail'"),
+}
+
+CASES = [pytest.param(name, dtype, marks=pytest.mark.xfail(reason=KNOWN[name, dtype],
+                                                           strict=True)
+                      if (name, dtype) in KNOWN else ())
+         for name in FAST for dtype in ("float64", "float32")]
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("name,dtype", CASES)
 def test_op_table_full_mode(name, dtype):
     # delta 0: JAX's own vjp through the same custom_vjp, so the report must be ok; 1e-2 and
     # 1e-4: one element of the gradient off by that factor, which must fail (and be named)
     # whenever delta * |g| exceeds resolution + rtol * |g| (tests/_op_judge.py).
-    if (name, dtype) in KNOWN:
-        pytest.xfail(KNOWN[name, dtype])
     with jax.enable_x64(dtype == "float64"):
         verdicts = check_planted(BY_NAME[name], dtype, "full")
     assert verdicts, f"{name}: nothing to plant"
