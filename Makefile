@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/taps.py
 	$(BIN)/python benchmarks/accumulate.py
 	$(BIN)/python benchmarks/gradcheck.py
+	$(BIN)/python benchmarks/gradcheck_ops.py
 	$(BIN)/python benchmarks/monitor.py
 
 clean:
