@@ -22,14 +22,11 @@ FAST = ("lax.sin", "lax.exp", "lax.log", "lax.tan", "lax.asin", "lax.sqrt", "lax
         "sort", "matmul", "conv SAME stride 2", "scatter_add", "cholesky", "scan",
         "cross-entropy", "jnp.arccosh")
 
-# The judge's verdicts on today's code, with the issue point that must change them: strict,
-# so that the fix shows up as an XPASS to be removed here.
-KNOWN = {
-    ("jnp.arccosh", "float32"): (
-        "issue 12 points 3/5/6: x = 1.0030 (JAX's rand_positive, U(1, 3)), d/dx arccosh = "
-        "1/sqrt(x^2 - 1) = 12.9 curves fast; the float32 step 1e-3 gives numeric 16.42 vs "
-        "analytic 16.19 for phi, a false 'fail'"),
-}
+# Verdicts the judge expects to be wrong, with the reason, as strict xfails (a fix then shows
+# up as an XPASS to be removed here). Empty: the one entry before issue 12 (jnp.arccosh in
+# float32 at x = 1.003, a false 'fail' judged at float32's step) passes since float32
+# functions are checked with their casts lifted to float64.
+KNOWN: dict[tuple[str, str], str] = {}
 
 CASES = [pytest.param(name, dtype, marks=pytest.mark.xfail(reason=KNOWN[name, dtype],
                                                            strict=True)
