@@ -107,8 +107,10 @@ def _sg_note(allowed, rows) -> str:
     declared = [r.path for r in rows if r.status == "stop_gradient_declared"]
     text = "fn contains stop_gradient, which finite differences see through."
     if cut:
-        text += (f" It cuts the gradient of {', '.join(cut)}: failed, since a detached weight "
-                 "trains no more. If that is intended, declare it: "
+        text += (f" It changes the gradient of {', '.join(cut)} (cut, or replaced as in a "
+                 "straight-through estimator): failed, since the check takes no stop_gradient "
+                 "for granted (a weight detached by mistake trains no more). If it is "
+                 "intended, declare it: "
                  f"check_grads(..., allow_stop_gradient={cut!r}).")
     if declared:
         text += f" Declared cut (allow_stop_gradient): {', '.join(declared)}."

@@ -17,7 +17,7 @@ from funcgrad import _objective as obj
 from funcgrad._check_shared import (_CHUNK_ELEMENTS, _FWD_ONLY_CUSTOM_VJP, _NO_FWD_NOTE,
                                     _check_finite_output, _masked_kernel, _reference_grad,
                                     _roundoff_scale, _see_through_grad, _segments, _sg_note)
-from funcgrad.check_report import LeafCheck, classify_elements
+from funcgrad.check_report import LeafCheck, classify_elements, coarse_note
 
 class _Tangents(NamedTuple):
     """Unit tangents described, not stored: tangent t is ``raw[row[t]]`` restricted to
@@ -184,7 +184,10 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
             {m: a[sel] for m, a in analytic.items()}, numeric[sel], (fp[sel] - f0) / eps,
             (f0 - fm[sel]) / eps, None if see_through is None else see_through[sel],
             atol_abs[sel], rtol, eps, allowed[li], None if reference is None else reference[sel])
-        row = dataclasses.replace(row, resolution=resolutions[li])
+        coarse = coarse_note(resolutions[li], np.concatenate(
+            [numeric[sel], *(a[sel] for a in analytic.values())]))
+        row = dataclasses.replace(row, resolution=resolutions[li],
+                                  notes=row.notes + ((coarse,) if coarse else ()))
         if row.status == "fail":
             m = "rev" if "rev" in analytic else "fwd"
             err = np.abs(analytic[m][sel] - numeric[sel])

@@ -66,6 +66,7 @@ def narrowest_float(jaxpr) -> str | None:
 
 
 def lift_precision_of(prob, lift, modes, rtol_as_computed):
+    # rtol_as_computed: (rtol, atol) of the dtype as computed, for the note's resolution.
     """`prob` checked in float64 when fn computes in a narrower float: its spec lifted
     (`funcgrad._lift`), ``dtype_used`` float64 and ``lifted_from`` the narrow dtype, with a
     note; or, when lifting is off or cannot reach every value on the differentiated path, as
@@ -75,8 +76,10 @@ def lift_precision_of(prob, lift, modes, rtol_as_computed):
     if low == "float64":
         return prob
     notes = [n for n in prob["notes"] if not n.startswith("fn computes in")]
-    as_computed = (f"eps and tolerances are those of {low}: this check could not see relative "
-                   f"errors below {rtol_as_computed:g}.")
+    rtol, atol = rtol_as_computed
+    as_computed = (f"eps and tolerances are those of {low}: this check could not see errors "
+                   f"below {atol:g} + {rtol:g}·|derivative| (relative errors below {rtol:g}, and "
+                   f"any error at all in a derivative smaller than {atol:g}).")
     if not lift:
         return dict(prob, notes=[f"fn computes in {low}; checked as computed "
                                  f"(lift_precision=False): {as_computed}", *notes])

@@ -194,6 +194,9 @@ class LeafCheck:
                          f"differences are {float(c['coarse'][s][i]):.6g} (step {big:g}) and "
                          f"{float(num[i]):.6g} (step {h:g}), JAX gives {float(grad[i]):.6g}")
         resolution = (float(atol_abs + 2 * np.max(c["noise"][s])) if "noise" in c else None)
+        coarse = coarse_note(resolution, np.concatenate([num, grad]))
+        if coarse:
+            notes.append(coarse)
         if sg.any():
             notes.append(f"{int(sg.sum())} element(s) differ from the central difference only "
                          "because of stop_gradient (which finite differences see through)")
@@ -250,6 +253,24 @@ class LeafCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"ok": self.ok}
+
+
+#: A leaf whose resolution exceeds this fraction of its largest derivative gets a note.
+COARSE_FRACTION = 1e-2
+
+
+def coarse_note(resolution: float | None, derivatives: np.ndarray) -> str | None:
+    """A note when `resolution` is over `COARSE_FRACTION` of the largest finite |derivative|
+    (analytic and numeric, of elements in full mode or tangents in directional mode): the
+    check passed, but errors of that size could not be seen."""
+    finite = np.abs(derivatives[np.isfinite(derivatives)])
+    scale = float(finite.max()) if finite.size else 0.0
+    if resolution is None or scale <= 0 or resolution <= COARSE_FRACTION * scale:
+        return None
+    return (f"low resolution: {resolution:.3g} is {100 * resolution / scale:.0f}% of this "
+            f"leaf's largest derivative ({scale:.3g}), so errors up to that size cannot be seen "
+            "here (a large constant added to f, or cancellation inside fn, raises the noise of "
+            "the finite differences; mode='directional' also dilutes one element's error)")
 
 
 def _status(failed: bool, cut: bool, allowed: bool, kink: bool) -> str:

@@ -551,7 +551,7 @@ def test_directional_tangents_are_described_not_stored():
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"num_directions": 0}, ValueError, "num_directions must be a positive int, got 0"),
     ({"chunk_size": -2}, ValueError, "chunk_size must be a positive int or None, got -2"),
-    ({"argnums": True}, TypeError, "argnums must be an int or ints"),
+    ({"argnums": True}, TypeError, "argnums must be an int or a non-empty tuple of ints"),
 ], ids=["no_directions", "negative_chunk", "bool_argnums"])
 def test_bad_settings_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -674,3 +674,41 @@ def test_a_long_full_check_announces_its_time_and_shows_progress(monkeypatch, ca
                                                      rel=1e-12)  # scale is float32 1.01
     with pytest.raises(TypeError, match="progress must be True, False or None"):
         fg.check_grads(f, x, progress="yes")
+
+
+def test_unusable_outputs_and_argnums_get_clear_errors():
+    # A new user's mistakes that 0.1 answered with raw Python errors deep inside the checker.
+    w = jnp.array([1.0, 2.0])
+    with pytest.raises(TypeError, match=r"argnums must be an int or a non-empty tuple of ints"):
+        fg.check_grads(lambda w: jnp.sum(w), w, argnums="w")
+    with pytest.raises(TypeError, match=r"argnums must be an int or a non-empty tuple of ints"):
+        fg.check_grads(lambda w: jnp.sum(w), w, argnums=1.0)
+    with pytest.raises(ValueError, match=r"fn returned None, with no array to check"):
+        fg.check_grads(lambda w: None, w)
+    with pytest.raises(ValueError, match=r"has_aux=True expects fn to return a pair.*shape \(\)"):
+        fg.check_grads(lambda w: jnp.sum(w), w, has_aux=True)
+    # argnums=(0, 0) checks the argument once.
+    assert fg.check_grads(lambda w: jnp.sum(w ** 2), w, argnums=(0, 0)).checked_args == (
+        "w (argnums=0)",)
+
+
+def test_a_pair_returned_without_has_aux_gets_a_hint():
+    # (loss, metrics) without has_aux: both are checked (uᵀJ of all outputs), and the report
+    # says how to check the loss alone.
+    w = jnp.array([1.0, 2.0])
+    report = fg.check_grads(lambda w: (jnp.sum(w ** 2), w * 3.0), w)
+    assert any("pass has_aux=True" in n for n in report.notes), report.notes
+    alone = fg.check_grads(lambda w: (jnp.sum(w ** 2), w * 3.0), w, has_aux=True)
+    assert not any("has_aux" in n for n in alone.notes)
+
+
+def test_a_resolution_near_the_derivative_is_flagged():
+    # f = 1e12 + sum(0.01 w): the round-off floor 4·u·|f|/h = 4 · 1.1e-16 · 1e12 / 1e-6 ≈ 0.44
+    # dwarfs the derivative 0.01, so a 100% error could not be seen: the check still passes
+    # (it cannot know better) but must say its resolution is far above the derivative.
+    report = fg.check_grads(lambda w: 1e12 + jnp.sum(0.01 * w), jnp.array([1.0, 2.0]))
+    [row] = report.rows
+    assert row.resolution > 0.01
+    assert any(n.startswith("low resolution") for n in row.notes), row.notes
+    quiet = fg.check_grads(lambda w: jnp.sum(0.01 * w), jnp.array([1.0, 2.0]))
+    assert not any(n.startswith("low resolution") for n in quiet.rows[0].notes)
