@@ -30,6 +30,10 @@ class Spec(NamedTuple):
     see_through_stop_gradient: bool = False
     lift_precision: bool = False       # low-precision casts lifted to float64 (funcgrad._lift)
     inline_custom_rules: bool = False  # custom_jvp/custom_vjp replaced by their primal
+    # The differentiated leaves' own dtypes, when fn only runs with them (a flax nn.RNN's carry
+    # is made in its param dtype): theta's float64 pieces are cast back before fn sees them,
+    # and lifting then lifts fn's arithmetic to float64 (funcgrad.check._setup).
+    cast_to: tuple[str, ...] | None = None
 
 
 def split(spec: Spec, theta: jax.Array) -> list[jax.Array]:
@@ -46,6 +50,8 @@ def unflatten(spec: Spec, theta: jax.Array, leaves: tuple) -> tuple:
 
 def _args(spec: Spec, pieces: list, leaves: tuple) -> tuple:
     leaves = list(leaves)
+    if spec.cast_to is not None:
+        pieces = [p.astype(d) for p, d in zip(pieces, spec.cast_to)]
     for pos, piece in zip(spec.diff_positions, pieces):
         leaves[pos] = piece
     return jax.tree.unflatten(spec.treedef, leaves)

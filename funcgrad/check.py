@@ -333,7 +333,18 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     shapes = tuple(tuple(leaves[p].shape) for p in diff)
     theta = np.concatenate([np.ravel(leaves[p]) for p in diff])
     probe = obj.Spec(fn, has_aux, treedef, tuple(diff), shapes, 1, True)
-    out_tree = jax.eval_shape(lambda t, lv: _raw_output(probe, t, lv), theta, leaves)
+    try:
+        out_tree = jax.eval_shape(lambda t, lv: _raw_output(probe, t, lv), theta, leaves)
+    except TypeError as error:
+        # fn mixes its own dtype with the float64 inputs where JAX wants one type (a scan
+        # carry made in float32, as flax's nn.RNN does): give fn its leaves in their own dtypes
+        # and let lifting (funcgrad._precision) check its arithmetic in float64.
+        if "float64" not in str(error) or not any(
+                str(jnp.result_type(flat[p][1])) != "float64" for p in diff):
+            raise
+        probe = probe._replace(cast_to=tuple(str(jnp.result_type(flat[p][1])) for p in diff))
+        leaves = tuple(leaf if pos in diff else flat[pos][1] for pos, leaf in enumerate(leaves))
+        out_tree = jax.eval_shape(lambda t, lv: _raw_output(probe, t, lv), theta, leaves)
     out_layout, start = [], 0
     for path, o in jax.tree_util.tree_flatten_with_path(out_tree)[0]:
         out_layout.append((jax.tree_util.keystr(path), tuple(o.shape), start))

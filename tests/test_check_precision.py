@@ -322,3 +322,41 @@ def test_a_correct_bfloat16_flax_model_with_dropout_and_layernorm_passes_lifted(
     report = fg.check_grads(loss, params)
     assert report.ok and report.lifted_from == "bfloat16", str(report)
     assert report.rtol == fg.check.TOLERANCES["float64"][1]
+
+
+def _scan_with_float32_carry(scale):
+    # h0 is made in float32 inside fn, as flax's nn.RNN makes its carry in the param dtype:
+    # with w promoted to float64 the scan's carry would change type, which JAX refuses.
+    @jax.custom_vjp
+    def act(z):
+        return jnp.tanh(z)
+    act.defvjp(lambda z: (jnp.tanh(z), z),
+               lambda z, g: (g * (1 - jnp.tanh(z) ** 2) * scale,))
+
+    def f(w, xs):
+        step = lambda h, x: (act(w * h + x), None)
+        return jnp.sum(jax.lax.scan(step, jnp.zeros(3, jnp.float32), xs)[0])
+    return f
+
+
+def test_a_function_that_only_runs_in_its_own_dtype_is_checked_lifted():
+    # 0.1 (and the promotion to float64) crashed with JAX's raw scan carry TypeError; now fn
+    # gets its leaves in float32 and the check lifts its arithmetic to float64. A 1% error in
+    # one element of the activation's rule fails at that element; the exact rule passes.
+    w = jnp.array([0.5, -0.3, 0.8], jnp.float32)
+    xs = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3)), jnp.float32)
+    good = fg.check_grads(_scan_with_float32_carry(1.0), w, xs)
+    assert good.ok and good.lifted_from == "float32" and good.dtype_used == "float64", str(good)
+    bad = fg.check_grads(_scan_with_float32_carry(jnp.array([1.0, 1.01, 1.0])), w, xs)
+    assert not bad.ok and bad.rows[0].worst_index == (1,), str(bad)
+
+
+def test_a_flax_rnn_is_checked():
+    # flax.linen.RNN(GRUCell): jax.grad runs in float32; the check runs lifted and passes.
+    nn = pytest.importorskip("flax.linen")
+    model = nn.RNN(nn.GRUCell(4))
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3))
+    params = model.init(jax.random.key(1), x)
+    report = fg.check_grads(lambda p, x: jnp.mean(model.apply(p, x) ** 2), params, x)
+    assert report.ok and report.lifted_from == "float32", str(report)
+    assert len(report.rows) == len(jax.tree.leaves(params))
