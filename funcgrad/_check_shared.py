@@ -131,19 +131,26 @@ def _see_through_grad(prob, modes):
     jaxpr = jax.make_jaxpr(lambda t: obj.objective(spec, t, leaves, cots))(theta)
     if not obj.has_stop_gradient(jaxpr):
         return None
-    see_through = spec._replace(see_through_stop_gradient=True)
+    return _grad_of_variant(prob, spec._replace(see_through_stop_gradient=True), modes)
+
+
+def _grad_of_variant(prob, variant, modes):
+    """The gradient of the objective under `variant` (a Spec with an interpreter flag set), in
+    reverse mode, else in forward mode (one jvp per element, up to `_FWD_SEE_THROUGH_LIMIT`);
+    None when neither can be taken (a primitive that cannot be re-bound, too many elements)."""
+    theta, leaves, cots = prob["theta"], prob["leaves"], prob["cotangents"]
     if "rev" in modes:
         try:
-            return np.asarray(_rev_kernel(see_through, theta, leaves, cots))
+            return np.asarray(_rev_kernel(variant, theta, leaves, cots))
         except Exception:  # noqa: BLE001 - e.g. a while_loop: try forward mode
             pass
     n = theta.shape[0]
-    if n > _FWD_SEE_THROUGH_LIMIT:  # one jvp per element would take too long: no verdicts
+    if n > _FWD_SEE_THROUGH_LIMIT:  # one jvp per element would take too long
         return None
     try:
-        return np.asarray(_fwd_grad_kernel(see_through, theta, leaves, cots,
+        return np.asarray(_fwd_grad_kernel(variant, theta, leaves, cots,
                                            chunk=max(1, min(n, _CHUNK_ELEMENTS // max(n, 1)))))
-    except Exception:  # noqa: BLE001 - a primitive we cannot re-bind: no stop_gradient verdicts
+    except Exception:  # noqa: BLE001 - a primitive we cannot re-bind
         return None
 
 
@@ -157,17 +164,5 @@ def _reference_grad(prob, modes):
     if not _lift.has_custom_rule(jax.make_jaxpr(
             lambda t: obj.objective(first, t, leaves, cots))(theta)):
         return None
-    inlined = spec._replace(inline_custom_rules=True)
-    if "rev" in modes:
-        try:
-            return np.asarray(_rev_kernel(inlined, theta, leaves, cots))
-        except Exception:  # noqa: BLE001 - e.g. a while_loop: try forward mode
-            pass
-    n = theta.shape[0]
-    if n <= _FWD_SEE_THROUGH_LIMIT:
-        try:
-            return np.asarray(_fwd_grad_kernel(inlined, theta, leaves, cots,
-                                               chunk=max(1, min(n, _CHUNK_ELEMENTS // max(n, 1)))))
-        except Exception:  # noqa: BLE001 - the primal of a custom rule may not differentiate
-            pass
-    return np.full(n, np.nan)
+    grad = _grad_of_variant(prob, spec._replace(inline_custom_rules=True), modes)
+    return np.full(theta.shape[0], np.nan) if grad is None else grad
