@@ -49,9 +49,16 @@ def check_array_args(where: str, args: tuple, names: list[str]) -> None:
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
             continue
         name = names[path[0].idx] + jax.tree_util.keystr(path[1:])
+        arg = args[path[0].idx]
+        if type(arg).__module__.split(".")[0] == "equinox":  # an eqx.Module holds functions
+            fix = (f"For an equinox model, pass its arrays and close over the rest: "
+                   f"params, static = eqx.partition({names[path[0].idx]}, eqx.is_inexact_array); "
+                   "then fn(params, ...) rebuilds it with eqx.combine(params, static).")
+        else:
+            fix = ("Close over it instead, e.g. functools.partial(fn, name=value), and pass "
+                   "the arrays.")
         raise TypeError(f"{where}: argument {name} is a {type(leaf).__name__}, not an array or "
-                        "a number; every argument is traced as an array. Close over it "
-                        "instead, e.g. functools.partial(fn, name=value), and pass the arrays.")
+                        f"a number; every argument is traced as an array. {fix}")
 
 
 def source_line(eqn: Any) -> str:
