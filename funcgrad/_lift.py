@@ -184,11 +184,7 @@ def _custom_jvp(eqn, ins, flags):
         return evaluate(call.jaxpr, call.consts, ins, flags)
     if not flags.lift_precision:
         return None  # bound as it is
-    rule_flags = Flags(lift_precision=True)  # a stop_gradient inside the rule stays
-    ins = [_up(x) for x in ins]
-    nc = p["num_consts"]
-    consts = ins[:nc]
-    floats = [is_float(v.aval.dtype) for v in eqn.invars[nc:]]
+    rule_flags, ins, nc, consts, floats = _lifted_rule_inputs(eqn, ins)
 
     @jax.custom_jvp
     def fn(*xs):
@@ -208,6 +204,16 @@ def _custom_jvp(eqn, ins, flags):
     return list(fn(*ins[nc:]))
 
 
+def _lifted_rule_inputs(eqn, ins):
+    """What a lifted custom rule needs: its flags (lifting only: a stop_gradient inside the
+    rule stays), its inputs in float64, the number of consts, the consts, and which of the
+    other inputs are floating (they take tangents/cotangents)."""
+    ins = [_up(x) for x in ins]
+    nc = eqn.params["num_consts"]
+    floats = [is_float(v.aval.dtype) for v in eqn.invars[nc:]]
+    return Flags(lift_precision=True), ins, nc, ins[:nc], floats
+
+
 def _zero_tangent(x):
     if is_float(_dtype(x)):
         return jnp.zeros_like(x)
@@ -220,12 +226,8 @@ def _custom_vjp(eqn, ins, flags):
     if flags.inline_custom_rules:
         return evaluate(call.jaxpr, call.consts, ins, flags)
     if not flags.lift_precision:
-        return None
-    rule_flags = Flags(lift_precision=True)
-    ins = [_up(x) for x in ins]
-    nc = p["num_consts"]
-    consts = ins[:nc]
-    floats = [is_float(v.aval.dtype) for v in eqn.invars[nc:]]
+        return None  # bound as it is
+    rule_flags, ins, nc, consts, floats = _lifted_rule_inputs(eqn, ins)
 
     @jax.custom_vjp
     def fn(*xs):
