@@ -1,0 +1,14 @@
+"""Models from flax (linen, nnx) and equinox as funcgrad's pieces: params, model state, a loss.
+
+Each adapter splits the library's object into the trainable params (named by the library's own
+paths), the model state (BatchNorm statistics, rng counters) and a pure ``apply``, and gives a
+`funcgrad.Loss` under the train step's contract; ``rebuild`` turns them back into the
+library's object bit for bit. flax and equinox are imported only when an adapter is called
+(``pip install 'funcgrad[flax]'`` / ``'funcgrad[equinox]'``).
+"""
+from funcgrad.interop._model import Model as Model
+from funcgrad.interop.equinox import from_equinox as from_equinox
+from funcgrad.interop.linen import from_linen as from_linen
+from funcgrad.interop.nnx import from_nnx as from_nnx
+
+__all__ = ["Model", "from_equinox", "from_linen", "from_nnx"]

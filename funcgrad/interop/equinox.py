@@ -1,0 +1,121 @@
+"""`from_equinox`: an equinox module (and its ``eqx.nn.State``) as a `funcgrad.interop.Model`.
+
+equinox is imported here only when the adapter is called, so ``import funcgrad`` never needs it.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+
+from funcgrad.interop._model import Model, _wrong_module
+
+
+def from_equinox(model: Any, state: Any = None, *,
+                 axis_name: Hashable | None = "batch") -> Model:
+    """Returns a `Model` for an equinox module and, for a stateful one, its ``eqx.nn.State``.
+
+    ``m.params`` is ``eqx.partition(model, eqx.is_inexact_array)[0]``: the module with its
+    floating arrays and None elsewhere (leaves named ``params.layers[2].weight``); the rest
+    (activation functions, integer arrays, flags) is closed over. ``m.model_state`` is
+    `state` (BatchNorm's running statistics), or None.
+
+    ``m.apply(params, model_state, *args, key=k)`` calls the model as equinox's own examples
+    do: one example at a time under ``jax.vmap(model, axis_name=axis_name, in_axes=(0,
+    None), out_axes=(0, None))`` over the leading (batch) axis of `args`, so that
+    ``eqx.nn.BatchNorm(..., axis_name="batch")`` averages over the batch; a stateful model
+    is called ``model(*args, state, key=...)`` and returns ``(outputs, state)``, a stateless
+    one ``model(*args, key=...)``. The key is split into one key per example
+    (``jax.random.split(key, batch)``); it is not passed when None, nor to a model whose
+    ``__call__`` has no ``key`` argument (its loss then takes no key). With ``axis_name=None``
+    the model is called once on the whole batch with the key itself (a model that batches
+    itself).
+
+    Modes: ``m.apply(..., train=False)`` runs ``eqx.nn.inference_mode(model, True)``
+    (dropout off, BatchNorm on its running statistics), ``train=True`` ``inference_mode(model,
+    False)``, None the model as given.
+
+    Args:
+      model: an ``eqx.Module`` with at least one floating array.
+      state: the ``eqx.nn.State`` of ``eqx.nn.make_with_state(Model)(...)``, or None for a
+        stateless model.
+      axis_name: the vmap axis name the model's BatchNorm uses, or None (see above).
+    Returns:
+      a `funcgrad.interop.Model`; ``m.rebuild(params, model_state)`` is the module, or
+      ``(module, state)`` for a stateful one.
+    Raises:
+      TypeError: if `model` is not an equinox module (a ``(model, state)`` pair is pointed to
+        ``from_equinox(model, state)``; a flax module to its adapter), or `state` is not an
+        ``eqx.nn.State``.
+      ValueError: if the model holds no floating array (nothing to differentiate).
+    """
+    import equinox as eqx
+
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], eqx.nn.State):
+        raise TypeError("from_equinox got a (model, state) pair, as eqx.nn.make_with_state "
+                        "returns it; pass them separately: from_equinox(model, state).")
+    if not isinstance(model, eqx.Module):
+        raise TypeError(_wrong_module("from_equinox", "equinox", model))
+    if state is not None and not isinstance(state, eqx.nn.State):
+        raise TypeError(f"from_equinox: state must be the eqx.nn.State of "
+                        f"eqx.nn.make_with_state(Model)(...), or None; got "
+                        f"{type(state).__name__}.")
+    accepts_key = _accepts_key(model)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    if not jax.tree.leaves(params):
+        raise ValueError(f"from_equinox: {type(model).__name__} holds no floating arrays, so "
+                         "there is nothing to differentiate.")
+
+    def call(model, args, state, key, kwargs):
+        if key is not None:
+            kwargs = {**kwargs, "key": key}
+        if state is None:
+            return model(*args, **kwargs), None
+        result = model(*args, state, **kwargs)
+        if not (isinstance(result, tuple) and len(result) == 2
+                and isinstance(result[1], eqx.nn.State)):
+            raise ValueError(
+                f"from_equinox: the model was given a state, so model(*args, state) must "
+                f"return (outputs, new_state), as eqx.nn.BatchNorm's callers do; it returned "
+                f"{type(result).__name__}.")
+        return result
+
+    def apply(params, model_state, args, kwargs, key, train):
+        if key is not None and not accepts_key:
+            raise ValueError(f"m.apply(key=...): {type(model).__name__}.__call__ takes no "
+                             "key= argument; pass key=None (m.loss takes no key for it).")
+        module = eqx.combine(params, static)
+        if train is not None:
+            module = eqx.nn.inference_mode(module, not train)
+        if axis_name is None:
+            return call(module, args, model_state, key, kwargs)
+        sizes = {jax.numpy.shape(x)[0] for x in jax.tree.leaves(args) if jax.numpy.ndim(x)}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"from_equinox: the model runs per example under jax.vmap over the leading "
+                f"axis of its inputs, which must all have the same length; got leading "
+                f"lengths {sorted(sizes)}. For a model that batches itself pass "
+                "from_equinox(model, state, axis_name=None).")
+        keys = None if key is None else jax.random.split(key, sizes.pop())
+        return jax.vmap(lambda a, s, k: call(module, a, s, k, kwargs), axis_name=axis_name,
+                        in_axes=(0, None, None if keys is None else 0),
+                        out_axes=(0, None))(args, model_state, keys)
+
+    def rebuild(params, model_state):
+        module = eqx.combine(params, static)
+        return module if model_state is None else (module, model_state)
+
+    return Model(library="equinox", params=params, model_state=state, apply=apply,
+                 rebuild=rebuild, takes_key=accepts_key,
+                 key_note="equinox models get the step's key as key=.")
+
+
+def _accepts_key(model: Any) -> bool:
+    """Whether ``model.__call__`` takes a ``key=`` argument (or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(model.__call__).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume equinox's convention
+        return True
+    return any(p.name == "key" or p.kind is p.VAR_KEYWORD for p in parameters)

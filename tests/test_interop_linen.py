@@ -1,0 +1,207 @@
+"""funcgrad.interop.from_linen: a linen CNN with BatchNorm and dropout, against flax itself.
+
+Every expected value comes from flax's own call on the same variables (``module.apply(...,
+mutable=["batch_stats"], rngs={"dropout": key})``, ``jax.grad`` of flax's own loss): the
+adapter runs the same operations, so values agree exactly unless a comment says otherwise.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+
+import funcgrad as fg  # noqa: E402
+from funcgrad.interop import from_linen  # noqa: E402
+
+
+class CNN(nn.Module):
+    """Conv 3x3 (2 channels) -> BatchNorm -> relu -> dropout -> 2x2 mean pool -> Dense 10."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(2, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.Dropout(0.25, deterministic=not train)(nn.relu(x))
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+def _batch(n=8):
+    data = fg.load_digits(seed=0)
+    return {"x": jnp.asarray(data.x_train[:n].reshape(n, 8, 8, 1)),
+            "y": jnp.asarray(data.y_train[:n])}
+
+
+def _ce(logits, batch):
+    return fg.softmax_cross_entropy(logits, batch["y"])
+
+
+@pytest.fixture(scope="module")
+def setup():
+    module, batch = CNN(), _batch()
+    variables = module.init(jax.random.key(0), batch["x"], train=False)
+    return module, variables, batch
+
+
+def _assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_split_and_round_trip_are_bit_exact(setup):
+    module, variables, _ = setup
+    m = from_linen(module, variables)
+    assert m.params is variables["params"] and list(m.model_state) == ["batch_stats"]
+    _assert_trees_equal(m.rebuild(m.params, m.model_state), variables)
+    # After a change the rebuilt variables hold the new values, nothing else.
+    params = jax.tree.map(lambda p: p + 1.0, m.params)
+    rebuilt = m.rebuild(params, m.model_state)
+    _assert_trees_equal(rebuilt["params"], params)
+    _assert_trees_equal(rebuilt["batch_stats"], variables["batch_stats"])
+
+
+def test_a_frozen_dict_round_trips_as_one(setup):
+    module, variables, _ = setup
+    frozen = flax.core.freeze(variables)
+    m = from_linen(module, frozen)
+    rebuilt = m.rebuild(m.params, m.model_state)
+    assert isinstance(rebuilt, flax.core.FrozenDict)
+    _assert_trees_equal(flax.core.unfreeze(rebuilt), variables)
+
+
+def test_apply_is_flax_training_call(setup):
+    module, variables, batch = setup
+    m = from_linen(module, variables)
+    key = jax.random.key(3)
+    out, new_state = jax.jit(lambda p, s, x, k: m.apply(p, s, x, key=k, train=True))(
+        m.params, m.model_state, batch["x"], key)
+    ref_out, ref_new = jax.jit(lambda v, x, k: module.apply(
+        v, x, train=True, mutable=["batch_stats"], rngs={"dropout": k}))(
+        variables, batch["x"], key)
+    _assert_trees_equal(out, ref_out)
+    _assert_trees_equal(new_state, dict(ref_new))
+    # The running statistics moved (training mode), and dropout zeroed some activations.
+    assert not np.array_equal(new_state["batch_stats"]["BatchNorm_0"]["mean"],
+                              variables["batch_stats"]["BatchNorm_0"]["mean"])
+
+
+def test_eval_mode_uses_running_statistics_and_needs_no_key(setup):
+    module, variables, batch = setup
+    m = from_linen(module, variables)
+    out, new_state = m.apply(m.params, m.model_state, batch["x"], train=False)
+    _assert_trees_equal(out, module.apply(variables, batch["x"], train=False))
+    _assert_trees_equal(new_state, m.model_state)  # eval mode leaves the statistics alone
+
+
+def test_dropout_without_a_key_is_a_clear_error(setup):
+    module, variables, batch = setup
+    m = from_linen(module, variables)
+    with pytest.raises(ValueError, match="needs a PRNG key.*Pass key="):
+        m.apply(m.params, m.model_state, batch["x"], train=True)
+    m2 = from_linen(module, variables, rngs=("noise",))
+    with pytest.raises(ValueError, match=r"rng stream.*\['noise'\].*rngs="):
+        m2.apply(m2.params, m2.model_state, batch["x"], train=True, key=jax.random.key(0))
+
+
+def test_loss_gradients_equal_jax_grad_of_flax_loss(setup):
+    module, variables, batch = setup
+    m = from_linen(module, variables)
+    key = jax.random.key(7)
+    fn, has_state, takes_key = m._loss_function(_ce, inputs="x", train=True)
+    assert (has_state, takes_key) == (True, True)
+
+    def flax_loss(params):  # flax's own loss of its TrainState loop
+        logits, updates = module.apply({"params": params, **m.model_state}, batch["x"],
+                                       train=True, mutable=["batch_stats"],
+                                       rngs={"dropout": key})
+        return _ce(logits, batch), updates
+
+    (loss, new_state), grads = jax.jit(jax.value_and_grad(
+        lambda p: fn(p, batch, model_state=m.model_state, key=key), has_aux=True))(m.params)
+    (ref_loss, ref_state), ref_grads = jax.jit(jax.value_and_grad(flax_loss, has_aux=True))(
+        m.params)
+    assert float(loss) == float(ref_loss)
+    _assert_trees_equal(new_state, dict(ref_state))
+    _assert_trees_equal(grads, ref_grads)
+
+
+def test_loss_with_aux_and_bad_objectives(setup):
+    module, variables, batch = setup
+    m = from_linen(module, variables)
+    key = jax.random.key(1)
+
+    def with_acc(logits, batch):
+        return _ce(logits, batch), {"accuracy": fg.accuracy(logits, batch["y"])}
+
+    fn, _, _ = m._loss_function(with_acc, has_aux=True, train=True)
+    loss, (new_state, aux) = fn(m.params, batch, model_state=m.model_state, key=key)
+    logits, _ = m.apply(m.params, m.model_state, batch["x"], key=key, train=True)
+    assert float(aux["accuracy"]) == float(fg.accuracy(logits, batch["y"]))
+    assert float(loss) == float(_ce(logits, batch))
+    bad, _, _ = m._loss_function(with_acc, train=True)
+    with pytest.raises(ValueError, match="has_aux=True"):
+        bad(m.params, batch, model_state=m.model_state, key=key)
+    with pytest.raises(ValueError, match="batch has no 'image'"):
+        m._loss_function(_ce, inputs="image", train=True)[0](
+            m.params, batch, model_state=m.model_state, key=key)
+
+
+def test_reports_name_leaves_by_linen_paths(setup):
+    module, variables, batch = setup
+    m = from_linen(module, variables)
+    fn, _, _ = m._loss_function(_ce, train=True)
+    key = jax.random.key(2)
+    loss = lambda params, batch: fn(params, batch, model_state=m.model_state, key=key)[0]
+    names = ["params['BatchNorm_0']['bias']", "params['BatchNorm_0']['scale']",
+             "params['Conv_0']['bias']", "params['Conv_0']['kernel']",
+             "params['Dense_0']['bias']", "params['Dense_0']['kernel']"]
+    report = fg.check_grads(loss, m.params, batch, mode="directional")
+    assert [r.path for r in report.rows] == names and report.ok
+    explanation = fg.explain_grads(loss, m.params, batch)
+    assert [r.path for r in explanation.rows] == names
+    # A conv bias followed by BatchNorm cancels in the batch mean: its gradient is 0 in
+    # exact arithmetic; every other leaf is connected.
+    assert explanation.status("params['Dense_0']['kernel']") == "connected"
+    monitor = fg.grad_monitor()
+    state = monitor.init(m.params)
+    _, metrics = monitor.update(state, jax.grad(loss)(m.params, batch))
+    assert metrics.leaf_names == tuple(names)
+    assert metrics.layer_names == ("params['BatchNorm_0']", "params['Conv_0']",
+                                   "params['Dense_0']")
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (None, TypeError, "needs the module and its variables"),
+    ("params", ValueError, "no 'params' collection.*look like the contents"),
+    ({"batch_stats": {}}, ValueError, "no 'params' collection"),
+    ([1, 2], TypeError, "dict of collections"),
+], ids=["no-variables", "params-only", "no-params", "a-list"])
+def test_bad_variables_are_refused_clearly(setup, bad, error, match):
+    module, variables, _ = setup
+    if bad == "params":
+        bad = variables["params"]
+    with pytest.raises(error, match=match):
+        from_linen(module, bad)
+
+
+def test_other_objects_are_pointed_to_their_adapter(setup):
+    _, variables, _ = setup
+    from flax import nnx
+    with pytest.raises(TypeError, match="nnx module.*from_nnx"):
+        from_linen(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), variables)
+    with pytest.raises(TypeError, match="expected a flax.linen module, got dict"):
+        from_linen({"a": 1}, variables)
+
+
+def test_params_of_another_structure_are_refused(setup):
+    module, variables, batch = setup
+    m = from_linen(module, variables)
+    params = {k: v for k, v in m.params.items() if k != "Dense_0"}
+    with pytest.raises(ValueError, match=r"missing: params\['Dense_0'\]"):
+        m.apply(params, m.model_state, batch["x"], train=False)
+    with pytest.raises(ValueError, match="model_state is None"):
+        m.rebuild(m.params)
