@@ -78,7 +78,10 @@ class Model:
           **kwargs: passed to the model's call (linen: to ``module.apply``, e.g. ``method=``).
         Returns:
           ``(outputs, new_model_state)``; `new_model_state` has the structure, shapes and
-          dtypes of `model_state` (None when the model has none).
+          dtypes of `model_state` (None when the model has none). When `params` are a wider
+          float than `model_state` (float64 params, float32 running statistics, as under
+          ``check_grads``' float64 lifting) the model runs on the state widened to the
+          params' dtype, and the new state is cast back to `model_state`'s dtypes.
         Raises:
           ValueError: if `params` or `model_state` do not have the model's structure and
             shapes (the message names the first differing leaf), or for a key the library
@@ -86,7 +89,15 @@ class Model:
         """
         _check_like(params, self.params, "params", f"{self.library} model's")
         _check_like(model_state, self.model_state, "model_state", f"{self.library} model's")
-        return self._apply(params, model_state, args, kwargs, key, train)
+        if model_state is None:
+            return self._apply(params, model_state, args, kwargs, key, train)
+        # Params wider than the state (float64 under check_grads' precision lifting): the
+        # state is widened too, so that the library's in-place update (nnx writes
+        # `mean[...] = ...` into the float32 buffer) never narrows a float64 value; the new
+        # state comes back in the state's own dtypes, as the train step's contract needs.
+        outputs, new_state = self._apply(params, _widened(model_state, params), args, kwargs,
+                                         key, train)
+        return outputs, _cast_like(new_state, model_state)
 
     def loss(self, objective: Callable[..., Any], *, inputs: str | Sequence[str] | Callable = "x",
              has_aux: bool = False, takes_key: bool | None = None, train: bool | None = None,
@@ -192,6 +203,29 @@ class Model:
             seed = None
         return init_train_state(self.params, optimizer, model_state=self.model_state,
                                 seed=seed, **kwargs)
+
+
+def _floating(x: Any) -> bool:
+    return jnp.issubdtype(_dtype(x), jnp.floating)
+
+
+def _widened(model_state: PyTree, params: PyTree) -> PyTree:
+    """`model_state` with its floating leaves narrower than the widest floating leaf of
+    `params` cast to that dtype (the rest unchanged)."""
+    widths = [jnp.finfo(_dtype(p)).bits for p in jax.tree.leaves(params) if _floating(p)]
+    if not widths:
+        return model_state
+    wide = {64: jnp.float64, 32: jnp.float32}.get(max(widths))
+    if wide is None:
+        return model_state
+    return jax.tree.map(lambda s: s.astype(wide) if _floating(s)
+                        and jnp.finfo(_dtype(s)).bits < max(widths) else s, model_state)
+
+
+def _cast_like(new_state: PyTree, model_state: PyTree) -> PyTree:
+    """`new_state` with each floating leaf cast to the dtype of its leaf in `model_state`."""
+    return jax.tree.map(lambda n, s: n.astype(_dtype(s)) if _floating(s) else n,
+                        new_state, model_state)
 
 
 def _kind(value: Any) -> str:

@@ -1,0 +1,160 @@
+"""funcgrad.interop.from_nnx: an nnx CNN with BatchNorm and dropout, against nnx itself.
+
+Every expected value comes from nnx's own objects: the module called in place (its BatchNorm
+statistics and its dropout stream's count advance), ``nnx.grad`` of nnx's own loss. The adapter
+runs the same operations, so values agree exactly.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+import funcgrad as fg  # noqa: E402
+from funcgrad.interop import from_nnx  # noqa: E402
+
+
+class CNN(nnx.Module):
+    """Conv 3x3 (2 channels) -> BatchNorm -> relu -> dropout -> 2x2 mean pool -> Linear 10."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 2, (3, 3), rngs=rngs)
+        self.bn1 = nnx.BatchNorm(2, momentum=0.9, rngs=rngs)
+        self.dropout = nnx.Dropout(0.25, rngs=rngs)
+        self.out = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.dropout(nnx.relu(self.bn1(self.conv1(x))))
+        x = nnx.avg_pool(x, (2, 2), strides=(2, 2))
+        return self.out(x.reshape(x.shape[0], -1))
+
+
+def _model():
+    return CNN(nnx.Rngs(0, dropout=1))
+
+
+def _batch(n=8):
+    data = fg.load_digits(seed=0)
+    return {"x": jnp.asarray(data.x_train[:n].reshape(n, 8, 8, 1)),
+            "y": jnp.asarray(data.y_train[:n])}
+
+
+def _ce(logits, batch):
+    return fg.softmax_cross_entropy(logits, batch["y"])
+
+
+def _assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _pure(model, *filters):
+    return nnx.to_pure_dict(nnx.state(model, *filters))
+
+
+def test_split_names_and_round_trip_are_bit_exact():
+    model = _model()
+    m = from_nnx(model)
+    # Plain dicts of arrays, no Variable .value level in the paths.
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(m.params)[0]]
+    assert paths == ["['bn1']['bias']", "['bn1']['scale']", "['conv1']['bias']",
+                     "['conv1']['kernel']", "['out']['bias']", "['out']['kernel']"]
+    assert set(m.model_state) == {"bn1", "dropout"}  # BatchStat and the dropout RngState
+    assert m.model_state["dropout"]["rngs"]["count"].dtype == jnp.uint32
+    rebuilt = m.rebuild(m.params, m.model_state)
+    assert type(rebuilt) is CNN and rebuilt is not model
+    _assert_trees_equal(_pure(rebuilt), _pure(model))
+    assert type(nnx.state(rebuilt)["bn1"]["mean"]) is nnx.BatchStat  # Variable types kept
+    # The given module is not touched by the adapter (nor by its train/eval graphdefs).
+    assert model.dropout.deterministic is False and model.bn1.use_running_average is False
+
+
+def test_apply_is_the_module_call_with_its_state_advancing():
+    model, batch = _model(), _batch()
+    m = from_nnx(model)
+    out, new_state = jax.jit(lambda p, s, x: m.apply(p, s, x))(m.params, m.model_state,
+                                                               batch["x"])
+    ref = model(batch["x"])  # nnx's own call: updates model's statistics and rng count
+    _assert_trees_equal(out, ref)
+    _assert_trees_equal(new_state, _pure(model, nnx.Not(nnx.Param)))
+    assert int(new_state["dropout"]["rngs"]["count"]) == 1
+    # A second call from the new state is nnx's second call: a new dropout mask.
+    out2, _ = m.apply(m.params, new_state, batch["x"])
+    _assert_trees_equal(out2, model(batch["x"]))
+    assert not np.array_equal(out, out2)
+
+
+def test_train_and_eval_modes_are_model_train_and_eval():
+    model, batch = _model(), _batch()
+    m = from_nnx(model)
+    out, new_state = m.apply(m.params, m.model_state, batch["x"], train=False)
+    model.eval()
+    _assert_trees_equal(out, model(batch["x"]))
+    _assert_trees_equal(new_state, m.model_state)  # eval: no statistics update, no rng draw
+    model.train()
+    out, new_state = m.apply(m.params, m.model_state, batch["x"], train=True)
+    _assert_trees_equal(out, model(batch["x"]))
+    _assert_trees_equal(new_state, _pure(model, nnx.Not(nnx.Param)))
+
+
+def test_loss_gradients_equal_nnx_grad():
+    model, batch = _model(), _batch()
+    m = from_nnx(model)
+    fn, has_state, takes_key = m._loss_function(_ce)
+    assert (has_state, takes_key) == (True, False)
+    (loss, new_state), grads = jax.jit(jax.value_and_grad(
+        lambda p: fn(p, batch, model_state=m.model_state), has_aux=True))(m.params)
+
+    def nnx_loss(model):
+        return _ce(model(batch["x"]), batch)
+
+    ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(nnx_loss))(model)
+    assert float(loss) == float(ref_loss)
+    _assert_trees_equal(grads, nnx.to_pure_dict(ref_grads))
+    _assert_trees_equal(new_state, _pure(model, nnx.Not(nnx.Param)))
+
+
+def test_reports_name_leaves_by_nnx_paths():
+    model, batch = _model(), _batch()
+    m = from_nnx(model)
+    fn, _, _ = m._loss_function(_ce)
+    loss = lambda params, batch: fn(params, batch, model_state=m.model_state)[0]
+    names = ["params['bn1']['bias']", "params['bn1']['scale']", "params['conv1']['bias']",
+             "params['conv1']['kernel']", "params['out']['bias']", "params['out']['kernel']"]
+    report = fg.check_grads(loss, m.params, batch)
+    assert [r.path for r in report.rows] == names and report.ok
+    monitor = fg.grad_monitor()
+    _, metrics = monitor.update(monitor.init(m.params), jax.grad(loss)(m.params, batch))
+    assert metrics.leaf_names == tuple(names)
+    # Grouped by module, not one "layer" per leaf.
+    assert metrics.layer_names == ("params['bn1']", "params['conv1']", "params['out']")
+
+
+def test_an_optimizer_and_other_objects_are_refused_clearly():
+    import optax
+    import flax.linen as nn
+
+    model = _model()
+    with pytest.raises(TypeError, match=r"(?s)nnx.Optimizer.*from_nnx\(model\).*optax"):
+        from_nnx(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+    with pytest.raises(TypeError, match=r"flax.linen module.*from_linen\(module, variables\)"):
+        from_nnx(nn.Dense(3))
+    with pytest.raises(TypeError, match="expected a flax.nnx module, got dict"):
+        from_nnx(m := {"w": jnp.ones(2)})
+    assert m  # (the dict itself is fine, just not a model)
+
+
+def test_a_module_without_params_and_a_key_are_refused():
+    with pytest.raises(ValueError, match="no nnx.Param"):
+        from_nnx(nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
+    m = from_nnx(_model())
+    with pytest.raises(ValueError, match="takes_key=True.*own nnx.Rngs"):
+        m._loss_function(_ce, takes_key=True)
+    with pytest.raises(ValueError, match="own nnx.Rngs"):
+        m.apply(m.params, m.model_state, _batch()["x"], key=jax.random.key(0))
