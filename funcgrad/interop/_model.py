@@ -327,4 +327,5 @@ def _wrong_module(adapter: str, expected: str, obj: Any) -> str:
     if library is not None and library != expected:
         return (f"{adapter} got a {library} module ({type(obj).__name__}); use "
                 f"funcgrad.interop.{_ADAPTERS[library]}.")
-    return f"{adapter}: expected a {expected} module, got {type(obj).__name__}."
+    article = "an" if expected[0] in "aeiou" else "a"
+    return f"{adapter}: expected {article} {expected} module, got {type(obj).__name__}."

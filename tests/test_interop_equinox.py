@@ -1,0 +1,184 @@
+"""funcgrad.interop.from_equinox: an equinox CNN with eqx.nn.State BatchNorm and dropout.
+
+Every expected value comes from equinox's own call, as its documentation writes it: ``jax.vmap(
+model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None))`` over (x, state, keys), and
+``eqx.filter_grad`` of that loss. The adapter runs the same operations, so values agree exactly.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+eqx = pytest.importorskip("equinox")
+
+import funcgrad as fg  # noqa: E402
+from funcgrad.interop import from_equinox  # noqa: E402
+
+
+class CNN(eqx.Module):
+    """Conv 3x3 (2 channels) -> BatchNorm -> relu -> dropout -> 2x2 mean pool -> Linear 10."""
+    conv: eqx.nn.Conv2d
+    bn: eqx.nn.BatchNorm
+    dropout: eqx.nn.Dropout
+    pool: eqx.nn.AvgPool2d
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 2, 3, padding=1, key=k1)
+        self.bn = eqx.nn.BatchNorm(2, axis_name="batch", momentum=0.9, mode="ema")
+        self.dropout = eqx.nn.Dropout(0.25)
+        self.pool = eqx.nn.AvgPool2d(2, 2)
+        self.out = eqx.nn.Linear(32, 10, key=k2)
+
+    def __call__(self, x, state, *, key=None):
+        x, state = self.bn(self.conv(x), state)
+        x = self.pool(self.dropout(jax.nn.relu(x), key=key))
+        return self.out(x.reshape(-1)), state
+
+
+def _model():
+    return eqx.nn.make_with_state(CNN)(jax.random.key(0))
+
+
+def _batch(n=8):
+    data = fg.load_digits(seed=0)
+    return {"x": jnp.asarray(data.x_train[:n].reshape(n, 1, 8, 8)),
+            "y": jnp.asarray(data.y_train[:n])}
+
+
+def _ce(logits, batch):
+    return fg.softmax_cross_entropy(logits, batch["y"])
+
+
+def _eqx_forward(model, state, x, key):
+    """equinox's own batched call (its BatchNorm and stateful-model examples)."""
+    keys = jax.random.split(key, x.shape[0])
+    return jax.vmap(lambda x, state, key: model(x, state, key=key), axis_name="batch",
+                    in_axes=(0, None, 0), out_axes=(0, None))(x, state, keys)
+
+
+def _assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        if not eqx.is_array(x):  # a module's non-array leaves: flags, names, functions
+            assert x is y or x == y
+            continue
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_split_names_and_round_trip_are_bit_exact():
+    model, state = _model()
+    m = from_equinox(model, state)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(m.params)[0]]
+    assert paths == [".conv.weight", ".conv.bias", ".bn.weight", ".bn.bias", ".out.weight",
+                     ".out.bias"]
+    assert m.model_state is state
+    rebuilt, rebuilt_state = m.rebuild(m.params, m.model_state)
+    # Same pytree (static fields included: the treedefs compare them) and the same arrays.
+    _assert_trees_equal(rebuilt, model)
+    _assert_trees_equal(rebuilt_state, state)
+    # A stateless model rebuilds as the module alone.
+    mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(1))
+    m2 = from_equinox(mlp)
+    assert m2.model_state is None
+    _assert_trees_equal(m2.rebuild(m2.params), mlp)
+
+
+def test_apply_is_equinox_vmapped_call():
+    (model, state), batch = _model(), _batch()
+    m = from_equinox(model, state)
+    key = jax.random.key(3)
+    out, new_state = jax.jit(lambda p, s, x, k: m.apply(p, s, x, key=k))(
+        m.params, m.model_state, batch["x"], key)
+    ref_out, ref_state = eqx.filter_jit(_eqx_forward)(model, state, batch["x"], key)
+    _assert_trees_equal(out, ref_out)
+    _assert_trees_equal(new_state, ref_state)
+    assert not np.array_equal(jax.tree.leaves(new_state)[0], jax.tree.leaves(state)[0])
+
+
+def test_eval_mode_is_inference_mode():
+    (model, state), batch = _model(), _batch()
+    m = from_equinox(model, state)
+    out, new_state = m.apply(m.params, m.model_state, batch["x"], train=False)
+    ref_out, ref_state = jax.vmap(eqx.nn.inference_mode(model), axis_name="batch",
+                                  in_axes=(0, None), out_axes=(0, None))(batch["x"], state)
+    _assert_trees_equal(out, ref_out)
+    _assert_trees_equal(new_state, state)  # inference: the running statistics stay
+
+
+def test_loss_gradients_equal_eqx_filter_grad():
+    (model, state), batch = _model(), _batch()
+    m = from_equinox(model, state)
+    key = jax.random.key(7)
+    fn, has_state, takes_key = m._loss_function(_ce)
+    assert (has_state, takes_key) == (True, True)
+    (loss, new_state), grads = jax.jit(jax.value_and_grad(
+        lambda p: fn(p, batch, model_state=m.model_state, key=key), has_aux=True))(m.params)
+
+    @eqx.filter_jit
+    @eqx.filter_value_and_grad(has_aux=True)
+    def eqx_loss(model, state):
+        logits, state = _eqx_forward(model, state, batch["x"], key)
+        return _ce(logits, batch), state
+
+    (ref_loss, ref_state), ref_grads = eqx_loss(model, state)
+    assert float(loss) == float(ref_loss)
+    _assert_trees_equal(grads, ref_grads)
+    _assert_trees_equal(new_state, ref_state)
+
+
+def test_reports_name_leaves_by_equinox_paths():
+    (model, state), batch = _model(), _batch()
+    m = from_equinox(model, state)
+    fn, _, _ = m._loss_function(_ce)
+    key = jax.random.key(2)
+    loss = lambda params, batch: fn(params, batch, model_state=m.model_state, key=key)[0]
+    names = ["params.conv.weight", "params.conv.bias", "params.bn.weight", "params.bn.bias",
+             "params.out.weight", "params.out.bias"]
+    report = fg.check_grads(loss, m.params, batch, mode="directional")
+    assert [r.path for r in report.rows] == names and report.ok
+    monitor = fg.grad_monitor()
+    _, metrics = monitor.update(monitor.init(m.params), jax.grad(loss)(m.params, batch))
+    assert metrics.leaf_names == tuple(names)
+    assert metrics.layer_names == ("params.conv", "params.bn", "params.out")
+
+
+def test_a_model_without_a_key_argument_gets_no_key():
+    mlp = eqx.nn.Sequential([eqx.nn.Linear(4, 3, key=jax.random.key(0)),
+                             eqx.nn.Lambda(jax.nn.relu)])
+    m = from_equinox(mlp)
+    # eqx.nn.Sequential's __call__ takes key=; a Linear alone does too. A plain module that
+    # takes none:
+
+    class Affine(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.w * x
+
+    m2 = from_equinox(Affine(jnp.ones(3)))
+    assert m._loss_function(_ce)[2] is True and m2._loss_function(_ce)[2] is False
+    out, _ = m2.apply(m2.params, None, jnp.ones((2, 3)))
+    np.testing.assert_array_equal(out, jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="takes no key="):
+        m2.apply(m2.params, None, jnp.ones((2, 3)), key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ("pair", TypeError, r"\(model, state\) pair.*from_equinox\(model, state\)"),
+    ("no-arrays", ValueError, "no floating arrays"),
+    ("bad-state", TypeError, "eqx.nn.State"),
+    ("linen", TypeError, r"flax.linen module.*from_linen"),
+    ("dict", TypeError, "expected an equinox module, got dict"),
+], ids=["pair", "no-arrays", "bad-state", "linen", "dict"])
+def test_bad_input_is_refused_clearly(bad, error, match):
+    import flax.linen as nn
+
+    model, state = _model()
+    args = {"pair": ((model, state),), "no-arrays": (eqx.nn.Lambda(jax.nn.relu),),
+            "bad-state": (model, {"mean": jnp.zeros(2)}), "linen": (nn.Dense(3),),
+            "dict": ({"w": jnp.ones(2)},)}[bad]
+    with pytest.raises(error, match=match):
+        from_equinox(*args)
