@@ -74,9 +74,10 @@ def flax_loop(module, variables, batches, tx, base_key):
 
 
 def max_rel_diff(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))
-                            / (np.abs(np.asarray(y)) + 1e-3)))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    """max |a - b| / (|b| + 1e-3) over all elements (the 1e-3 for values near 0)."""
+    pairs = [(np.asarray(x, np.float64), np.asarray(y, np.float64))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    return max(float(np.max(np.abs(x - y) / (np.abs(y) + 1e-3))) for x, y in pairs)
 
 
 def main() -> None:
