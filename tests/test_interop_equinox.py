@@ -112,10 +112,11 @@ def test_loss_gradients_equal_eqx_filter_grad():
     (model, state), batch = _model(), _batch()
     m = from_equinox(model, state)
     key = jax.random.key(7)
-    fn, has_state, takes_key = m._loss_function(_ce)
-    assert (has_state, takes_key) == (True, True)
+    loss_fn = m.loss(_ce)
+    assert (loss_fn.has_state, loss_fn.takes_key, loss_fn.has_aux) == (True, True, False)
     (loss, new_state), grads = jax.jit(jax.value_and_grad(
-        lambda p: fn(p, batch, model_state=m.model_state, key=key), has_aux=True))(m.params)
+        lambda p: tuple(loss_fn(p, batch, model_state=m.model_state, key=key))[:2],
+        has_aux=True))(m.params)
 
     @eqx.filter_jit
     @eqx.filter_value_and_grad(has_aux=True)
@@ -132,9 +133,7 @@ def test_loss_gradients_equal_eqx_filter_grad():
 def test_reports_name_leaves_by_equinox_paths():
     (model, state), batch = _model(), _batch()
     m = from_equinox(model, state)
-    fn, _, _ = m._loss_function(_ce)
-    key = jax.random.key(2)
-    loss = lambda params, batch: fn(params, batch, model_state=m.model_state, key=key)[0]
+    loss = m.loss(_ce).bind(m.model_state, jax.random.key(2))
     names = ["params.conv.weight", "params.conv.bias", "params.bn.weight", "params.bn.bias",
              "params.out.weight", "params.out.bias"]
     report = fg.check_grads(loss, m.params, batch, mode="directional")
@@ -159,7 +158,7 @@ def test_a_model_without_a_key_argument_gets_no_key():
             return self.w * x
 
     m2 = from_equinox(Affine(jnp.ones(3)))
-    assert m._loss_function(_ce)[2] is True and m2._loss_function(_ce)[2] is False
+    assert m.loss(_ce).takes_key is True and m2.loss(_ce).takes_key is False
     out, _ = m2.apply(m2.params, None, jnp.ones((2, 3)))
     np.testing.assert_array_equal(out, jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="takes no key="):

@@ -111,8 +111,8 @@ def test_loss_gradients_equal_jax_grad_of_flax_loss(setup):
     module, variables, batch = setup
     m = from_linen(module, variables)
     key = jax.random.key(7)
-    fn, has_state, takes_key = m._loss_function(_ce, inputs="x", train=True)
-    assert (has_state, takes_key) == (True, True)
+    loss_fn = m.loss(_ce, inputs="x", train=True)
+    assert (loss_fn.has_state, loss_fn.takes_key, loss_fn.has_aux) == (True, True, False)
 
     def flax_loss(params):  # flax's own loss of its TrainState loop
         logits, updates = module.apply({"params": params, **m.model_state}, batch["x"],
@@ -121,7 +121,8 @@ def test_loss_gradients_equal_jax_grad_of_flax_loss(setup):
         return _ce(logits, batch), updates
 
     (loss, new_state), grads = jax.jit(jax.value_and_grad(
-        lambda p: fn(p, batch, model_state=m.model_state, key=key), has_aux=True))(m.params)
+        lambda p: tuple(loss_fn(p, batch, model_state=m.model_state, key=key))[:2],
+        has_aux=True))(m.params)
     (ref_loss, ref_state), ref_grads = jax.jit(jax.value_and_grad(flax_loss, has_aux=True))(
         m.params)
     assert float(loss) == float(ref_loss)
@@ -137,25 +138,23 @@ def test_loss_with_aux_and_bad_objectives(setup):
     def with_acc(logits, batch):
         return _ce(logits, batch), {"accuracy": fg.accuracy(logits, batch["y"])}
 
-    fn, _, _ = m._loss_function(with_acc, has_aux=True, train=True)
-    loss, (new_state, aux) = fn(m.params, batch, model_state=m.model_state, key=key)
+    loss, new_state, aux = m.loss(with_acc, has_aux=True, train=True)(
+        m.params, batch, model_state=m.model_state, key=key)
     logits, _ = m.apply(m.params, m.model_state, batch["x"], key=key, train=True)
     assert float(aux["accuracy"]) == float(fg.accuracy(logits, batch["y"]))
     assert float(loss) == float(_ce(logits, batch))
-    bad, _, _ = m._loss_function(with_acc, train=True)
+    bad = m.loss(with_acc, train=True)
     with pytest.raises(ValueError, match="has_aux=True"):
         bad(m.params, batch, model_state=m.model_state, key=key)
     with pytest.raises(ValueError, match="batch has no 'image'"):
-        m._loss_function(_ce, inputs="image", train=True)[0](
+        m.loss(_ce, inputs="image", train=True)(
             m.params, batch, model_state=m.model_state, key=key)
 
 
 def test_reports_name_leaves_by_linen_paths(setup):
     module, variables, batch = setup
     m = from_linen(module, variables)
-    fn, _, _ = m._loss_function(_ce, train=True)
-    key = jax.random.key(2)
-    loss = lambda params, batch: fn(params, batch, model_state=m.model_state, key=key)[0]
+    loss = m.loss(_ce, train=True).bind(m.model_state, jax.random.key(2))
     names = ["params['BatchNorm_0']['bias']", "params['BatchNorm_0']['scale']",
              "params['Conv_0']['bias']", "params['Conv_0']['kernel']",
              "params['Dense_0']['bias']", "params['Dense_0']['kernel']"]

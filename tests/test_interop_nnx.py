@@ -106,10 +106,11 @@ def test_train_and_eval_modes_are_model_train_and_eval():
 def test_loss_gradients_equal_nnx_grad():
     model, batch = _model(), _batch()
     m = from_nnx(model)
-    fn, has_state, takes_key = m._loss_function(_ce)
-    assert (has_state, takes_key) == (True, False)
+    loss_fn = m.loss(_ce)
+    assert (loss_fn.has_state, loss_fn.takes_key, loss_fn.has_aux) == (True, False, False)
     (loss, new_state), grads = jax.jit(jax.value_and_grad(
-        lambda p: fn(p, batch, model_state=m.model_state), has_aux=True))(m.params)
+        lambda p: tuple(loss_fn(p, batch, model_state=m.model_state))[:2],
+        has_aux=True))(m.params)
 
     def nnx_loss(model):
         return _ce(model(batch["x"]), batch)
@@ -123,8 +124,7 @@ def test_loss_gradients_equal_nnx_grad():
 def test_reports_name_leaves_by_nnx_paths():
     model, batch = _model(), _batch()
     m = from_nnx(model)
-    fn, _, _ = m._loss_function(_ce)
-    loss = lambda params, batch: fn(params, batch, model_state=m.model_state)[0]
+    loss = m.loss(_ce).bind(m.model_state)
     names = ["params['bn1']['bias']", "params['bn1']['scale']", "params['conv1']['bias']",
              "params['conv1']['kernel']", "params['out']['bias']", "params['out']['kernel']"]
     report = fg.check_grads(loss, m.params, batch)
@@ -155,7 +155,7 @@ def test_a_module_without_params_and_a_key_are_refused():
         from_nnx(nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
     m = from_nnx(_model())
     with pytest.raises(ValueError, match="takes_key=True.*own nnx.Rngs"):
-        m._loss_function(_ce, takes_key=True)
+        m.loss(_ce, takes_key=True)
     with pytest.raises(ValueError, match="own nnx.Rngs"):
         m.apply(m.params, m.model_state, _batch()["x"], key=jax.random.key(0))
 
