@@ -37,7 +37,7 @@ class Model:
 
     def __init__(self, *, library: str, params: PyTree, model_state: PyTree | None,
                  apply: ApplyFn, rebuild: Callable[[PyTree, PyTree], Any], takes_key: bool,
-                 key_note: str):
+                 key_note: str, state_in_compute_dtype: bool = False):
         self.library = library
         self.params = params
         self.model_state = model_state
@@ -45,6 +45,7 @@ class Model:
         self._rebuild = rebuild
         self._takes_key = takes_key
         self._key_note = key_note  # why the loss does (not) take funcgrad's key, for errors
+        self._state_in_compute_dtype = state_in_compute_dtype  # see `apply`
 
     def __repr__(self) -> str:
         leaves = jax.tree.leaves(self.params)
@@ -81,7 +82,9 @@ class Model:
           dtypes of `model_state` (None when the model has none). When `params` are a wider
           float than `model_state` (float64 params, float32 running statistics, as under
           ``check_grads``' float64 lifting) the model runs on the state widened to the
-          params' dtype, and the new state is cast back to `model_state`'s dtypes.
+          params' dtype; an equinox model also runs on it narrowed to bfloat16/float16
+          params (the train step's ``compute_dtype``), as its BatchNorm needs. The new state
+          is cast back to `model_state`'s dtypes (float32 statistics stay float32).
         Raises:
           ValueError: if `params` or `model_state` do not have the model's structure and
             shapes (the message names the first differing leaf), or for a key the library
@@ -93,10 +96,13 @@ class Model:
             return self._apply(params, model_state, args, kwargs, key, train)
         # Params wider than the state (float64 under check_grads' precision lifting): the
         # state is widened too, so that the library's in-place update (nnx writes
-        # `mean[...] = ...` into the float32 buffer) never narrows a float64 value; the new
-        # state comes back in the state's own dtypes, as the train step's contract needs.
-        outputs, new_state = self._apply(params, _widened(model_state, params), args, kwargs,
-                                         key, train)
+        # `mean[...] = ...` into the float32 buffer) never narrows a float64 value. equinox's
+        # BatchNorm also needs it narrowed to bfloat16/float16 params (compute_dtype): its
+        # lax.select refuses mixed dtypes. The new state comes back in the state's own
+        # dtypes, as the train step's contract needs.
+        outputs, new_state = self._apply(
+            params, _state_for_call(model_state, params, narrow=self._state_in_compute_dtype),
+            args, kwargs, key, train)
         return outputs, _cast_like(new_state, model_state)
 
     def loss(self, objective: Callable[..., Any], *, inputs: str | Sequence[str] | Callable = "x",
@@ -209,17 +215,25 @@ def _floating(x: Any) -> bool:
     return jnp.issubdtype(_dtype(x), jnp.floating)
 
 
-def _widened(model_state: PyTree, params: PyTree) -> PyTree:
-    """`model_state` with its floating leaves narrower than the widest floating leaf of
-    `params` cast to that dtype (the rest unchanged)."""
-    widths = [jnp.finfo(_dtype(p)).bits for p in jax.tree.leaves(params) if _floating(p)]
-    if not widths:
+def _state_for_call(model_state: PyTree, params: PyTree, *, narrow: bool) -> PyTree:
+    """`model_state` with its floating leaves cast to the widest floating dtype of `params`
+    where they are narrower (float32 statistics, float64 params under check_grads' lifting),
+    and also where they are wider when `narrow` (float32 statistics, bfloat16 params under
+    the train step's ``compute_dtype``: for a library whose layers need the state in the
+    dtype they compute in). The rest is unchanged."""
+    dtypes = [_dtype(p) for p in jax.tree.leaves(params) if _floating(p)]
+    if not dtypes:
         return model_state
-    wide = {64: jnp.float64, 32: jnp.float32}.get(max(widths))
-    if wide is None:
-        return model_state
-    return jax.tree.map(lambda s: s.astype(wide) if _floating(s)
-                        and jnp.finfo(_dtype(s)).bits < max(widths) else s, model_state)
+    target = max(dtypes, key=lambda d: jnp.finfo(d).bits)
+    bits = jnp.finfo(target).bits
+
+    def cast(s):
+        if not _floating(s) or _dtype(s) == target:
+            return s
+        wider = jnp.finfo(_dtype(s)).bits > bits
+        return s.astype(target) if (narrow or not wider) else s
+
+    return jax.tree.map(cast, model_state)
 
 
 def _cast_like(new_state: PyTree, model_state: PyTree) -> PyTree:

@@ -109,7 +109,8 @@ def from_equinox(model: Any, state: Any = None, *,
 
     return Model(library="equinox", params=params, model_state=state, apply=apply,
                  rebuild=rebuild, takes_key=accepts_key,
-                 key_note="equinox models get the step's key as key=.")
+                 key_note="equinox models get the step's key as key=.",
+                 state_in_compute_dtype=True)  # eqx.nn.BatchNorm: lax.select of one dtype
 
 
 def _accepts_key(model: Any) -> bool:
