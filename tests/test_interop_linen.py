@@ -341,3 +341,14 @@ _TRAIN = {"train": True}
 def _train_model():
     module = NoBiasCNN()
     return from_linen(module, module.init(jax.random.key(0), _batches()[0]["x"], train=False))
+
+
+def test_import_funcgrad_imports_neither_flax_nor_equinox():
+    import subprocess
+    import sys
+
+    code = ("import sys, funcgrad, funcgrad.interop; "
+            "print('flax' in sys.modules, 'equinox' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr
