@@ -97,6 +97,13 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
             "For accumulation equal to the full-batch gradient use make_train_step(..., "
             "accumulate=K) with the inner optimizer; to keep MultiSteps' semantics pass "
             "multi_steps.gradient_transformation().")
+    if type(optimizer).__module__.startswith("flax.nnx"):  # nnx.Optimizer: flax not imported
+        raise TypeError(
+            f"optimizer is a flax {type(optimizer).__name__}, which holds a model and updates "
+            "it in place; funcgrad keeps the optimizer state in the TrainState. Pass the optax "
+            "transformation you built it with (e.g. optax.adam(1e-3)) and the model through "
+            "funcgrad.interop.from_nnx(model): make_train_step(m.loss(objective), tx), "
+            "m.init_train_state(tx).")
     if not isinstance(optimizer, str):
         raise TypeError(
             f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or an optax "
