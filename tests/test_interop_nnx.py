@@ -280,3 +280,20 @@ def test_an_nnx_optimizer_given_as_the_optimizer_says_what_to_pass():
         fg.init_train_state(m.params, opt)
     with pytest.raises(TypeError, match=r"(?s)flax Optimizer.*make_train_step\(m.loss"):
         fg.make_train_step(m.loss(_ce), opt)
+
+
+def test_a_module_that_takes_train_gets_it():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x, train):
+            return self.drop(self.lin(x), deterministic=not train)
+
+    model, x = Net(nnx.Rngs(0, dropout=1)), jnp.ones((2, 3))
+    m = from_nnx(model)
+    out, _ = m.apply(m.params, m.model_state, x, train=False)
+    _assert_trees_equal(out, model(x, train=False))  # no dropout: the Linear alone
+    out, _ = m.apply(m.params, m.model_state, x, train=True)
+    _assert_trees_equal(out, model(x, train=True))   # the same first dropout draw

@@ -343,3 +343,13 @@ def _wrong_module(adapter: str, expected: str, obj: Any) -> str:
                 f"funcgrad.interop.{_ADAPTERS[library]}.")
     article = "an" if expected[0] in "aeiou" else "a"
     return f"{adapter}: expected {article} {expected} module, got {type(obj).__name__}."
+
+
+def _call_takes(fn: Callable, name: str) -> bool:
+    """Whether `fn` has a parameter called `name` (not merely ``**kwargs``)."""
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False

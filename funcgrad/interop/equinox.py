@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from funcgrad.interop._model import Model, _wrong_module
+from funcgrad.interop._model import Model, _call_takes, _wrong_module
 
 
 def from_equinox(model: Any, state: Any = None, *,
@@ -35,7 +35,8 @@ def from_equinox(model: Any, state: Any = None, *,
 
     Modes: ``m.apply(..., train=False)`` runs ``eqx.nn.inference_mode(model, True)``
     (dropout off, BatchNorm on its running statistics), ``train=True`` ``inference_mode(model,
-    False)``, None the model as given.
+    False)``, None the model as given; a model whose ``__call__`` takes ``train`` also gets
+    it as an argument.
 
     Args:
       model: an ``eqx.Module`` with at least one floating array.
@@ -63,6 +64,7 @@ def from_equinox(model: Any, state: Any = None, *,
                         f"eqx.nn.make_with_state(Model)(...), or None; got "
                         f"{type(state).__name__}.")
     accepts_key = _accepts_key(model)
+    takes_train = _call_takes(model.__call__, "train")  # `def __call__(self, x, *, train)`
     params, static = eqx.partition(model, eqx.is_inexact_array)
     if not jax.tree.leaves(params):
         raise ValueError(f"from_equinox: {type(model).__name__} holds no floating arrays, so "
@@ -89,6 +91,8 @@ def from_equinox(model: Any, state: Any = None, *,
         module = eqx.combine(params, static)
         if train is not None:
             module = eqx.nn.inference_mode(module, not train)
+            if takes_train:
+                kwargs = {**kwargs, "train": train}
         if axis_name is None:
             return call(module, args, model_state, key, kwargs)
         sizes = {jax.numpy.shape(x)[0] for x in jax.tree.leaves(args) if jax.numpy.ndim(x)}

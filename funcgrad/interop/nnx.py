@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from funcgrad.interop._model import Model, _wrong_module
+from funcgrad.interop._model import Model, _call_takes, _wrong_module
 
 _OPTIMIZER = (
     "from_nnx got an nnx.Optimizer; funcgrad keeps the optimizer state itself. Pass the model "
@@ -33,7 +33,8 @@ def from_nnx(model: Any) -> Model:
 
     Modes: the module is used in the mode it was given in; ``m.apply(..., train=True)`` runs
     it as after ``model.train()``, ``train=False`` as after ``model.eval()`` (dropout off,
-    BatchNorm on its running statistics). The given module is never modified.
+    BatchNorm on its running statistics); a module whose ``__call__`` takes ``train`` also
+    gets it as an argument. The given module is never modified.
 
     Args:
       model: an ``nnx.Module`` with at least one ``nnx.Param``.
@@ -64,6 +65,7 @@ def from_nnx(model: Any) -> Model:
     copy.eval()
     eval_graphdef = nnx.split(copy, nnx.Param, ...)[0]
     graphdefs = {None: graphdef, True: train_graphdef, False: eval_graphdef}
+    takes_train = _call_takes(model.__call__, "train")  # `def __call__(self, x, train)`
 
     def module_of(params, model_state, graphdef):
         """A new module holding `params` and `model_state` (plain dicts), by the templates'
@@ -81,6 +83,8 @@ def from_nnx(model: Any) -> Model:
                              "own nnx.Rngs, held in model_state; pass key=None.")
         module = module_of(params, model_state, graphdefs[None if train is None else
                                                            bool(train)])
+        if takes_train and train is not None:
+            kwargs = {**kwargs, "train": train}
         outputs = module(*args, **kwargs)
         if model_state is None:
             return outputs, None
