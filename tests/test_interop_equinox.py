@@ -294,3 +294,14 @@ _TRAIN = {}
 
 def _train_model():
     return from_equinox(*eqx.nn.make_with_state(NoBiasCNN)(jax.random.key(0)))
+
+
+def test_takes_key_for_a_model_without_a_key_argument_is_refused():
+    class Affine(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.w * x
+
+    with pytest.raises(ValueError, match=r"takes_key=True.*Affine.__call__ takes no key="):
+        from_equinox(Affine(jnp.ones(3))).loss(_ce, takes_key=True)

@@ -44,7 +44,7 @@ class Model:
         self._apply = apply
         self._rebuild = rebuild
         self._takes_key = takes_key
-        self._key_note = key_note  # why the loss does (not) take funcgrad's key, for errors
+        self._key_note = key_note  # why the model takes no key (the error of takes_key=True)
         self._state_in_compute_dtype = state_in_compute_dtype  # see `apply`
 
     def __repr__(self) -> str:
@@ -127,13 +127,13 @@ class Model:
             key, step)``) and passes it to the model. Default: linen, True when the adapter has
             rng streams (``rngs=("dropout",)`` by default); equinox, True; nnx, False (and
             True is refused: nnx draws from the model's own ``Rngs``).
-          train: as in `apply`; for linen pass the module's own keyword (``train=True``) in
-            `kwargs` instead, or here: it is passed to the module like any keyword.
+          train: as in `apply` (linen: passed to the module as its ``train`` keyword).
           **kwargs: passed to the model's call at every step.
         Returns:
           a ``funcgrad.Loss`` with ``has_state = model_state is not None``.
         Raises:
-          ValueError: for ``takes_key=True`` on an nnx model; at the first call, if
+          ValueError: for ``takes_key=True`` on a model that takes no key (nnx; linen with
+            ``rngs=()``; equinox whose ``__call__`` has no ``key``); at the first call, if
             `objective` returns a tuple without `has_aux` or not a pair with it.
           TypeError: if `objective` is not callable or `inputs` is none of the forms above.
         """
@@ -152,7 +152,7 @@ class Model:
                             f"(outputs, batch) -> loss, got {type(objective).__name__}.")
         if takes_key is None:
             takes_key = self._takes_key
-        elif takes_key and not self._takes_key and self.library == "flax.nnx":
+        elif takes_key and not self._takes_key:
             raise ValueError(f"Model.loss(takes_key=True): {self._key_note}")
         args_of = _inputs(inputs)
         has_state = self.model_state is not None

@@ -113,7 +113,7 @@ def from_equinox(model: Any, state: Any = None, *,
 
     return Model(library="equinox", params=params, model_state=state, apply=apply,
                  rebuild=rebuild, takes_key=accepts_key,
-                 key_note="equinox models get the step's key as key=.",
+                 key_note=f"{type(model).__name__}.__call__ takes no key= argument.",
                  state_in_compute_dtype=True)  # eqx.nn.BatchNorm: lax.select of one dtype
 
 

@@ -97,7 +97,8 @@ def from_linen(module: Any, variables: Mapping[str, Any], *,
 
     return Model(library="flax.linen", params=params, model_state=model_state, apply=apply,
                  rebuild=rebuild, takes_key=bool(rngs),
-                 key_note="linen modules get the step's key as rngs={stream: key}.")
+                 key_note="from_linen(..., rngs=()) gives the module no rng stream; name "
+                          "the streams it draws from, e.g. rngs=('dropout',).")
 
 
 def _rng_message(error: Exception, key: Any, rngs: tuple[str, ...]) -> str:
