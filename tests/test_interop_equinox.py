@@ -4,6 +4,8 @@ Every expected value comes from equinox's own call, as its documentation writes 
 model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None))`` over (x, state, keys), and
 ``eqx.filter_grad`` of that loss. The adapter runs the same operations, so values agree exactly.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,12 +230,8 @@ def _eqx_loop(model, state, batches, tx, base_key):
 
 
 def test_train_step_matches_equinox_loop():
-    import optax
-
-    batches, tx = _batches(), optax.adam(1e-2)
-    model, state0 = eqx.nn.make_with_state(NoBiasCNN)(jax.random.key(0))
-    m = from_equinox(model, state0)
-    step = fg.make_train_step(m.loss(_ce), tx)
+    (m, tx, step), batches = _adam(), _batches()
+    model, state0 = m.rebuild(m.params, m.model_state)
     state = m.init_train_state(tx, seed=0)
     losses = []
     for batch in batches:
@@ -252,11 +250,7 @@ def test_train_step_matches_equinox_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    import optax
-
-    batches, tx = _batches(), optax.sgd(1e-2)
-    m = from_equinox(*eqx.nn.make_with_state(NoBiasCNN)(jax.random.key(0)))
-    step = fg.make_train_step(m.loss(_ce), tx)
+    (m, tx, step), batches = _adam(), _batches()
     state = m.init_train_state(tx, seed=0)
     _, at0 = step(state, batches[0])
     _, at1 = step(state._replace(step=jnp.ones((), jnp.int32)), batches[0])
@@ -268,12 +262,9 @@ def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
 
 
 def test_mixed_precision_step_keeps_float32_statistics():
-    import optax
-
-    m, batch = _train_model(), _batches()[0]
-    tx = optax.sgd(1e-2)
+    (m, tx, step), batch = _adam(), _batches()[0]
     state = m.init_train_state(tx, seed=0)
-    full, at32 = fg.make_train_step(m.loss(_ce, **_TRAIN), tx)(state, batch)
+    full, at32 = step(state, batch)
     half, at16 = fg.make_train_step(m.loss(_ce, **_TRAIN), tx, compute_dtype=jnp.bfloat16)(
         state, batch)
     assert int(at16["skipped"]) == 0
@@ -305,3 +296,12 @@ def test_takes_key_for_a_model_without_a_key_argument_is_refused():
 
     with pytest.raises(ValueError, match=r"takes_key=True.*Affine.__call__ takes no key="):
         from_equinox(Affine(jnp.ones(3))).loss(_ce, takes_key=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _adam():
+    """The model, Adam(1e-2) and its funcgrad step, compiled once for the tests below."""
+    import optax
+
+    m, tx = _train_model(), optax.adam(1e-2)
+    return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)

@@ -4,6 +4,8 @@ Every expected value comes from flax's own call on the same variables (``module.
 mutable=["batch_stats"], rngs={"dropout": key})``, ``jax.grad`` of flax's own loss): the
 adapter runs the same operations, so values agree exactly unless a comment says otherwise.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -266,13 +268,8 @@ def _batches():
 
 
 def test_train_step_matches_flax_train_state_loop():
-    import optax
-
-    module, batches = NoBiasCNN(), _batches()
-    variables = module.init(jax.random.key(0), batches[0]["x"], train=False)
-    m = from_linen(module, variables)
-    tx = optax.adam(1e-2)
-    step = fg.make_train_step(m.loss(_ce, train=True), tx)
+    (m, tx, step), batches, module = _adam(), _batches(), NoBiasCNN()
+    variables = m.rebuild(m.params, m.model_state)  # module.init's, as _train_model made them
     state = m.init_train_state(tx, seed=0)
     losses = []
     for batch in batches:
@@ -293,13 +290,7 @@ def test_train_step_matches_flax_train_state_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    import optax
-
-    module, batches = NoBiasCNN(), _batches()
-    variables = module.init(jax.random.key(0), batches[0]["x"], train=False)
-    m = from_linen(module, variables)
-    tx = optax.sgd(1e-2)
-    step = fg.make_train_step(m.loss(_ce, train=True), tx)
+    (m, tx, step), batches = _adam(), _batches()
     state = m.init_train_state(tx, seed=0)
     # The same params, statistics and batch at step 0 and at step 1: only the dropout key
     # (fold_in(key, step)) differs, so a different loss means a different mask.
@@ -314,12 +305,9 @@ def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
 
 
 def test_mixed_precision_step_keeps_float32_statistics():
-    import optax
-
-    m, batch = _train_model(), _batches()[0]
-    tx = optax.sgd(1e-2)
+    (m, tx, step), batch = _adam(), _batches()[0]
     state = m.init_train_state(tx, seed=0)
-    full, at32 = fg.make_train_step(m.loss(_ce, **_TRAIN), tx)(state, batch)
+    full, at32 = step(state, batch)
     half, at16 = fg.make_train_step(m.loss(_ce, **_TRAIN), tx, compute_dtype=jnp.bfloat16)(
         state, batch)
     assert int(at16["skipped"]) == 0
@@ -352,3 +340,12 @@ def test_import_funcgrad_imports_neither_flax_nor_equinox():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def _adam():
+    """The model, Adam(1e-2) and its funcgrad step, compiled once for the tests below."""
+    import optax
+
+    m, tx = _train_model(), optax.adam(1e-2)
+    return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)

@@ -4,6 +4,8 @@ Every expected value comes from nnx's own objects: the module called in place (i
 statistics and its dropout stream's count advance), ``nnx.grad`` of nnx's own loss. The adapter
 runs the same operations, so values agree exactly.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,12 +198,8 @@ def _nnx_loop(model, batches, tx):
 
 
 def test_train_step_matches_nnx_optimizer_loop():
-    import optax
-
-    batches, tx = _batches(), optax.adam(1e-2)
-    model = NoBiasCNN(nnx.Rngs(0, dropout=1))
-    m = from_nnx(model)  # before nnx's loop trains `model` in place
-    step = fg.make_train_step(m.loss(_ce), tx)
+    (m, tx, step), batches = _adam(), _batches()
+    model = m.rebuild(m.params, m.model_state)  # a new module: nnx's loop trains it in place
     state = m.init_train_state(tx)
     assert state.key is None  # nnx draws from its own Rngs
     losses = []
@@ -222,11 +220,7 @@ def test_train_step_matches_nnx_optimizer_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    import optax
-
-    batches, tx = _batches(), optax.sgd(1e-2)
-    m = from_nnx(NoBiasCNN(nnx.Rngs(0, dropout=1)))
-    step = fg.make_train_step(m.loss(_ce), tx)
+    (m, tx, step), batches = _adam(), _batches()
     state = m.init_train_state(tx)
     # Same params, statistics and batch; the dropout stream's count 0 and 1 (what a step
     # leaves it at): a different loss means a different mask.
@@ -242,12 +236,9 @@ def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
 
 
 def test_mixed_precision_step_keeps_float32_statistics():
-    import optax
-
-    m, batch = _train_model(), _batches()[0]
-    tx = optax.sgd(1e-2)
+    (m, tx, step), batch = _adam(), _batches()[0]
     state = m.init_train_state(tx, seed=0)
-    full, at32 = fg.make_train_step(m.loss(_ce, **_TRAIN), tx)(state, batch)
+    full, at32 = step(state, batch)
     half, at16 = fg.make_train_step(m.loss(_ce, **_TRAIN), tx, compute_dtype=jnp.bfloat16)(
         state, batch)
     assert int(at16["skipped"]) == 0
@@ -297,3 +288,12 @@ def test_a_module_that_takes_train_gets_it():
     _assert_trees_equal(out, model(x, train=False))  # no dropout: the Linear alone
     out, _ = m.apply(m.params, m.model_state, x, train=True)
     _assert_trees_equal(out, model(x, train=True))   # the same first dropout draw
+
+
+@functools.lru_cache(maxsize=None)
+def _adam():
+    """The model, Adam(1e-2) and its funcgrad step, compiled once for the tests below."""
+    import optax
+
+    m, tx = _train_model(), optax.adam(1e-2)
+    return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)
