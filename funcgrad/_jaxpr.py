@@ -17,6 +17,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
+from funcgrad._paths import arg_leaf_paths, keystr
+
 
 def arg_names(fn: Callable, nargs: int) -> list[str]:
     """Names of the first `nargs` positional parameters of `fn` (``args[i]`` where unknown)."""
@@ -37,8 +39,7 @@ def arg_names(fn: Callable, nargs: int) -> list[str]:
 def leaf_paths(args: tuple, names: list[str]) -> list[str]:
     """One name per leaf of the tuple `args`, in ``jax.tree.leaves(args)`` order:
     the argument's name followed by the leaf's key path, e.g. ``params[0]['w']``."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
-    return [names[path[0].idx] + jax.tree_util.keystr(path[1:]) for path, _ in flat]
+    return [names[i] + keystr(path) for i, path in arg_leaf_paths(tuple(args))]
 
 
 def check_array_args(where: str, args: tuple, names: list[str]) -> None:

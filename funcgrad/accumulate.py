@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from funcgrad._library_objects import split_equinox_args
 from funcgrad.coupling import warn_if_coupled
 from funcgrad.microbatches import Microbatches as Microbatches
 from funcgrad.microbatches import _positive_int
@@ -128,6 +129,7 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
       funcgrad.coupling.CoupledExamplesWarning: once per trace, if `loss_fn` couples the
         examples of a micro-batch (the mean is then not the full-batch gradient).
     """
+    loss_fn, (params,) = split_equinox_args(loss_fn, (params,))  # an equinox model's arrays
     microbatches, mask = _unpacked(microbatches, mask)
     num, size = _leading_axes(microbatches)
     mask = _checked_mask(mask, num, size)

@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from funcgrad import _graph_draw
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._jaxpr import arg_names, is_float, leaf_paths, source_line, sub_jaxprs
 from funcgrad._traced import TracedValueError, traced_values
 
@@ -253,6 +254,7 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
     if not callable(fn):
         raise TypeError(f"trace: fn must be a callable such as a loss function, got "
                         f"{type(fn).__name__} {fn!r}. Example: trace(loss_fn, params, batch).")
+    fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
     names = arg_names(fn, len(args))
     paths = leaf_paths(args, names)
     for path, leaf in zip(paths, jax.tree.leaves(args)):

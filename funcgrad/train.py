@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from funcgrad._library_objects import check_optimizer, check_params
+from funcgrad._paths import key_paths, keystr
 from funcgrad._traced import naming_traced_values
 from funcgrad.accumulate import make_accumulating_step
 from funcgrad.clipping import all_finite, clip_by_global_norm, global_norm, zero_nonfinite_leaves
@@ -79,6 +81,7 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
     """
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
+    check_optimizer("make_optimizer", optimizer)
     if isinstance(optimizer, optax.MultiSteps):
         raise TypeError(
             "optimizer is an optax.MultiSteps, which is not a GradientTransformation itself. "
@@ -144,6 +147,8 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     Raises TypeError for a `monitor` or `loss_scale` of the wrong kind (``monitor=True``).
     """
     _check_kinds(monitor, loss_scale)
+    check_optimizer("init_train_state", optimizer)
+    check_params("init_train_state", params)  # equinox / nnx objects: the fix, not optax's error
     optimizer = make_optimizer(optimizer)
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
@@ -304,6 +309,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         scalar (with `accumulate`: not one loss per example) or the optimizer state does not
         match `optimizer` and the params.
     """
+    check_optimizer("make_train_step", optimizer)
     optimizer = make_optimizer(optimizer)
     loss_fn = naming_traced_values(loss_fn, "the train step", ("params", "batch"), (0,))
     if clip_norm is not None and not (isinstance(clip_norm, (int, float, np.number))
@@ -667,7 +673,7 @@ def _explain_skipped_update(state: TrainState, metrics: Mapping[str, Any]) -> st
         bad = np.flatnonzero(~(updates_ok.all(0) & params_ok.all(0)))
         u = int(bad[0]) if bad.size else 0
         updates_ok, params_ok = updates_ok[:, u], params_ok[:, u]
-    flat, _ = jax.tree_util.tree_flatten_with_path(state.params)
+    flat = zip(key_paths(state.params), jax.tree.leaves(state.params))
     rows, half = [], False
     for (kp, leaf), u_ok, p_ok in zip(flat, updates_ok, params_ok):
         if u_ok and p_ok:
@@ -677,7 +683,7 @@ def _explain_skipped_update(state: TrainState, metrics: Mapping[str, Any]) -> st
         what = ("its update holds NaN/inf" if not u_ok else
                 "it held NaN/inf before the step" if not np.isfinite(np.asarray(leaf)).all()
                 else "its update is finite but the new value overflows")
-        rows.append(f"params{jax.tree_util.keystr(kp)} ({dtype}): {what}")
+        rows.append(f"params{keystr(kp)} ({dtype}): {what}")
     if not rows:
         return ""
     text = ("The loss and the gradient norm are finite, but the update would leave "
