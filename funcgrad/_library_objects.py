@@ -142,12 +142,12 @@ def check_params(where: str, params: PyTree) -> None:
             "with a loss that returns the new model state), and nnx.merge(graphdef, params, "
             "model_state) after training; or use model = funcgrad.interop.from_nnx(module), "
             "whose model.init_train_state(optimizer) does this.")
-    if holds_equinox_module(params):
-        bad = _first_non_array(params)
-        leaf = f"; its leaf params{keystr(bad[0])} is a {type(bad[1]).__name__}" if bad else ""
+    bad = _first_not_partitioned(params) if holds_equinox_module(params) else None
+    if bad is not None:  # eqx.partition(params, eqx.is_inexact_array) would leave it out
         raise TypeError(
-            f"{where}: params is an equinox module ({type(params).__name__}){leaf}, and the "
-            "train state holds arrays only (it is jitted and checkpointed, and the optimizer "
+            f"{where}: params is an equinox module ({type(params).__name__}); its leaf "
+            f"params{keystr(bad[0])} is a {type(bad[1]).__name__}, and the train state "
+            "holds floating arrays only (it is jitted and checkpointed, and the optimizer "
             "updates every leaf). Train its floating arrays and close over the rest: params, "
             "static = eqx.partition(model, eqx.is_inexact_array); loss_fn = lambda params, "
             "batch: loss(eqx.combine(params, static), batch); state = init_train_state(params, "
@@ -170,6 +170,15 @@ def check_params(where: str, params: PyTree) -> None:
             f"{where}: params{keystr(bad[0])} is a {type(bad[1]).__name__}, not an array or a "
             "number; the train state holds arrays only. Close over it in the loss (e.g. "
             "functools.partial(loss_fn, name=value)) and pass the arrays as params.")
+
+
+def _first_not_partitioned(tree: PyTree) -> tuple[tuple, Any] | None:
+    """The first leaf (path, leaf) that is not a floating array: a function, a string, or a
+    Python number such as a dropout rate, which an optimizer would change."""
+    for path, leaf in zip(key_paths(tree), jax.tree.leaves(tree)):
+        if not _is_inexact_array(leaf):
+            return path, leaf
+    return None
 
 
 def _first_non_array(tree: PyTree) -> tuple[tuple, Any] | None:

@@ -109,7 +109,8 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> losses`` of shape ``(m,)``, one per example
         (not their mean); `microbatch` is `microbatches` without its leading axis.
-      params: the pytree to differentiate with respect to (floating leaves).
+      params: the pytree to differentiate with respect to (floating leaves). An equinox
+        module is taken as ``eqx.filter_grad`` takes it (grads None at its other leaves).
       microbatches: a `Microbatches` (from `stack_microbatches`, whose mask is used), or a
         pytree whose leaves all have shape ``(num_micro_batches, m, ...)``.
       mask: for a plain pytree only: bool ``(num_micro_batches, m)``, True for a real example

@@ -85,7 +85,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
       fn: ``fn(*args)`` returning a floating array or pytree of arrays (any shape); with
         `has_aux`, a pair ``(output, aux)`` whose aux is ignored.
       *args: the primal point. Floating leaves of every argument are promoted to float64 for
-        the check (inside ``jax.enable_x64``; the global flag is never changed).
+        the check (inside ``jax.enable_x64``; the global flag is never changed). An equinox
+        module is taken as ``eqx.filter_grad`` takes it: its floating arrays are checked
+        (rows ``m.layers[0].weight``), its other leaves closed over.
       argnums: which positional argument(s) to differentiate. Integer and boolean leaves inside
         them are skipped and listed in the report.
       mode: "full" (every element) or "directional" (random tangents; for large models).

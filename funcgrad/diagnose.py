@@ -266,7 +266,8 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     Args:
       loss_fn: ``loss_fn(params, *args) -> scalar`` (or ``(scalar, aux)`` with `has_aux`), a
         pure function; may use jit, vmap, scan, cond, custom_jvp/vjp inside.
-      params: the pytree differentiated (argument 0), of arrays of any shapes.
+      params: the pytree differentiated (argument 0), of arrays of any shapes (an equinox
+        module: its floating arrays, the rest closed over).
       *args: the other arguments (a batch, labels...), not differentiated.
       has_aux: whether `loss_fn` returns ``(loss, aux)``.
     Returns:

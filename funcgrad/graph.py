@@ -228,6 +228,7 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
       *args: the primal point: pytrees (dicts, lists, tuples, None, ...) whose leaves are
         arrays of any shape and dtype: ``jax.Array``, NumPy arrays, Python scalars (traced as
         weakly typed arrays) or ``jax.ShapeDtypeStruct`` (shapes only, nothing is computed).
+        An equinox module's floating arrays are its leaves; its other leaves are closed over.
       residuals: also list what ``jax.vjp(fn, *args)`` saves for the backward pass, with every
         floating leaf differentiated (integer and boolean leaves have no cotangent).
     A jitted `fn` (``trace(jax.jit(f), ...)``, whose record is one ``jit`` equation) is traced

@@ -94,7 +94,9 @@ def trainable_mask(params: PyTree, *, train: Selector | None = None,
     ``train="*/w", freeze="0/*"`` trains the weights of every layer but the first.
 
     Args:
-      params: the parameter pytree (arrays or anything else as leaves).
+      params: the parameter pytree (arrays or anything else as leaves). An equinox module
+        is described by its floating arrays: the mask has the structure of
+        ``eqx.filter(model, eqx.is_inexact_array)`` (None elsewhere), the params it trains.
       train, freeze: a glob pattern over leaf paths (see the module docstring: ``"0/w"``,
         ``"0/*"``, ``"*/b"``), a predicate ``(path: str, leaf) -> bool``, or a list of them
         (a leaf is selected when any item selects it).
@@ -217,6 +219,8 @@ def value_and_grad_trainable(fn: Callable, mask: PyTree, *,
 
     Args:
       fn: ``fn(params, *args, **kwargs) -> scalar`` (or ``(scalar, aux)`` with `has_aux`).
+        An equinox module in the arguments is split as ``eqx.filter_grad`` splits it (its
+        floating arrays differentiated, the rest closed over); `grads` then has None elsewhere.
       mask: Python bools with the structure of `params` or a prefix of it (`trainable_mask`).
       has_aux: as in ``jax.value_and_grad``.
     Returns:
@@ -230,10 +234,11 @@ def value_and_grad_trainable(fn: Callable, mask: PyTree, *,
         floating point (integers have no gradient: freeze them).
     """
     def value_and_grads(params, *args, **kwargs):
+        of_arrays, (params, *args) = split_equinox_args(fn, (params, *args))
         trainable, frozen, merge = _split(params, mask, "value_and_grad_trainable")
 
         def of_trainable(trainable_leaves):
-            return fn(merge(trainable_leaves, frozen), *args, **kwargs)
+            return of_arrays(merge(trainable_leaves, frozen), *args, **kwargs)
 
         value, grads = jax.value_and_grad(of_trainable, has_aux=has_aux)(trainable)
         return value, merge(grads, [jnp.zeros_like(x) for x in frozen])
@@ -315,7 +320,8 @@ def requires_grad(fn: Callable, mask: PyTree) -> Callable[..., PyTree]:
     ``round(x)`` and then give a zero gradient.
 
     Args:
-      fn: ``fn(params, *args) -> pytree of arrays``; `args` are arrays or pytrees of them.
+      fn: ``fn(params, *args) -> pytree of arrays``; `args` are arrays or pytrees of them
+        (an equinox module's floating arrays are its leaves, the rest is closed over).
       mask: Python bools with the structure of `params` or a prefix of it (`trainable_mask`).
     Returns:
       ``report(params, *args) -> pytree of Python bools`` with the structure of `fn`'s output.

@@ -465,7 +465,8 @@ class GradMonitor:
 
         `trainable` (a mask from `funcgrad.trainable_mask`, the structure of `params` or a
         prefix of it) excludes layers whose leaves are all frozen from the vanishing check.
-        Raises ValueError if `params` has no leaves.
+        An equinox module is described by its floating arrays (the leaves of
+        ``eqx.filter_grad``'s gradient). Raises ValueError if `params` has no leaves.
         """
         params = equinox_floating(params)  # an equinox model: the leaves eqx.filter_grad gives
         leaf_names, layer_names, layer_of = _layers(params)

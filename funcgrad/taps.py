@@ -263,7 +263,10 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
     Args:
       fn: ``fn(*args) -> scalar`` (or ``(scalar, aux)`` with `has_aux`), pure, with `tap`
         calls inside (anywhere it calls, including jitted, vmapped and scanned code).
-      argnums: which positional arguments to differentiate, as in ``jax.grad``.
+      argnums: which positional arguments to differentiate, as in ``jax.grad``: their
+        floating leaves; integer and PRNG-key leaves (an nnx RngCount, RngKey) get JAX's
+        ``float0`` zeros, as with ``jax.grad(..., allow_int=True)``. An equinox module is
+        taken as ``eqx.filter_grad`` takes it (grads None at its non-floating leaves).
       has_aux: whether `fn` returns ``(value, aux)``.
     Returns:
       A function of the same arguments (keyword arguments are passed to `fn` and not

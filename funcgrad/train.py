@@ -77,7 +77,8 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
       momentum: the momentum coefficient beta in [0, 1) for "momentum".
     Raises:
       ValueError: for an unknown name, a non-positive learning rate or a momentum outside [0, 1).
-      TypeError: if `optimizer` is neither a name nor an optax transformation.
+      TypeError: if `optimizer` is neither a name nor an optax transformation (an
+        ``nnx.Optimizer`` is told to pass the optax transformation it wraps).
     """
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
@@ -144,7 +145,10 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     ``funcgrad.dynamic_loss_scale()``) adds its initial state; give `make_train_step` the same.
     `monitor` (``funcgrad.grad_monitor()``) adds the monitor's state (layers whose leaves are
     all frozen by `trainable` are not checked for vanishing); give `make_train_step` the same.
-    Raises TypeError for a `monitor` or `loss_scale` of the wrong kind (``monitor=True``).
+    Raises TypeError for a `monitor` or `loss_scale` of the wrong kind (``monitor=True``);
+    for an ``nnx.Optimizer``, and for params that are an equinox module, an nnx Module, an nnx
+    State with Variables other than ``nnx.Param`` (BatchStat, RngCount...) or hold a
+    non-array leaf: the message gives the split that fixes it (`funcgrad._library_objects`).
     """
     _check_kinds(monitor, loss_scale)
     check_optimizer("init_train_state", optimizer)
