@@ -228,6 +228,13 @@ def test_nnx_leaves_are_named_without_the_value_level_in_every_report():
     kernel = params["l2"]["kernel"][...]
     broken = jax.tree.map(lambda v: v.at[0, 0].set(jnp.inf) if v is kernel else v, params)
     assert fg.find_nonfinite(loss_p, broken, batch).where == "params['l2']['kernel']"
+    # An nnx Module given whole is a pytree of its Variables: attribute paths, no '.value';
+    # the RngCount and RngKey are not differentiated.
+    whole = fg.explain_grads(lambda params, b: jnp.mean((params(b[0]) - b[1]) ** 2), module,
+                             batch)
+    assert [(r.path, r.status) for r in whole.rows][3:7] == [
+        ("params.bn1.var", "connected"), ("params.drop.rngs.count", "not_differentiable"),
+        ("params.drop.rngs.key", "not_differentiable"), ("params.l1.bias", "connected")]
     # Mask patterns use the same paths: 'bn1/scale', not 'bn1/scale/value'.
     mask = fg.trainable_mask(params, freeze="bn1/scale")
     assert [bool(m) for m in jax.tree.leaves(mask)] == [True, False, True, True, True, True]
