@@ -143,11 +143,11 @@ def check_params(where: str, params: PyTree) -> None:
             "model_state) after training; or use model = funcgrad.interop.from_nnx(module), "
             "whose model.init_train_state(optimizer) does this.")
     bad = _first_not_partitioned(params) if holds_equinox_module(params) else None
-    if bad is not None:  # eqx.partition(params, eqx.is_inexact_array) would leave it out
+    if bad is not None:  # eqx.partition(params, eqx.is_inexact_array) leaves it out
         raise TypeError(
             f"{where}: params is an equinox module ({type(params).__name__}); its leaf "
             f"params{keystr(bad[0])} is a {type(bad[1]).__name__}, and the train state "
-            "holds floating arrays only (it is jitted and checkpointed, and the optimizer "
+            "holds arrays only (it is jitted and checkpointed, and the optimizer "
             "updates every leaf). Train its floating arrays and close over the rest: params, "
             "static = eqx.partition(model, eqx.is_inexact_array); loss_fn = lambda params, "
             "batch: loss(eqx.combine(params, static), batch); state = init_train_state(params, "
@@ -173,10 +173,11 @@ def check_params(where: str, params: PyTree) -> None:
 
 
 def _first_not_partitioned(tree: PyTree) -> tuple[tuple, Any] | None:
-    """The first leaf (path, leaf) that is not a floating array: a function, a string, or a
-    Python number such as a dropout rate, which an optimizer would change."""
+    """The first leaf (path, leaf) of an equinox module that is not an array: a function, a
+    string, or a Python number such as a dropout rate, which an optimizer would change. (An
+    integer array is left to the step's own check, which names it and the way to freeze it.)"""
     for path, leaf in zip(key_paths(tree), jax.tree.leaves(tree)):
-        if not _is_inexact_array(leaf):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
             return path, leaf
     return None
 
