@@ -220,7 +220,8 @@ def find_nonfinite(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, g
       `grad`) the gradient are finite. ``print(report)`` explains it.
     Raises:
       TypeError: if `fn` is not callable, an argument leaf is not an array or number, `argnums`
-        is not an int or ints, or a differentiated leaf is complex (its path is named); `funcgrad.TracedValueError` (a TypeError) when `fn` uses a traced
+        is not an int or ints, or a differentiated leaf is complex (its path is named);
+        `funcgrad.TracedValueError` (a TypeError) when `fn` uses a traced
         value as a Python value (``if x > 0:``, ``range(n)``): the message names fn's line and
         the fix.
       ValueError: if `argnums` is out of range, or with `grad` the loss is not a real scalar.
