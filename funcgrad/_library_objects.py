@@ -153,6 +153,17 @@ def check_params(where: str, params: PyTree) -> None:
             "batch: loss(eqx.combine(params, static), batch); state = init_train_state(params, "
             "optimizer); after training, model = eqx.combine(state.params, static). Or use "
             "funcgrad.interop.from_equinox(model), which also carries eqx.nn.State and keys.")
+    collections = _linen_collections(params)
+    if collections:  # a linen variables dict given whole: its statistics would be trained
+        raise TypeError(
+            f"{where}: params looks like a whole flax linen variables dict (top-level keys "
+            f"'params' and {', '.join(repr(c) for c in collections)}). The optimizer would "
+            f"treat {collections[0]!r} as weights: BatchNorm's running statistics would get "
+            "zero gradients and never move. Pass variables['params'] as params and the other "
+            "collections as model_state= (init_train_state(variables['params'], optimizer, "
+            "model_state={k: v for k, v in variables.items() if k != 'params'})) with a loss "
+            "that applies the module with mutable=[...] and returns the new model state; or "
+            "use model = funcgrad.interop.from_linen(module, variables).")
     others = _non_param_variables(params)
     if others:
         listed = ", ".join(f"params{keystr(p)} ({kind})" for p, kind in others[:6])
@@ -197,3 +208,14 @@ def _non_param_variables(tree: PyTree) -> list[tuple[tuple, str]]:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_nnx_variable)[0]
     return [(path, type(v).__name__) for path, v in flat
             if is_nnx_variable(v) and not isinstance(v, param)]
+
+
+#: Collections flax linen keeps beside "params" that hold no weights.
+_LINEN_COLLECTIONS = ("batch_stats", "cache", "intermediates", "losses", "spectral_stats")
+
+
+def _linen_collections(params: PyTree) -> list[str]:
+    """The non-weight linen collections at the top of a mapping that also has "params"."""
+    if not hasattr(params, "keys") or "params" not in params.keys():
+        return []
+    return [k for k in params.keys() if k in _LINEN_COLLECTIONS]

@@ -294,3 +294,13 @@ def test_the_train_state_refuses_nnx_objects_with_the_fix():
         fg.init_train_state(params, optax.sgd(0.1)), batch)
     grads = jax.grad(loss_p)(params, batch)
     _assert_same_grads(new.params, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+
+
+def test_a_whole_linen_variables_dict_is_refused_with_the_split():
+    """{'params', 'batch_stats'} given whole would train the statistics as weights (their
+    gradient is 0, so they never move): refused, naming from_linen and the split."""
+    variables = {"params": {"w": jnp.ones((2,))}, "batch_stats": {"mean": jnp.zeros((2,))}}
+    with pytest.raises(TypeError, match=r"'batch_stats'.*from_linen"):
+        fg.init_train_state(variables, optax.sgd(0.1))
+    fg.init_train_state(variables["params"], optax.sgd(0.1),
+                        model_state={"batch_stats": variables["batch_stats"]})
