@@ -18,6 +18,9 @@ from funcgrad.fit import FitResult as FitResult
 from funcgrad.fit import History as History
 from funcgrad.fit import NonFiniteReport as NonFiniteReport
 from funcgrad.train import TrainState as TrainState
+from funcgrad.loss import Loss as Loss
+from funcgrad.loss import LossOutput as LossOutput
+from funcgrad.loss import as_loss as as_loss
 from funcgrad.fit import fit as fit
 from funcgrad.train import init_train_state as init_train_state
 from funcgrad.train import make_optimizer as make_optimizer

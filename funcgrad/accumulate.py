@@ -131,16 +131,23 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
     microbatches, mask = _unpacked(microbatches, mask)
     num, size = _leading_axes(microbatches)
     mask = _checked_mask(mask, num, size)
-    acc = _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
-                      value_and_grad=value_and_grad)
+    acc, _, _ = _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
+                            value_and_grad=value_and_grad)
     warn_if_coupled(loss_fn, params, _one(microbatches))  # once per trace, see funcgrad.coupling
     return acc
 
 
 def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
                 value_and_grad=jax.value_and_grad, compute_dtype=None,
-                scale=None) -> AccumulatedGrads:
+                scale=None, model_state=None, key=None):
     """`accumulate_grads` over micro-batches ``start .. start + length - 1`` (start may be traced).
+
+    Returns ``(AccumulatedGrads, new_model_state, aux)``. `loss_fn` is a plain per-example loss
+    or a `funcgrad.Loss` (per-example) under the contract of `funcgrad.loss`: its model state
+    threads through the micro-batches in order (micro-batch j sees the state left by j - 1, as
+    K forward passes in PyTorch would update running statistics K times), micro-batch j of
+    the group gets the key ``fold_in(key, j)``, and its aux is stacked along a leading axis of
+    length `length` (None without has_aux).
 
     Micro-batches are read by index (``dynamic_index_in_dim``) rather than sliced out first,
     so no copy of the group is made: temporary memory is one micro-batch, whatever `length`.
@@ -150,8 +157,15 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     before it is added (`funcgrad.precision.scaled_value_and_grad`), so the sums only ever
     hold true, float32 gradients.
     """
+    from funcgrad.loss import as_loss
+
+    loss = as_loss(loss_fn)
     one = _one(microbatches)
-    out = jax.eval_shape(loss_fn, params, one)
+    start = jnp.asarray(start, jnp.int32)
+    key_of = ((lambda j: None) if not loss.takes_key
+              else (lambda j: jax.random.fold_in(key, j)))
+    out = jax.eval_shape(lambda p, b: loss(p, b, model_state=model_state, key=key_of(0)).loss,
+                         params, one)
     size = jax.tree.leaves(one)[0].shape[0]
     if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != (size,):
         got = (f"shape {out.shape}" if isinstance(out, jax.ShapeDtypeStruct)
@@ -159,28 +173,39 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
         raise ValueError(f"accumulate: loss_fn returned {got}, expected shape ({size},): one "
                          f"loss per example of the micro-batch.\n{_PER_EXAMPLE_HELP}")
 
-    def summed_loss(p, microbatch, real):
-        losses = loss_fn(p, microbatch)
-        if real is None:
-            return jnp.sum(losses)
-        return jnp.sum(jnp.where(real, losses, jnp.zeros_like(losses)))
+    def summed_loss(p, microbatch, real, state, k):
+        result = loss(p, microbatch, model_state=state, key=k)
+        losses = result.loss
+        total = (jnp.sum(losses) if real is None
+                 else jnp.sum(jnp.where(real, losses, jnp.zeros_like(losses))))
+        return total, (result.model_state, result.aux)
 
-    if compute_dtype is None and scale is None:
-        differentiate = value_and_grad(summed_loss)
-    else:
+    def differentiate(p, microbatch, real, state, k):
+        if compute_dtype is None and scale is None:
+            if not (loss.has_state or loss.has_aux):  # a plain transform needs no has_aux
+                total, grads = value_and_grad(lambda *a: summed_loss(*a)[0])(
+                    p, microbatch, real, state, k)
+                return (total, (None, None)), grads
+            return value_and_grad(summed_loss, has_aux=True)(p, microbatch, real, state, k)
         # The compute-dtype pass differentiates the micro-batch's summed loss divided by its
         # padded size m: per-example cotangents are then those of a mean loss (scale / m), as
         # in a step without accumulation, so float16 overflows no sooner and a dynamic loss
         # scale settles where it would without accumulation. The float32 result is multiplied
-        # back by m (one rounding, ~6e-8 relative).
+        # back by m (one rounding, ~6e-8 relative). The model state is not cast (see
+        # funcgrad._step_stages.differentiate); its new value is cast back to the old dtypes.
+        def mean_loss(p, batch):
+            total, (new_state, aux) = summed_loss(p, *batch, state, k)
+            if new_state is not None:
+                new_state = jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)),
+                                         new_state, state)
+            return total / size, (new_state, aux)
+
         scaled = scaled_value_and_grad(
-            lambda p, batch: summed_loss(p, *batch) / size, value_and_grad=value_and_grad,
+            mean_loss, value_and_grad=value_and_grad, has_aux=True,
             compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
         one_scale = jnp.ones((), jnp.float32) if scale is None else scale
-
-        def differentiate(p, microbatch, real):
-            loss, grads = scaled(p, (microbatch, real), one_scale)
-            return loss * size, jax.tree.map(lambda g: g * size, grads)
+        (loss_value, rest), grads = scaled(p, (microbatch, real), one_scale)
+        return (loss_value * size, rest), jax.tree.map(lambda g: g * size, grads)
 
     acc_dtype = lambda dtype: jnp.promote_types(dtype, jnp.float32)
     zeros = (jnp.zeros((), acc_dtype(out.dtype)),
@@ -189,22 +214,25 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
              jnp.zeros((), jnp.int32))
 
     def body(carry, _):
-        index, loss_sum, grad_sum, count = carry
+        index, loss_sum, grad_sum, count, state = carry
         take = lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False)
         microbatch = jax.tree.map(take, microbatches)
         real = None if mask is None else take(mask)
-        loss, grads = differentiate(params, microbatch, real)
+        (loss_value, (state, aux)), grads = differentiate(params, microbatch, real, state,
+                                                          key_of(index - start))
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
         n = size if real is None else jnp.sum(real, dtype=jnp.int32)
-        return (index + 1, loss_sum + loss.astype(loss_sum.dtype), grad_sum, count + n), None
+        return (index + 1, loss_sum + loss_value.astype(loss_sum.dtype), grad_sum, count + n,
+                state), aux
 
     # The index is carried, not scanned over: an xs of arange(length) would be a buffer of
     # `length` int32s, and temporary memory would grow (4 bytes) with each micro-batch.
-    start = jnp.asarray(start, jnp.int32)
-    (_, loss_sum, grad_sum, count), _ = jax.lax.scan(body, (start, *zeros), None, length=length)
+    (_, loss_sum, grad_sum, count, model_state), aux = jax.lax.scan(
+        body, (start, *zeros, model_state), None, length=length)
     mean = lambda s, like: (s / count.astype(s.dtype)).astype(jnp.result_type(like))
-    return AccumulatedGrads(loss_sum / count.astype(loss_sum.dtype),
-                            jax.tree.map(mean, grad_sum, params), count)
+    return (AccumulatedGrads(loss_sum / count.astype(loss_sum.dtype),
+                             jax.tree.map(mean, grad_sum, params), count),
+            model_state, aux)
 
 
 def make_accumulating_step(
@@ -263,6 +291,9 @@ def make_accumulating_step(
       funcgrad.coupling.CoupledExamplesWarning: at the first call (once per trace), if
         `loss_fn` couples the examples of a micro-batch.
     """
+    from funcgrad.loss import as_loss
+
+    loss = as_loss(loss_fn)
     k = _positive_int(accumulate, "accumulate")
     if tail not in TAIL_POLICIES:
         raise ValueError(f"tail must be one of {list(TAIL_POLICIES)} (what to do with a final "
@@ -278,26 +309,35 @@ def make_accumulating_step(
         groups, rest = divmod(num, k)
 
         def update(state, start, length):
-            acc = _accumulate(loss_fn, state.params, microbatches, mask, start=start,
-                              length=length, value_and_grad=value_and_grad,
-                              compute_dtype=compute_dtype,
-                              scale=None if loss_scale_of is None else loss_scale_of(state))
-            state, metrics = apply_update(state, acc.loss, acc.grads)
-            return state, {**metrics, "examples": acc.count}
+            model_state = state.model_state if loss.has_state else None
+            key = _update_key(state) if loss.takes_key else None
+            acc, model_state, aux = _accumulate(
+                loss, state.params, microbatches, mask, start=start, length=length,
+                value_and_grad=value_and_grad, compute_dtype=compute_dtype,
+                scale=None if loss_scale_of is None else loss_scale_of(state),
+                model_state=model_state, key=key)
+            if loss.has_state:
+                state, metrics = apply_update(state, acc.loss, acc.grads, model_state=model_state)
+            else:
+                state, metrics = apply_update(state, acc.loss, acc.grads)
+            return state, {**metrics, "examples": acc.count}, aux
 
-        rows = []
+        rows, auxes = [], []
         if groups:
             def group(carry, _):  # the group's first micro-batch is carried (see _accumulate)
                 state, start = carry
-                state, row = update(state, start, k)
-                return (state, start + k), row
-            (state, _), row = jax.lax.scan(group, (state, jnp.zeros((), jnp.int32)), None,
-                                           length=groups)
+                state, row, aux = update(state, start, k)
+                return (state, start + k), (row, aux)
+            (state, _), (row, aux) = jax.lax.scan(
+                group, (state, jnp.zeros((), jnp.int32)), None, length=groups)
             rows.append(row)
+            # (groups, K, ...) -> (groups * K, ...): one entry per micro-batch, in order
+            auxes.append(jax.tree.map(lambda v: v.reshape(groups * k, *v.shape[2:]), aux))
         dropped = jnp.zeros((), jnp.int32)
         if rest and tail == "apply":
-            state, row = update(state, groups * k, rest)
+            state, row, aux = update(state, groups * k, rest)
             rows.append(jax.tree.map(lambda v: v[None], row))
+            auxes.append(aux)
         elif rest:
             dropped = (jnp.asarray(rest * size, jnp.int32) if mask is None
                        else jnp.sum(mask[groups * k:], dtype=jnp.int32))
@@ -306,14 +346,44 @@ def make_accumulating_step(
         else:  # fewer than K micro-batches, dropped: no update, empty metrics of the right kind
             shapes = jax.eval_shape(lambda s: update(s, 0, rest)[1], state)
             metrics = jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), shapes)
+        if loss.has_aux:
+            metrics["aux"] = (jax.tree.map(lambda *v: jnp.concatenate(v), *auxes) if auxes
+                              else jax.tree.map(lambda a: jnp.zeros((0, *a.shape[1:]), a.dtype),
+                                                jax.eval_shape(lambda s: update(s, 0, rest)[2],
+                                                               state)))
         probe = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)),
                              (_one(microbatches), state.params))
         if repr(probe) not in probed:  # once per shapes, also when not jitted (jit=False)
             probed.add(repr(probe))
-            warn_if_coupled(loss_fn, state.params, _one(microbatches))
+            _warn_if_coupled(loss, state, _one(microbatches))
         return state, {**metrics, "dropped_examples": dropped}
 
     return jax.jit(step) if jit else step
+
+
+def _update_key(state) -> jax.Array:
+    """The key of the update about to run: ``fold_in(state.key, state.step)``."""
+    if getattr(state, "key", None) is None:
+        raise ValueError("the loss takes a PRNG key, but the train state has none. Create it "
+                         "with init_train_state(params, optimizer, seed=0) (or "
+                         "key=jax.random.key(0)).")
+    return jax.random.fold_in(state.key, state.step)
+
+
+def _warn_if_coupled(loss, state, microbatch) -> None:
+    """`warn_if_coupled` for a loss under the contract: the probe varies the params and the
+    model state (a synthetic stand-in, like the params) and draws a probe key."""
+    if not (loss.has_state or loss.takes_key):
+        warn_if_coupled(loss.fn, state.params, microbatch)
+        return
+    model_state = state.model_state if loss.has_state else None
+    key = _update_key(state) if loss.takes_key else None
+
+    def probed(packed, batch):
+        params, model_state, key = packed
+        return loss(params, batch, model_state=model_state, key=key).loss
+    probed.__wrapped__ = loss.fn  # the warning names the user's function and line
+    warn_if_coupled(probed, (state.params, model_state, key), microbatch)
 
 
 def _unpacked(microbatches, mask) -> tuple[PyTree, Any]:

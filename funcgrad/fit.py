@@ -182,7 +182,9 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
       batch_size: examples per step, a positive int (the last batch of an epoch may be smaller).
       seed: seed of the batch order.
       evaluate: ``evaluate(params) -> {name: number}``, called once per epoch; stored as
-        ``"eval/<name>"``.
+        ``"eval/<name>"``. When the state has a model state (a loss declared with
+        ``has_state=True``, `funcgrad.loss`), ``evaluate(params, model_state)``: BatchNorm's
+        running statistics are then used at evaluation time.
       progress: show a tqdm progress bar on stderr.
       log: called with each epoch's summary line (e.g. `print`), and with each alert of a
         monitored step (``make_train_step(monitor=)``; the first `MAX_LOGGED_ALERTS`, all are
@@ -335,7 +337,9 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
                 row["skipped"] = len(history.skipped_steps) - first_skip
                 row["loss_scale"] = float(state.loss_scale.scale)
             if evaluate is not None:
-                row.update(_evaluated(evaluate(state.params)))
+                scores = (evaluate(state.params) if getattr(state, "model_state", None) is None
+                          else evaluate(state.params, state.model_state))
+                row.update(_evaluated(scores))
             history.epochs.append(row)
             if _all_finite(state.params):
                 verified = state

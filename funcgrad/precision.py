@@ -207,7 +207,8 @@ def cast_floating(tree: PyTree, dtype: jax.typing.DTypeLike) -> PyTree:
 
 def scaled_value_and_grad(loss_fn: Callable[[PyTree, Batch], jax.Array], *,
                           compute_dtype: jax.typing.DTypeLike,
-                          value_and_grad: Callable[..., Callable] = jax.value_and_grad
+                          value_and_grad: Callable[..., Callable] = jax.value_and_grad,
+                          has_aux: bool = False
                           ) -> Callable[[PyTree, Batch, jax.Array], tuple[jax.Array, PyTree]]:
     """Returns ``f(params, batch, scale) -> (loss, grads)``: scaled backward, unscaled result.
 
@@ -230,6 +231,8 @@ def scaled_value_and_grad(loss_fn: Callable[[PyTree, Batch], jax.Array], *,
         then with ``(params, batch, scale)``; e.g. ``functools.partial(
         funcgrad.masks.value_and_grad_trainable, mask=trainable)`` to differentiate only the
         trainable leaves (frozen leaves get exact zeros, which unscale to zeros).
+      has_aux: `loss_fn` returns ``(loss, aux)``; `f` then returns ``((loss, aux), grads)``
+        (the aux as computed, in the compute dtype), as ``jax.value_and_grad(has_aux=True)``.
     Returns:
       ``f(params, batch, scale)`` with `params` a pytree of float32 (or wider) leaves, `scale`
       a float32 array of shape (); it returns the loss as float32 shape () (unscaled, nats for
@@ -244,22 +247,26 @@ def scaled_value_and_grad(loss_fn: Callable[[PyTree, Batch], jax.Array], *,
 
     def scaled_loss(params, batch, scale):
         loss = loss_fn(cast_floating(params, compute_dtype), cast_floating(batch, compute_dtype))
-        if isinstance(loss, (tuple, list)):
+        aux = None
+        if has_aux:
+            loss, aux = loss
+        elif isinstance(loss, (tuple, list)):
             raise ValueError(f"loss_fn must return a scalar, got a {type(loss).__name__} of "
                              f"{len(loss)}. Return the loss alone (no auxiliary outputs).")
         if jnp.shape(loss) != ():
             raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}. "
                              "Reduce it, e.g. return per_example_loss.mean().")
         loss = jnp.asarray(loss).astype(jnp.float32)
-        return loss * scale, loss
+        return loss * scale, (loss, aux)
 
     differentiate = value_and_grad(scaled_loss, has_aux=True)
 
     def unscaled_value_and_grad(params, batch, scale):
         _check_master_params(params)
         scale = jnp.asarray(scale, jnp.float32)
-        (_, loss), grads = differentiate(params, batch, scale)
-        return loss, jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+        (_, (loss, aux)), grads = differentiate(params, batch, scale)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+        return ((loss, aux) if has_aux else loss), grads
 
     return unscaled_value_and_grad
 

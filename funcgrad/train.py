@@ -17,14 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from funcgrad._step_anomaly import (_detecting_anomalies, _detecting_anomalies_per_micro_batch,
+                                    _explain_skipped_update)
+from funcgrad._step_stages import (Update, chain, clip_stage, differentiate, finish, guard_stage,
+                                   loss_scale_stage, monitor_stage, norm_stage, optimizer_stage,
+                                   zero_nonfinite_stage)
 from funcgrad._traced import naming_traced_values
 from funcgrad.accumulate import make_accumulating_step
-from funcgrad.clipping import all_finite, clip_by_global_norm, global_norm, zero_nonfinite_leaves
+from funcgrad.loss import Loss, as_loss
 from funcgrad.masks import (_AllOf, _leaf_flags, check_differentiable, freeze, frozen_masks,
                             value_and_grad_trainable)
-from funcgrad.monitor import GradMonitor, MonitorState, with_dead_relu
-from funcgrad.precision import (LossScale, LossScaleState, first_half_leaf,
-                                scaled_value_and_grad)
+from funcgrad.monitor import GradMonitor, MonitorState
+from funcgrad.precision import LossScale, LossScaleState, _floating_dtype, first_half_leaf
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -51,12 +55,20 @@ class TrainState(NamedTuple):
       monitor: the `funcgrad.monitor.MonitorState` (gradient-norm baseline, vanishing
         streaks) of a step made with ``monitor=`` (``init_train_state(..., monitor=...)``),
         else None.
+      model_state: the model's non-differentiated state (BatchNorm running statistics,
+        counters), passed to a loss declared with ``has_state=True`` and replaced by the
+        state it returns (`funcgrad.loss`); None without.
+      key: the run's base PRNG key (``init_train_state(..., seed=)``); the step draws
+        ``jax.random.fold_in(key, step)`` for a loss declared with ``takes_key=True``, so
+        every step has a fresh key and a rerun or resume draws the same ones. None without.
     """
     params: PyTree
     opt_state: optax.OptState
     step: jax.Array
     loss_scale: LossScaleState | None = None
     monitor: MonitorState | None = None
+    model_state: PyTree = None
+    key: jax.Array | None = None
 
 
 def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate: float = 1e-3,
@@ -130,7 +142,8 @@ def _check_kinds(monitor: Any, loss_scale: Any) -> None:
 
 def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
                      trainable: PyTree | None = None, loss_scale: LossScale | None = None,
-                     monitor: GradMonitor | None = None) -> TrainState:
+                     monitor: GradMonitor | None = None, model_state: PyTree = None,
+                     seed: int | None = None, key: jax.Array | None = None) -> TrainState:
     """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
 
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
@@ -141,9 +154,18 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     ``funcgrad.dynamic_loss_scale()``) adds its initial state; give `make_train_step` the same.
     `monitor` (``funcgrad.grad_monitor()``) adds the monitor's state (layers whose leaves are
     all frozen by `trainable` are not checked for vanishing); give `make_train_step` the same.
-    Raises TypeError for a `monitor` or `loss_scale` of the wrong kind (``monitor=True``).
+    `model_state` (a pytree of arrays: BatchNorm's running statistics) is the initial model
+    state for a loss declared with ``has_state=True``; `seed` (an int) or `key` (a PRNG key,
+    typed ``jax.random.key(0)`` or raw ``jax.random.PRNGKey(0)``) is the base key of a loss
+    declared with ``takes_key=True`` (`funcgrad.loss`; step s draws ``fold_in(key, s)``).
+    Raises TypeError for a `monitor` or `loss_scale` of the wrong kind (``monitor=True``), a
+    `key` that is not a PRNG key or a `seed` that is not an int; ValueError if both `seed` and
+    `key` are given.
     """
     _check_kinds(monitor, loss_scale)
+    base_key = _base_key(seed, key)
+    if model_state is not None:
+        _check_model_state(model_state)
     optimizer = make_optimizer(optimizer)
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
@@ -154,7 +176,37 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     return TrainState(params=params, opt_state=optimizer.init(params),
                       step=jnp.zeros((), jnp.int32),
                       loss_scale=None if loss_scale is None else loss_scale.init(),
-                      monitor=None if monitor is None else monitor.init(params, trainable=mask))
+                      monitor=None if monitor is None else monitor.init(params, trainable=mask),
+                      model_state=model_state, key=base_key)
+
+
+def _base_key(seed: Any, key: Any) -> jax.Array | None:
+    """The state's base PRNG key from `seed` or `key` (at most one)."""
+    if seed is not None and key is not None:
+        raise ValueError("init_train_state: give seed= or key=, not both.")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"init_train_state: seed must be an int, got {seed!r}; or pass "
+                            "key=jax.random.key(seed).")
+        return jax.random.key(int(seed))
+    if key is None:
+        return None
+    dtype = jnp.result_type(key)
+    typed = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == jnp.uint32 and jnp.shape(key)[-1:] == (2,)
+    if not (typed and jnp.shape(key) == ()) and not (raw and jnp.ndim(key) == 1):
+        raise TypeError(f"init_train_state: key must be one PRNG key (jax.random.key(0), or "
+                        f"a raw jax.random.PRNGKey(0)), got {dtype} of shape {jnp.shape(key)}.")
+    return jnp.asarray(key)
+
+
+def _check_model_state(model_state: PyTree) -> None:
+    """TypeError naming a model-state leaf that is not an array (it is a jit and scan carry)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+        if not hasattr(leaf, "dtype") and not isinstance(leaf, (int, float, bool)):
+            raise TypeError(f"init_train_state: model_state{jax.tree_util.keystr(path)} is a "
+                            f"{type(leaf).__name__}; the model state must be a pytree of "
+                            "arrays (keep functions and settings out of it, in the loss).")
 
 
 def _trainable_of(optimizer: optax.GradientTransformation) -> PyTree | None:
@@ -168,7 +220,8 @@ def _trainable_of(optimizer: optax.GradientTransformation) -> PyTree | None:
 NONFINITE_POLICIES = ("skip", "zero", "raise")
 
 
-def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformation, *,
+                    has_aux: bool = False, has_state: bool = False, takes_key: bool = False,
                     clip_norm: float | None = None, nonfinite: str = "skip",
                     trainable: PyTree | None = None, compute_dtype: Any = None,
                     loss_scale: LossScale | None = None, accumulate: int | None = None,
@@ -204,7 +257,19 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     the params' spacing round away, and points to float32 params with `compute_dtype`.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar``; a pure function.
+      loss_fn: ``loss_fn(params, batch) -> scalar``, a pure function; or a loss with model
+        state, a PRNG key and aux outputs under the contract of `funcgrad.loss` (declared by
+        the next three flags, or a `funcgrad.Loss` that carries them).
+      has_aux: the loss returns ``(loss, aux)``; the aux pytree is returned as
+        ``metrics["aux"]`` (with `accumulate`: one entry per micro-batch, stacked).
+      has_state: the loss takes ``model_state=`` and returns ``(loss, new_model_state)``
+        (``(loss, (new_model_state, aux))`` with `has_aux`); the state comes from and goes
+        to ``TrainState.model_state`` (``init_train_state(..., model_state=)``). A skipped
+        step leaves it unchanged; a new model state with NaN/inf skips the step. With
+        `accumulate` it threads through the micro-batches in order.
+      takes_key: the loss takes ``key=``, a fresh PRNG key per step:
+        ``fold_in(state.key, state.step)`` (``init_train_state(..., seed=)``); with
+        `accumulate`, micro-batch j of an update gets ``fold_in(that key, j)``.
       optimizer: an optax optimizer (see `make_optimizer` for names); the state passed to the
         step must come from ``init_train_state(params, optimizer)``.
       clip_norm: if given (> 0), the maximum global norm of the gradients used for the update:
@@ -304,148 +369,87 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         scalar (with `accumulate`: not one loss per example) or the optimizer state does not
         match `optimizer` and the params.
     """
+    loss = as_loss(loss_fn, has_aux=has_aux, has_state=has_state, takes_key=takes_key)
     optimizer = make_optimizer(optimizer)
-    loss_fn = naming_traced_values(loss_fn, "the train step", ("params", "batch"), (0,))
     if clip_norm is not None and not (isinstance(clip_norm, (int, float, np.number))
                                       and math.isfinite(clip_norm) and clip_norm > 0):
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
     _check_kinds(monitor, loss_scale)
+    if compute_dtype is not None:
+        compute_dtype = _floating_dtype(compute_dtype, "make_train_step")
     if loss_scale is not None and nonfinite == "zero":
         raise ValueError("loss_scale needs nonfinite='skip' (or 'raise'): a step whose scaled "
                          "gradients overflowed must be skipped whole, not applied with its "
                          "non-finite leaves zeroed.")
+    # The user's function, named in errors about traced values used as Python values.
+    traced_named = naming_traced_values(loss.fn, "the train step", ("params", "batch"), (0,))
+    loss = Loss(traced_named, has_aux=loss.has_aux, has_state=loss.has_state,
+                takes_key=loss.takes_key)
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
     # trainable= and an optimizer from fg.freeze are one thing: the frozen leaves are not
     # differentiated, so the norm, the clipping, the guard and the monitor see only the
     # gradient that is applied (frozen leaves add exact zeros and are left out of them).
     trainable = _trainable_of(optimizer)
-    if trainable is not None:
-        differentiate = functools.partial(value_and_grad_trainable, mask=trainable)
-    else:
-        differentiate = _value_and_grad_checked
-    # Dead ReLUs come from interpreting loss_fn's jaxpr; the mixed-precision and accumulating
-    # paths differentiate their own wrappers of loss_fn, so there the monitor has norms only.
+    value_and_grad = (functools.partial(value_and_grad_trainable, mask=trainable)
+                      if trainable is not None else _value_and_grad_checked)
+    # Dead ReLUs come from interpreting the loss's jaxpr; the mixed-precision and accumulating
+    # paths differentiate their own wrappers of it, so there the monitor has norms only.
     dead_relu = (monitor is not None and monitor.dead_relu and compute_dtype is None
                  and loss_scale is None and accumulate is None)
-    if compute_dtype is None and loss_scale is None:
-        value_and_grad = (differentiate(with_dead_relu(_scalar_loss(loss_fn)), has_aux=True)
-                          if dead_relu else differentiate(_scalar_loss(loss_fn)))
-    else:  # gradients come back in float32 and unscaled: the norm and clipping see true values
-        value_and_grad = scaled_value_and_grad(
-            _scalar_loss(loss_fn), value_and_grad=differentiate,
-            compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
+    grads_of = differentiate(loss, value_and_grad=value_and_grad, compute_dtype=compute_dtype,
+                             scaled=loss_scale is not None, dead_relu=dead_relu)
 
-    def trained_flags(params: PyTree) -> list[bool]:
-        """Per leaf of `params`, at trace time: is it trained (differentiated and updated)?"""
-        return ([True] * len(jax.tree.leaves(params)) if trainable is None
-                else _leaf_flags(trainable, params, "make_train_step"))
+    def apply_update(state: TrainState, loss_value: jax.Array, grads: PyTree, *,
+                     model_state: PyTree = None, aux: PyTree = None, dead: Any = None,
+                     locate: bool = False) -> tuple[TrainState, dict]:
+        """The stages after differentiation, once per update (funcgrad._step_stages)."""
+        flags = ([True] * len(jax.tree.leaves(state.params)) if trainable is None
+                 else _leaf_flags(trainable, state.params, "make_train_step"))
+        update = Update(state=state, loss=loss_value, grads=grads, model_state=model_state,
+                        aux=aux, dead=dead, flags=flags)
+        chain(
+            monitor_stage(monitor, stacked=accumulate is not None) if monitor else None,
+            zero_nonfinite_stage if nonfinite == "zero" else None,
+            norm_stage,
+            clip_stage(clip_norm) if clip_norm is not None else None,
+            optimizer_stage(optimizer, applied_learning_rate),
+            guard_stage(zero=nonfinite == "zero", locate=locate),
+            loss_scale_stage(loss_scale) if loss_scale is not None else None,
+        )(update)
+        # Under accumulation the aux is per micro-batch (make_accumulating_step adds it).
+        return finish(update, has_aux=loss.has_aux and accumulate is None)
 
-    def apply_update(state: TrainState, loss: jax.Array, grads: PyTree, dead=None, *,
-                     locate: bool = False):
-        """Norm, clipping, the non-finite guard and the optimizer update: once per update.
-
-        With `locate` the metrics also hold, per leaf, whether its update and its new value
-        are finite (`_explain_skipped_update` reads them after a skip)."""
-        zero = nonfinite == "zero"
-        metrics = {"loss": loss, "grad_norm": None}
-        grad_norm, monitor_state = None, state.monitor
-        leaves, treedef = jax.tree.flatten(grads)
-        flags = trained_flags(state.params)
-        if monitor is not None:  # on the raw gradient; its fused sums include the global norm
-            monitor_state, report = monitor.update(state.monitor, _floating(grads), loss=loss,
-                                                   dead_relu=dead)
-            grad_norm = report.grad_norm
-            # Its packed values leave the step once, in the new state; `_attach_monitor` puts
-            # them into metrics["monitor"] on the host (a second output of the same vector is
-            # a copy kernel after the norm: see funcgrad.monitor.MonitorState). Under the
-            # accumulating scan each update's metrics are stacked, so they keep their values.
-            metrics["monitor"] = report if accumulate is not None else report._detached()
-        # Norm, zeroing and clipping see the trained leaves only: a frozen leaf's gradient is
-        # exactly zero (or an integer leaf's zeros, which have no norm).
-        trained = [g for g, f in zip(leaves, flags) if f]
-        if zero:  # the norm reported and clipped against is that of the gradient applied
-            trained, metrics["nonfinite_leaves"] = zero_nonfinite_leaves(trained)
-            grad_norm = None
-        if grad_norm is None:
-            grad_norm = global_norm(trained)
-        metrics["grad_norm"] = grad_norm
-        if clip_norm is not None:
-            trained, info = clip_by_global_norm(trained, clip_norm, grad_norm=grad_norm)
-            metrics["clip_coef"] = info.clip_coef
-        if zero or clip_norm is not None:
-            it = iter(trained)
-            grads = jax.tree.unflatten(treedef, [next(it) if f else g
-                                                 for g, f in zip(leaves, flags)])
-        grads_ok = jnp.isfinite(loss) & (jnp.bool_(True) if zero else jnp.isfinite(grad_norm))
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        if (rate := applied_learning_rate(opt_state)) is not None:  # a schedule's, this update
-            metrics["learning_rate"] = rate
-        new_params = optax.apply_updates(state.params, updates)
-        # The guard: an update is applied only if every trained leaf's new value is finite,
-        # so no NaN/inf the optimizer makes from a finite gradient (Adam's eps is 0 in
-        # float16: 0/0 where a gradient is 0) and no overflow of a param gets in. One fused
-        # reduction over the new values (`all_finite`), read by the jnp.where per leaf.
-        ok = grads_ok & all_finite([p for p, f in zip(jax.tree.leaves(new_params), flags) if f])
-        params, opt_state = jax.tree.map(
-            lambda n, o: jnp.where(ok, n, o),
-            (new_params, opt_state), (state.params, state.opt_state))
-        # "skipped" depends on the whole guard, so it is the one output that tells a skip
-        # (a step skipped for its update has a finite loss and norm). The counter does not
-        # depend on `ok`. Cost (benchmarks/train_step.py, "guard cost", two runs on a quiet
-        # 2-core CPU, 2026-12-01): XLA materialises Adam's new moments and params once for
-        # the test and selects them after it (38 -> 56 kernels for the 64-128-10 MLP);
-        # 1.06-1.12x at batch 256, 0.95-1.10x on a 1.1M-parameter MLP, but 1.55-1.78x at
-        # batch 32, where a step waiting on more small kernels is handed to XLA:CPU's thread
-        # pool. funcgrad's step stays at 0.91-1.00x the same guard written by hand.
-        metrics["skipped"] = (~ok).astype(jnp.int32)
-        if locate:  # per leaf, as the guard sees it (frozen leaves are not guarded)
-            finite = lambda x, f: (jnp.all(jnp.isfinite(x)) if f and jnp.issubdtype(
-                jnp.result_type(x), jnp.inexact) else jnp.bool_(True))
-            metrics["update_finite"] = [finite(u, f)
-                                        for u, f in zip(jax.tree.leaves(updates), flags)]
-            metrics["params_finite"] = [finite(p, f)
-                                        for p, f in zip(jax.tree.leaves(new_params), flags)]
-        if loss_scale is None:
-            return (TrainState(params, opt_state, state.step + 1, state.loss_scale, monitor_state),
-                    metrics)
-        # The scale backs off only for an overflow of the (scaled) gradient; a non-finite
-        # update from a finite gradient is skipped without touching it (`fit` reports it).
-        scale_state = loss_scale.update(state.loss_scale, grads_ok)
-        metrics.update(loss_scale=state.loss_scale.scale, skipped_total=scale_state.skipped_total)
-        return TrainState(params, opt_state, state.step + 1, scale_state, monitor_state), metrics
+    def entry_checks(state: TrainState) -> None:
+        _check_state(state, optimizer, loss_scale, monitor, loss)
+        if compute_dtype is None:
+            _warn_half_params(state.params)
 
     def build(apply: Callable) -> Callable:
         """The step (unjitted) around `apply_update` or a variant of it."""
-        def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-            _check_state(state, optimizer, loss_scale, monitor)
-            if compute_dtype is None:
-                _warn_half_params(state.params)
-            dead = None
-            if compute_dtype is None and loss_scale is None:
-                loss, grads = value_and_grad(state.params, batch)
-                if dead_relu:
-                    loss, dead = loss
-            else:
-                scale = (jnp.ones((), jnp.float32) if loss_scale is None
-                         else state.loss_scale.scale)
-                loss, grads = value_and_grad(state.params, batch, scale)
-            return apply(state, loss, grads, dead)
-
         if accumulate is not None:
             accumulating = make_accumulating_step(
-                loss_fn, apply, accumulate=accumulate, tail=tail,
-                value_and_grad=differentiate, compute_dtype=compute_dtype,
+                loss, apply, accumulate=accumulate, tail=tail, value_and_grad=value_and_grad,
+                compute_dtype=compute_dtype,
                 loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
                 jit=False)
 
             def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
-                _check_state(state, optimizer, loss_scale, monitor)
-                if compute_dtype is None:
-                    _warn_half_params(state.params)
+                entry_checks(state)
                 return accumulating(state, microbatches, mask)
+            return step
+
+        def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+            entry_checks(state)
+            key = (jax.random.fold_in(state.key, state.step) if loss.takes_key else None)
+            scale = (None if compute_dtype is None and loss_scale is None
+                     else jnp.ones((), jnp.float32) if loss_scale is None
+                     else state.loss_scale.scale)
+            loss_value, grads, model_state, aux, dead = grads_of(
+                state.params, batch, state.model_state if loss.has_state else None, key, scale)
+            return apply(state, loss_value, grads, model_state=model_state, aux=aux, dead=dead)
         return step
 
     step = build(apply_update)
@@ -453,8 +457,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     if monitor is not None and accumulate is None:
         out = _attach_monitor(out)
     if detect_anomaly:
-        out = (_detecting_anomalies(out, loss_fn, trainable, compute_dtype) if accumulate is None
-               else _detecting_anomalies_per_micro_batch(out, loss_fn, trainable, accumulate,
+        out = (_detecting_anomalies(out, loss, trainable, compute_dtype) if accumulate is None
+               else _detecting_anomalies_per_micro_batch(out, loss, trainable, accumulate,
                                                          compute_dtype))
     located = []  # the step with per-leaf finiteness of updates, jitted at the first skip
 
@@ -472,6 +476,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     out.nonfinite = nonfinite
     out.accumulate = accumulate
     out.tail = tail if accumulate is not None else None
+    out.loss = loss
     return out
 
 
@@ -514,130 +519,6 @@ def step_was_skipped(metrics: Mapping[str, Any]) -> bool:
     return not (math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["grad_norm"])))
 
 
-def _locate_nonfinite(loss_fn: LossFn, params: PyTree, batch: Batch, trainable: PyTree | None,
-                      compute_dtype: Any = None, scale: float | None = None):
-    """`find_nonfinite` of ``loss_fn(params, batch)``, evaluated as the step does: only the
-    trainable leaves differentiated, in `compute_dtype` and at loss `scale` when given."""
-    from funcgrad.anomaly import find_nonfinite
-    from funcgrad.masks import _split
-    from funcgrad.precision import cast_floating
-
-    fn, how = _scalar_loss(loss_fn), ()
-    if compute_dtype is not None or scale is not None:
-        dtype = jnp.float32 if compute_dtype is None else compute_dtype
-        unscaled = fn
-
-        def fn(params, batch):
-            loss = unscaled(cast_floating(params, dtype), cast_floating(batch, dtype))
-            loss = jnp.asarray(loss).astype(jnp.float32)
-            return loss if scale is None else loss * scale
-
-        how = (f"the loss as the step computes it: {jnp.dtype(dtype).name}"
-               + ("" if scale is None else f", times the loss scale {scale:g}"),)
-    if trainable is None:
-        report = find_nonfinite(fn, params, batch)
-    else:
-        train, frozen, merge = _split(params, trainable, "detect_anomaly")
-        report = find_nonfinite(lambda params, frozen, batch: fn(merge(params, frozen), batch),
-                                train, frozen, batch)
-    return dataclasses.replace(report, context=(*how, *report.context)) if how else report
-
-
-def _scale_of(state: TrainState) -> float | None:
-    return None if state.loss_scale is None else float(state.loss_scale.scale)
-
-
-def _routine_overflow(loss: float, used: float | None, after: float | None) -> bool:
-    """A loss-scale skip that `fit` counts as routine: finite loss, and the scale backed off
-    (at its floor it cannot, and a NaN that persists there is an anomaly to locate)."""
-    return used is not None and math.isfinite(loss) and after < used
-
-
-def _locate_first(locate: Callable[[float | None], Any], scale: float | None):
-    """``locate(None)`` (the step's pass at scale 1: a NaN/inf that does not come from the
-    scale), and only if that is all finite, ``locate(scale)`` (an overflow the scale causes)."""
-    report = locate(None)
-    return report if (not report.ok or scale is None) else locate(scale)
-
-
-def _detecting_anomalies(step: Callable, loss_fn: LossFn, trainable: PyTree | None,
-                         compute_dtype: Any = None) -> Callable:
-    """`step`, then `find_nonfinite` on the same params and batch when its loss or norm is
-    NaN/inf (not for a finite loss under a loss scale: that is a routine overflow, skipped and
-    handled by backing the scale off)."""
-    def checked(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        new_state, metrics = step(state, batch)
-        loss, norm = (float(v) for v in jax.device_get((metrics["loss"], metrics["grad_norm"])))
-        if not (math.isfinite(loss) and math.isfinite(norm)) and not _routine_overflow(
-                loss, _scale_of(state), _scale_of(new_state)):
-            metrics = {**metrics, "anomaly": _locate_first(
-                lambda scale: _locate_nonfinite(loss_fn, state.params, batch, trainable,
-                                                compute_dtype, scale), _scale_of(state))}
-        return new_state, metrics
-
-    return functools.wraps(step)(checked)
-
-
-def _detecting_anomalies_per_micro_batch(step: Callable, loss_fn: LossFn,
-                                         trainable: PyTree | None, k: int,
-                                         compute_dtype: Any = None) -> Callable:
-    """The accumulating `step`; after a call with a NaN/inf update, `find_nonfinite` on each
-    micro-batch of the first such update, from the params it started from, until one is not
-    finite. Its report (context: which micro-batch) is ``metrics["anomaly"]``."""
-    from funcgrad.accumulate import _checked_mask, _leading_axes, _unpacked
-
-    def checked(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
-        new_state, metrics = step(state, microbatches, mask)
-        microbatches, mask = _unpacked(microbatches, mask)
-        losses, norms, examples = jax.device_get(
-            (metrics["loss"], metrics["grad_norm"], metrics["examples"]))
-        bad = ~(np.isfinite(losses) & np.isfinite(norms)) & (examples > 0)
-        if state.loss_scale is not None:  # leave routine overflows alone (see above)
-            used = np.asarray(jax.device_get(metrics["loss_scale"]))
-            after = np.append(used[1:], _scale_of(new_state))
-            bad &= ~np.array([_routine_overflow(float(loss), float(a), float(b))
-                              for loss, a, b in zip(losses, used, after)], bool)
-        bad = np.flatnonzero(bad)
-        if not bad.size:
-            return new_state, metrics
-        u = int(bad[0])
-        num, size = _leading_axes(microbatches)
-        mask = _checked_mask(mask, num, size)
-        before = state
-        if u:  # the params update u started from: the same step on the groups before it
-            head = jax.tree.map(lambda a: a[:u * k], microbatches)
-            before = step(state, head, None if mask is None else mask[:u * k])[0]
-        group = [j for j in range(u * k, min((u + 1) * k, num))
-                 if mask is None or np.asarray(mask[j]).any()]
-        mean_pass = compute_dtype is not None or before.loss_scale is not None
-
-        def micro_loss(params, microbatch, real):
-            """What the step differentiates for one micro-batch (`accumulate._accumulate`):
-            the summed loss of its real examples, over its padded size in the scaled pass."""
-            losses = loss_fn(params, microbatch)
-            total = jnp.sum(losses if real is None else jnp.where(real, losses, 0))
-            return total / losses.shape[0] if mean_pass else total
-
-        def locate(scale):  # the first micro-batch of the group that is not finite
-            report = None
-            for j in group:
-                real = None if mask is None else np.asarray(mask[j])
-                report = _locate_nonfinite(
-                    functools.partial(micro_loss, real=real), before.params,
-                    jax.tree.map(lambda a: a[j], microbatches), trainable, compute_dtype, scale)
-                report = dataclasses.replace(report, context=(
-                    f"micro-batch {j - u * k} (0-based) of the {min(k, num - u * k)} of "
-                    f"update {u} (micro-batch {j} of the call)", *report.context))
-                if not report.ok:
-                    return report
-            return report
-
-        return new_state, {**metrics, "anomaly": locate(None) if _scale_of(before) is None
-                           else _locate_first(locate, _scale_of(before))}
-
-    return functools.wraps(step)(checked)
-
-
 def _value_and_grad_checked(fn: Callable, **kwargs) -> Callable:
     """``jax.value_and_grad(fn, **kwargs)`` that first names a params leaf with no gradient
     (an integer or bool leaf: JAX's own error names none) and says how to fix it."""
@@ -657,59 +538,6 @@ def _floating(grads: PyTree) -> PyTree:
                         else jnp.zeros(jnp.shape(g), jnp.float32), grads)
 
 
-def _explain_skipped_update(state: TrainState, metrics: Mapping[str, Any]) -> str:
-    """What `fit` says about a step skipped although its loss and gradient norm were finite:
-    which leaves' updates or new values were NaN/inf, and how to fix it. `metrics` are those
-    of the step built with ``apply_update(..., locate=True)`` on the same state and batch."""
-    updates_ok, params_ok = jax.device_get((metrics["update_finite"], metrics["params_finite"]))
-    updates_ok, params_ok = np.asarray(updates_ok, bool), np.asarray(params_ok, bool)
-    if updates_ok.ndim == 2:  # accumulated: (leaves, updates); the first update with a fault
-        bad = np.flatnonzero(~(updates_ok.all(0) & params_ok.all(0)))
-        u = int(bad[0]) if bad.size else 0
-        updates_ok, params_ok = updates_ok[:, u], params_ok[:, u]
-    flat, _ = jax.tree_util.tree_flatten_with_path(state.params)
-    rows, half = [], False
-    for (kp, leaf), u_ok, p_ok in zip(flat, updates_ok, params_ok):
-        if u_ok and p_ok:
-            continue
-        dtype = jnp.result_type(leaf)
-        half |= jnp.finfo(dtype).bits < 32
-        what = ("its update holds NaN/inf" if not u_ok else
-                "it held NaN/inf before the step" if not np.isfinite(np.asarray(leaf)).all()
-                else "its update is finite but the new value overflows")
-        rows.append(f"params{jax.tree_util.keystr(kp)} ({dtype}): {what}")
-    if not rows:
-        return ""
-    text = ("The loss and the gradient norm are finite, but the update would leave "
-            "non-finite params: "
-            + "; ".join(rows) + ". The step was skipped (params and optimizer state unchanged).")
-    if half:
-        return text + (
-            " In float16 the optimizer's small constants round away (Adam's eps=1e-8 is 0 in "
-            "float16, so its update is 0/0 wherever a gradient is 0 or tiny). Keep float32 "
-            "params and pass compute_dtype=jnp.float16 (with loss_scale="
-            "funcgrad.dynamic_loss_scale()) to make_train_step, or give the optimizer an eps "
-            "float16 can hold, e.g. optax.adam(1e-3, eps=1e-4).")
-    return text + (" Check the optimizer's settings (learning rate, eps) and the scale of the "
-                   "params: an update that overflows comes from the optimizer, not the "
-                   "gradient.")
-
-
-def _scalar_loss(loss_fn: LossFn) -> LossFn:
-    def wrapped(params, batch):
-        loss = loss_fn(params, batch)
-        if isinstance(loss, (tuple, list)):
-            raise ValueError(
-                f"loss_fn returned a {type(loss).__name__} of {len(loss)}; make_train_step needs "
-                "the scalar loss alone. Drop the auxiliary outputs (or compute them in evaluate).")
-        if jnp.shape(loss) != ():
-            raise ValueError(
-                f"loss_fn must return a scalar, got shape {jnp.shape(loss)}. "
-                "Reduce it, e.g. return per_example_loss.mean().")
-        return loss
-    return wrapped
-
-
 def _warn_half_params(params: PyTree) -> None:
     """A warning (once per trace) for float16/bfloat16 params trained without compute_dtype:
     PyTorch's ``model.half()`` habit, where updates below the params' spacing round away."""
@@ -724,10 +552,26 @@ def _warn_half_params(params: PyTree) -> None:
 
 
 def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
-                 loss_scale: LossScale | None = None, monitor: GradMonitor | None = None) -> None:
+                 loss_scale: LossScale | None = None, monitor: GradMonitor | None = None,
+                 loss: Loss | None = None) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"the step takes a TrainState (from init_train_state), got "
                         f"{type(state).__name__}.")
+    if loss is not None:
+        if loss.has_state and state.model_state is None:
+            raise ValueError(f"the loss is declared with model state ({loss!r}) but the "
+                             "TrainState has none. Create it with init_train_state(params, "
+                             "optimizer, model_state=...).")
+        if not loss.has_state and state.model_state is not None:
+            raise ValueError("the TrainState has a model state but the loss is not declared "
+                             "with has_state=True: the state would never update (BatchNorm "
+                             "statistics frozen at their init). Pass has_state=True to "
+                             "make_train_step and have the loss take model_state= and return "
+                             "(loss, new_model_state).")
+        if loss.takes_key and state.key is None:
+            raise ValueError(f"the loss takes a PRNG key ({loss!r}) but the TrainState has "
+                             "none. Create it with init_train_state(params, optimizer, "
+                             "seed=0) (or key=jax.random.key(0)).")
     if loss_scale is not None and state.loss_scale is None:
         raise ValueError("this step scales the loss but the TrainState has no loss-scale state. "
                          "Create it with init_train_state(params, optimizer, "
