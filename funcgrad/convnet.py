@@ -10,8 +10,8 @@ dropout are functions below, and what a framework keeps in a module lives in two
   model_state  what is not: each BatchNorm's running statistics, ``{"bn0": {"mean", "var"},
                ...}``, updated in training and used at evaluation time.
 
-The loss `cnn_loss` follows funcgrad's loss contract with model state and a key (see the
-README, "Models with state and randomness"): ``loss(params, batch, *, model_state, key) ->
+The loss `cnn_loss` follows funcgrad's loss contract with model state and a key
+(`funcgrad.loss`; the README's "Models with state, randomness and aux outputs"): ``loss(params, batch, *, model_state, key) ->
 (loss, new_model_state)``.
 """
 from __future__ import annotations
@@ -286,8 +286,9 @@ def cnn_loss(params: PyTree, batch: dict[str, jax.Array], *, model_state: PyTree
 
     ``loss(params, batch, *, model_state, key) -> (loss, new_model_state)``: declare it with
     ``has_state=True, takes_key=True`` (``funcgrad.make_train_step(cnn_loss, optimizer,
-    has_state=True, takes_key=True)``). For the analysis tools bind the state and key, e.g.
-    ``lambda p, b: cnn_loss(p, b, model_state=ms, key=k)[0]``.
+    has_state=True, takes_key=True)``). For the analysis tools bind the state and key:
+    ``funcgrad.Loss(cnn_loss, has_state=True, takes_key=True).bind(model_state=ms, key=k)``
+    is ``f(params, batch) -> loss``.
 
     Args:
       params, model_state: as returned by `cnn_init`.
