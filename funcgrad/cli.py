@@ -168,9 +168,7 @@ def _model_flags(train_parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def _train(args: argparse.Namespace) -> int:
-    import jax
     import jax.numpy as jnp
-    import optax
 
     from funcgrad.coupling import CoupledExamplesWarning
     from funcgrad.data import load_digits
@@ -195,7 +193,8 @@ def _train(args: argparse.Namespace) -> int:
 
     model = _mlp(args, data, accumulate) if args.model == "mlp" else _cnn(args, data, accumulate)
 
-    print(f"funcgrad train: {model.description}, {args.optimizer} lr={args.lr:g}, {len(data.x_train)} train / {len(data.x_test)} test "
+    print(f"funcgrad train: {model.description}, {args.optimizer} lr={args.lr:g}, "
+          f"{len(data.x_train)} train / {len(data.x_test)} test "
           f"digits, {args.epochs} epochs of batch {args.batch_size}"
           + (f", clip_norm={args.clip_norm:g}" if args.clip_norm else "")
           + (f", compute {args.dtype}" if compute_dtype is not None else "")

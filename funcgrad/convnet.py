@@ -11,8 +11,8 @@ dropout are functions below, and what a framework keeps in a module lives in two
                ...}``, updated in training and used at evaluation time.
 
 The loss `cnn_loss` follows funcgrad's loss contract with model state and a key
-(`funcgrad.loss`; the README's "Models with state, randomness and aux outputs"): ``loss(params, batch, *, model_state, key) ->
-(loss, new_model_state)``.
+(`funcgrad.loss`; the README's "Models with state, randomness and aux outputs"):
+``loss(params, batch, *, model_state, key) -> (loss, new_model_state)``.
 """
 from __future__ import annotations
 
@@ -152,9 +152,11 @@ def batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, stats: dict[str,
         mean = jnp.mean(x32, axis=axes, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=axes)
         mean = mean.reshape(var.shape)
+        # In the running statistics' dtype (float64 activations of a float32 state, as in a
+        # float64 gradient check, would otherwise mix dtypes).
         new_stats = {
-            "mean": (momentum * stats["mean"] + (1 - momentum) * mean).astype(stats["mean"].dtype),
-            "var": (momentum * stats["var"] + (1 - momentum) * var).astype(stats["var"].dtype)}
+            name: momentum * stats[name] + (1 - momentum) * batch.astype(stats[name].dtype)
+            for name, batch in (("mean", mean), ("var", var))}
     else:
         mean, var, new_stats = stats["mean"], stats["var"], stats
     # One multiply-add per element, in x's dtype: y = x * mul + add.
@@ -166,7 +168,7 @@ def batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, stats: dict[str,
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout: zero each element with probability `rate`, scale the rest by ``1/(1-rate)``.
+    """Inverted dropout: zero each element with probability `rate`, scale the rest by 1/(1-rate).
 
     The mask is ``jax.random.bernoulli(key, 1 - rate, x.shape)`` (True: kept), so the same key
     gives the same mask and the expected output equals `x` (Srivastava et al. 2014, JMLR 15;
