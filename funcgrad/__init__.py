@@ -14,6 +14,9 @@ from funcgrad.nn import mean_squared_error as mean_squared_error
 from funcgrad.nn import mlp_apply as mlp_apply
 from funcgrad.nn import mlp_init as mlp_init
 from funcgrad.nn import softmax_cross_entropy as softmax_cross_entropy
+from funcgrad.convnet import cnn_apply as cnn_apply
+from funcgrad.convnet import cnn_init as cnn_init
+from funcgrad.convnet import cnn_loss as cnn_loss
 from funcgrad.fit import FitResult as FitResult
 from funcgrad.fit import History as History
 from funcgrad.fit import NonFiniteReport as NonFiniteReport

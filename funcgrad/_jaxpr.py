@@ -17,6 +17,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
+from funcgrad._paths import arg_leaf_paths, keystr
+
 
 def arg_names(fn: Callable, nargs: int) -> list[str]:
     """Names of the first `nargs` positional parameters of `fn` (``args[i]`` where unknown)."""
@@ -37,28 +39,21 @@ def arg_names(fn: Callable, nargs: int) -> list[str]:
 def leaf_paths(args: tuple, names: list[str]) -> list[str]:
     """One name per leaf of the tuple `args`, in ``jax.tree.leaves(args)`` order:
     the argument's name followed by the leaf's key path, e.g. ``params[0]['w']``."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
-    return [names[path[0].idx] + jax.tree_util.keystr(path[1:]) for path, _ in flat]
+    return [names[i] + keystr(path) for i, path in arg_leaf_paths(tuple(args))]
 
 
 def check_array_args(where: str, args: tuple, names: list[str]) -> None:
     """TypeError naming the first leaf of `args` that is not an array or a number: funcgrad
     traces every argument as an array, so a str, a callable or an object must be closed over
-    (``functools.partial(fn, mode="sq")``) rather than passed."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]:
+    (``functools.partial(fn, mode="sq")``) rather than passed. (An equinox module never gets
+    here: the tools split it first, `funcgrad._library_objects.split_equinox_args`.)"""
+    for (i, path), leaf in zip(arg_leaf_paths(tuple(args)), jax.tree.leaves(tuple(args))):
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
             continue
-        name = names[path[0].idx] + jax.tree_util.keystr(path[1:])
-        arg = args[path[0].idx]
-        if type(arg).__module__.split(".")[0] == "equinox":  # an eqx.Module holds functions
-            fix = (f"For an equinox model, pass its arrays and close over the rest: "
-                   f"params, static = eqx.partition({names[path[0].idx]}, eqx.is_inexact_array); "
-                   "then fn(params, ...) rebuilds it with eqx.combine(params, static).")
-        else:
-            fix = ("Close over it instead, e.g. functools.partial(fn, name=value), and pass "
-                   "the arrays.")
-        raise TypeError(f"{where}: argument {name} is a {type(leaf).__name__}, not an array or "
-                        f"a number; every argument is traced as an array. {fix}")
+        raise TypeError(f"{where}: argument {names[i] + keystr(path)} is a "
+                        f"{type(leaf).__name__}, not an array or a number; every argument is "
+                        "traced as an array. Close over it instead, e.g. "
+                        "functools.partial(fn, name=value), and pass the arrays.")
 
 
 def source_line(eqn: Any) -> str:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad._paths import key_paths, keystr
 from funcgrad.loss import Loss
 
 PyTree = Any
@@ -177,7 +178,7 @@ def _explain_skipped_update(state: Any, metrics: Mapping[str, Any]) -> str:
         bad = np.flatnonzero(~(updates_ok.all(0) & params_ok.all(0)))
         u = int(bad[0]) if bad.size else 0
         updates_ok, params_ok = updates_ok[:, u], params_ok[:, u]
-    flat, _ = jax.tree_util.tree_flatten_with_path(state.params)
+    flat = zip(key_paths(state.params), jax.tree.leaves(state.params))
     rows, half = [], False
     for (kp, leaf), u_ok, p_ok in zip(flat, updates_ok, params_ok):
         if u_ok and p_ok:
@@ -187,7 +188,7 @@ def _explain_skipped_update(state: Any, metrics: Mapping[str, Any]) -> str:
         what = ("its update holds NaN/inf" if not u_ok else
                 "it held NaN/inf before the step" if not np.isfinite(np.asarray(leaf)).all()
                 else "its update is finite but the new value overflows")
-        rows.append(f"params{jax.tree_util.keystr(kp)} ({dtype}): {what}")
+        rows.append(f"params{keystr(kp)} ({dtype}): {what}")
     if not rows and "model_state_finite" in metrics:
         return _explain_model_state(state, metrics["model_state_finite"])
     if not rows:
@@ -215,8 +216,7 @@ def _explain_model_state(state: Any, finite: Any) -> str:
     if finite.ndim == 2:  # accumulated: (leaves, updates)
         bad = np.flatnonzero(~finite.all(0))
         finite = finite[:, int(bad[0]) if bad.size else 0]
-    flat, _ = jax.tree_util.tree_flatten_with_path(state.model_state)
-    names = [f"model_state{jax.tree_util.keystr(kp)}" for (kp, _), ok in zip(flat, finite)
+    names = [f"model_state{keystr(kp)}" for kp, ok in zip(key_paths(state.model_state), finite)
              if not ok]
     if not names:
         return ""

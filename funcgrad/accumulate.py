@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from funcgrad._library_objects import split_equinox_args
 from funcgrad.coupling import warn_if_coupled
 from funcgrad.microbatches import Microbatches as Microbatches
 from funcgrad.microbatches import _positive_int
@@ -108,7 +109,8 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> losses`` of shape ``(m,)``, one per example
         (not their mean); `microbatch` is `microbatches` without its leading axis.
-      params: the pytree to differentiate with respect to (floating leaves).
+      params: the pytree to differentiate with respect to (floating leaves). An equinox
+        module is taken as ``eqx.filter_grad`` takes it (grads None at its other leaves).
       microbatches: a `Microbatches` (from `stack_microbatches`, whose mask is used), or a
         pytree whose leaves all have shape ``(num_micro_batches, m, ...)``.
       mask: for a plain pytree only: bool ``(num_micro_batches, m)``, True for a real example
@@ -128,6 +130,7 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
       funcgrad.coupling.CoupledExamplesWarning: once per trace, if `loss_fn` couples the
         examples of a micro-batch (the mean is then not the full-batch gradient).
     """
+    loss_fn, (params,) = split_equinox_args(loss_fn, (params,))  # an equinox model's arrays
     microbatches, mask = _unpacked(microbatches, mask)
     num, size = _leading_axes(microbatches)
     mask = _checked_mask(mask, num, size)

@@ -62,7 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._jaxpr import arg_names, leaf_paths
+from funcgrad._paths import arg_leaf_paths
 from funcgrad._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_float, _Loc, _Origin,
                                      _rank, _V)
 from funcgrad._traced import traced_values
@@ -206,8 +208,10 @@ def find_nonfinite(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, g
       fn: a pure function; with `grad`, ``fn(*args) -> scalar loss`` (or ``(loss, aux)`` with
         `has_aux`). It may use jit, vmap, scan, cond, while_loop, remat and custom_jvp/vjp.
       *args: its arguments: pytrees of arrays (params, a batch...).
-      argnums: the argument(s) differentiated, as in ``jax.grad``; their leaves must be real
-        floating point.
+      argnums: the argument(s) differentiated, as in ``jax.grad``: their real floating leaves
+        (integer and PRNG-key leaves, e.g. an nnx RngCount, are passed through, not
+        differentiated). An equinox module is taken as ``eqx.filter_grad`` takes it: its
+        floating arrays are differentiated, its other leaves closed over.
       grad: check the gradient too (the default); False checks only the forward pass, of any
         function with any outputs.
       has_aux: whether `fn` returns ``(loss, aux)`` (aux is checked, not differentiated).
@@ -216,8 +220,8 @@ def find_nonfinite(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, g
       `grad`) the gradient are finite. ``print(report)`` explains it.
     Raises:
       TypeError: if `fn` is not callable, an argument leaf is not an array or number, `argnums`
-        is not an int or ints, or a differentiated leaf is not real floating point (its path
-        is named); `funcgrad.TracedValueError` (a TypeError) when `fn` uses a traced
+        is not an int or ints, or a differentiated leaf is complex (its path is named);
+        `funcgrad.TracedValueError` (a TypeError) when `fn` uses a traced
         value as a Python value (``if x > 0:``, ``range(n)``): the message names fn's line and
         the fix.
       ValueError: if `argnums` is out of range, or with `grad` the loss is not a real scalar.
@@ -237,21 +241,24 @@ def _locate(fn, args, *, argnums, grad, has_aux):
     if not callable(fn):
         raise TypeError(f"find_nonfinite needs a callable fn, got {type(fn).__name__}.")
     nums = _argnums(argnums, len(args), grad)
+    fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
     names = arg_names(fn, len(args))
     paths = leaf_paths(tuple(args), names)
     leaves = jax.tree.leaves(tuple(args))
-    owner = [path[0].idx for path, _ in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
+    owner = [i for i, _ in arg_leaf_paths(tuple(args))]
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
             raise TypeError(f"find_nonfinite: the argument leaf {path} is a {type(leaf).__name__};"
                             " arguments must be pytrees of arrays or numbers. Close over other "
                             "values (functools.partial or a lambda).")
-    active = [grad and i in nums for i in owner]
-    for path, leaf, a in zip(paths, leaves, active):
-        if a and not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+    # Only the real floating leaves of argnums are differentiated: an integer or key leaf (a
+    # step counter, an nnx RngCount or RngKey) has no gradient and is passed through.
+    active = [grad and i in nums and _is_real_float(leaf) for i, leaf in zip(owner, leaves)]
+    for path, leaf, i in zip(paths, leaves, owner):
+        if grad and i in nums and _is_complex(leaf):
             raise TypeError(f"find_nonfinite: the differentiated leaf {path} has dtype "
-                            f"{jnp.result_type(leaf)}; only real floating leaves have a gradient. "
-                            "Pass it in an argument that is not in argnums.")
+                            f"{jnp.result_type(leaf)}; complex leaves are not supported. Pass "
+                            "it in an argument that is not in argnums.")
     for path, leaf, a in zip(paths, leaves, active):
         if a and not _finite(leaf):  # differentiated: params gone bad before fn runs
             return _input_report(path, leaf), None, None
@@ -345,6 +352,20 @@ def _zero_elements(x, limit: int = 5) -> str:
 
 def _first(bad: list) -> _Origin:
     return min((o for o, _ in bad), key=_rank)
+
+
+def _is_real_float(leaf) -> bool:
+    try:
+        return bool(jnp.issubdtype(jnp.result_type(leaf), jnp.floating))
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
+
+
+def _is_complex(leaf) -> bool:
+    try:
+        return bool(jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating))
+    except TypeError:
+        return False
 
 
 def _argnums(argnums, nargs: int, grad: bool) -> tuple[int, ...]:

@@ -46,6 +46,8 @@ from funcgrad._check_shared import (_CHUNK_ELEMENTS, _FWD_ONLY_CUSTOM_VJP, _NO_F
                                     _see_through_grad, _segments, _sg_note)
 from funcgrad._directional_mode import _random_tangents, _run_directional
 from funcgrad._jaxpr import arg_names, check_array_args
+from funcgrad._library_objects import split_equinox_args
+from funcgrad._paths import arg_leaf_paths, keystr
 from funcgrad._precision import lift_precision_of, narrowest_float
 from funcgrad._traced import traced_values
 from funcgrad.check_report import GradCheckReport, LeafCheck, classify_elements
@@ -83,7 +85,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
       fn: ``fn(*args)`` returning a floating array or pytree of arrays (any shape); with
         `has_aux`, a pair ``(output, aux)`` whose aux is ignored.
       *args: the primal point. Floating leaves of every argument are promoted to float64 for
-        the check (inside ``jax.enable_x64``; the global flag is never changed).
+        the check (inside ``jax.enable_x64``; the global flag is never changed). An equinox
+        module is taken as ``eqx.filter_grad`` takes it: its floating arrays are checked
+        (rows ``m.layers[0].weight``), its other leaves closed over.
       argnums: which positional argument(s) to differentiate. Integer and boolean leaves inside
         them are skipped and listed in the report.
       mode: "full" (every element) or "directional" (random tangents; for large models).
@@ -183,6 +187,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                         f"positions of the arguments to differentiate, e.g. argnums=(0, 1)), got "
                         f"{argnums!r}.")
     argnums_t = (int(argnums),) if is_int(argnums) else tuple(dict.fromkeys(int(a) for a in argnums))
+    fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
     names = arg_names(fn, len(args))
     check_array_args("check_grads", args, names)
     if respect_stop_gradient is not None:
@@ -264,6 +269,7 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
         raise ValueError(f"audit: max_evaluations must be a positive int (function "
                          f"evaluations of the directional check) or None, got "
                          f"{max_evaluations!r}.")
+    loss_fn, (params, *batch) = split_equinox_args(loss_fn, (params, *batch))
     sizes = [int(np.size(x)) for x in jax.tree.leaves(params)
              if jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x) > 0]
     n = sum(sizes)
@@ -309,11 +315,10 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
                 f"check_grads: argument {names[a]} (argnums={a}) has dtype "
                 f"{jnp.result_type(args[a])}, which cannot be differentiated. Select floating "
                 "arguments with argnums, or cast it: x.astype(jnp.float32).")
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tuple(args))
+    flat, treedef = jax.tree.flatten(tuple(args))
     diff, paths, skipped = [], [], []
-    for pos, (path, leaf) in enumerate(flat):
-        arg = path[0].idx
-        name = names[arg] + jax.tree_util.keystr(path[1:])
+    for pos, ((arg, path), leaf) in enumerate(zip(arg_leaf_paths(tuple(args)), flat)):
+        name = names[arg] + keystr(path)
         dtype = jnp.result_type(leaf)
         if arg in argnums:
             if jnp.issubdtype(dtype, jnp.floating) and np.size(leaf) == 0:
@@ -329,7 +334,7 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
             f"check_grads: no floating leaf to differentiate in argnums={argnums} "
             f"({', '.join(names[a] for a in argnums)})"
             + (f"; skipped: {', '.join(skipped)}." if skipped else "."))
-    leaves = tuple(_promote(leaf) for _, leaf in flat)
+    leaves = tuple(_promote(leaf) for leaf in flat)
     shapes = tuple(tuple(leaves[p].shape) for p in diff)
     theta = np.concatenate([np.ravel(leaves[p]) for p in diff])
     probe = obj.Spec(fn, has_aux, treedef, tuple(diff), shapes, 1, True)
@@ -340,10 +345,10 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
         # carry made in float32, as flax's nn.RNN does): give fn its leaves in their own dtypes
         # and let lifting (funcgrad._precision) check its arithmetic in float64.
         if "float64" not in str(error) or not any(
-                str(jnp.result_type(flat[p][1])) != "float64" for p in diff):
+                str(jnp.result_type(flat[p])) != "float64" for p in diff):
             raise
-        probe = probe._replace(cast_to=tuple(str(jnp.result_type(flat[p][1])) for p in diff))
-        leaves = tuple(leaf if pos in diff else flat[pos][1] for pos, leaf in enumerate(leaves))
+        probe = probe._replace(cast_to=tuple(str(jnp.result_type(flat[p])) for p in diff))
+        leaves = tuple(leaf if pos in diff else flat[pos] for pos, leaf in enumerate(leaves))
         out_tree = jax.eval_shape(lambda t, lv: _raw_output(probe, t, lv), theta, leaves)
     out_layout, start = [], 0
     for path, o in jax.tree_util.tree_flatten_with_path(out_tree)[0]:

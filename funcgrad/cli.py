@@ -1,4 +1,5 @@
-"""The command line: ``funcgrad train`` trains a perceptron on the digits set and saves its history."""
+"""The command line: ``funcgrad train`` trains a perceptron (or, with ``--model cnn``, a small
+convolutional net) on the digits set and saves its history."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,8 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,6 +44,11 @@ _fraction = _checked(float, lambda v: 10 <= round(1797 * v) <= 1787,
 _unit_interval = _checked(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
 _seed = _checked(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
 
+#: Flags that belong to one model only, with the model's default (None: the flag was not
+#: given). A flag given for the other model is an error, not silently ignored.
+_MLP_DEFAULTS = {"hidden": [128], "activation": "relu"}
+_CNN_DEFAULTS = {"channels": [32, 64], "dropout": 0.25}
+
 
 def _build_parser() -> argparse.ArgumentParser:
     from funcgrad.nn import ACTIVATIONS
@@ -53,14 +60,24 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"funcgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     t = sub.add_parser(
-        "train", help="train an MLP on scikit-learn's digits set (the main job)",
-        description="Train an MLP (64 -> hidden... -> 10) on scikit-learn's bundled digits set, "
-                    "print loss, global gradient norm and test accuracy per epoch (numbered "
-                    "from 1), and write metrics.json and training.png into --out.")
-    t.add_argument("--hidden", type=_positive(int), nargs="+", default=[128], metavar="N",
-                   help="hidden layer widths (default: 128)")
-    t.add_argument("--activation", choices=sorted(ACTIVATIONS), default="relu",
-                   help="hidden activation (default: relu)")
+        "train", help="train an MLP or a CNN on scikit-learn's digits set (the main job)",
+        description="Train an MLP (64 -> hidden... -> 10), or with --model cnn a small "
+                    "convolutional net with BatchNorm and dropout, on scikit-learn's bundled "
+                    "digits set, print loss, global gradient norm and test accuracy per epoch "
+                    "(numbered from 1), and write metrics.json and training.png into --out.")
+    t.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                   help="mlp: a perceptron; cnn: conv 3x3 -> BatchNorm -> ReLU -> max-pool "
+                        "blocks on the 8x8 images, dropout and a dense head, evaluated with "
+                        "BatchNorm's running statistics (funcgrad.convnet) (default: mlp)")
+    t.add_argument("--hidden", type=_positive(int), nargs="+", default=None, metavar="N",
+                   help="MLP only: hidden layer widths (default: 128)")
+    t.add_argument("--activation", choices=sorted(ACTIVATIONS), default=None,
+                   help="MLP only: hidden activation (default: relu)")
+    t.add_argument("--channels", type=_positive(int), nargs="+", default=None, metavar="N",
+                   help="CNN only: output channels of each conv block, at most 3 blocks "
+                        "(each halves the 8x8 image) (default: 32 64)")
+    t.add_argument("--dropout", type=_unit_interval, default=None, metavar="RATE",
+                   help="CNN only: dropout rate before the dense head (default: 0.25)")
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam",
                    help="optax optimizer (default: adam)")
     t.add_argument("--lr", type=_positive(float), default=1e-3, help="learning rate (default: 1e-3)")
@@ -106,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.train_parser.error(
             f"argument --momentum: applies to --optimizer momentum only (got --optimizer "
             f"{args.optimizer}); drop it or add --optimizer momentum")
+    if args.command == "train":
+        _model_flags(parser.train_parser, args)
     if args.command == "train" and os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                                   "pass a folder path (it is created if missing)")
@@ -126,14 +145,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2  # pragma: no cover - argparse requires a command
 
 
-def _train(args: argparse.Namespace) -> int:
-    import jax
-    import jax.numpy as jnp
-    import optax
+def _model_flags(train_parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses a flag of the other model's, fills in the chosen model's defaults, and drops
+    the other model's flags from `args` (so metrics.json's config lists what was used)."""
+    own, other = ((_MLP_DEFAULTS, _CNN_DEFAULTS) if args.model == "mlp"
+                  else (_CNN_DEFAULTS, _MLP_DEFAULTS))
+    for name in other:
+        if getattr(args, name) is not None:
+            flag = "--" + name
+            train_parser.error(
+                f"argument {flag}: applies to --model {'cnn' if args.model == 'mlp' else 'mlp'} "
+                f"only (got --model {args.model}); drop it"
+                + (" or add --model cnn" if args.model == "mlp" else
+                   " (the cnn's widths are set by --channels; its activation is ReLU)"))
+        delattr(args, name)
+    for name, default in own.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.model == "cnn" and len(args.channels) > 3:
+        train_parser.error(f"argument --channels: each block halves the 8x8 image, so at most "
+                           f"3 blocks; got {len(args.channels)}")
 
+
+def _train(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from funcgrad.coupling import CoupledExamplesWarning
     from funcgrad.data import load_digits
     from funcgrad.monitor import grad_monitor
-    from funcgrad.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
     from funcgrad.precision import dynamic_loss_scale
     from funcgrad.fit import fit
     from funcgrad.train import init_train_state, make_optimizer, make_train_step
@@ -141,8 +180,6 @@ def _train(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     data = load_digits(test_size=args.test_size, seed=args.seed)
-    sizes = (data.x_train.shape[1], *args.hidden, data.num_classes)
-    params = mlp_init(jax.random.key(args.seed), sizes, activation=args.activation)
     tx = make_optimizer(args.optimizer, args.lr,
                         momentum=0.9 if args.momentum is None else args.momentum)
 
@@ -154,20 +191,10 @@ def _train(args: argparse.Namespace) -> int:
         print("funcgrad: note: float16 without --loss-scale dynamic: small gradients may "
               "underflow to zero", file=sys.stderr)
 
-    def loss_fn(params, batch):
-        logits = mlp_apply(params, batch["x"], activation=args.activation)
-        # The loss in float32 whatever the compute dtype, as PyTorch's autocast does.
-        if accumulate:  # one loss per example: the step takes the exact mean over each group
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                                   batch["y"])
-        return softmax_cross_entropy(logits.astype(jnp.float32), batch["y"])
+    model = _mlp(args, data, accumulate) if args.model == "mlp" else _cnn(args, data, accumulate)
 
-    @jax.jit
-    def test_accuracy(params):
-        return accuracy(mlp_apply(params, data.x_test, activation=args.activation), data.y_test)
-
-    print(f"funcgrad train: MLP {' -> '.join(map(str, sizes))} ({args.activation}), "
-          f"{args.optimizer} lr={args.lr:g}, {len(data.x_train)} train / {len(data.x_test)} test "
+    print(f"funcgrad train: {model.description}, {args.optimizer} lr={args.lr:g}, "
+          f"{len(data.x_train)} train / {len(data.x_test)} test "
           f"digits, {args.epochs} epochs of batch {args.batch_size}"
           + (f", clip_norm={args.clip_norm:g}" if args.clip_norm else "")
           + (f", compute {args.dtype}" if compute_dtype is not None else "")
@@ -182,28 +209,37 @@ def _train(args: argparse.Namespace) -> int:
               f"{len(data.x_train)} train digits: each epoch is one update over all of them "
               f"({micro} micro-batches). Use --accumulate {max(1, micro // 2)} or less for more "
               "than one update per epoch.", file=sys.stderr)
+    if accumulate and args.model == "cnn":
+        print(f"funcgrad: note: with --accumulate each micro-batch of {args.batch_size} "
+              "normalises with its own BatchNorm statistics (ghost batch norm): the update "
+              "averages their gradients, which is not the gradient of one batch of "
+              f"{accumulate * args.batch_size}", file=sys.stderr)
     with warnings.catch_warnings():  # the report is printed once, below, not also as a warning
         warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
         warnings.filterwarnings("ignore", "fit: accumulate=", UserWarning)  # the note above
-        result = fit(make_train_step(loss_fn, tx, clip_norm=args.clip_norm,
+        warnings.filterwarnings("ignore", category=CoupledExamplesWarning)  # the note above
+        result = fit(make_train_step(model.loss, tx, clip_norm=args.clip_norm,
                                      compute_dtype=compute_dtype, loss_scale=loss_scale,
                                      accumulate=accumulate, detect_anomaly=args.detect_anomaly,
                                      monitor=monitor),
-                     init_train_state(params, tx, loss_scale=loss_scale, monitor=monitor),
+                     init_train_state(model.params, tx, loss_scale=loss_scale, monitor=monitor,
+                                      **model.state_kwargs),
                      data.x_train,
                      data.y_train, epochs=args.epochs,
                      batch_size=args.batch_size, seed=args.seed,
-                     evaluate=lambda p: {"test_accuracy": test_accuracy(p)},
+                     evaluate=lambda *p: {"test_accuracy": model.test_accuracy(*p)},
                      progress=not args.no_progress and sys.stderr.isatty(), log=print)
     history = result.history
     metrics_path = os.path.join(args.out, "metrics.json")
     with open(metrics_path, "w") as f:
         json.dump(_strict_json({
             "config": {k: v for k, v in vars(args).items() if k != "command"},
-            "sizes": list(sizes), **history.to_dict(),
+            **model.shape, **history.to_dict(),
             "nonfinite": result.nonfinite.to_dict() if result.nonfinite else None}), f, indent=1)
     plot_path = _plot(history, os.path.join(args.out, "training.png"))
-    final = float(test_accuracy(result.state.params))  # the last finite state if stopped early
+    final = float(model.test_accuracy(  # the last finite state if stopped early
+        result.state.params, *(() if result.state.model_state is None
+                               else (result.state.model_state,))))
     if loss_scale is not None:
         print(f"loss scale {float(result.state.loss_scale.scale):g}, "
               f"{len(history.skipped_steps)} steps skipped")
@@ -215,6 +251,75 @@ def _train(args: argparse.Namespace) -> int:
         print(f"funcgrad: error: {result.nonfinite}", file=sys.stderr)
         return 1
     return 0
+
+
+class _Model(NamedTuple):
+    """What `_train` needs of a model: its line in the header, its loss (a plain function or a
+    `funcgrad.Loss`),
+    initial params, the keyword arguments of `init_train_state` that give its model state and
+    key, ``test_accuracy(params[, model_state])`` (jitted, shape () float32) and the entries
+    that describe its shape in metrics.json."""
+    description: str
+    loss: Any
+    params: Any
+    state_kwargs: dict
+    test_accuracy: Callable
+    shape: dict
+
+
+def _mlp(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from funcgrad.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
+
+    sizes = (data.x_train.shape[1], *args.hidden, data.num_classes)
+    params = mlp_init(jax.random.key(args.seed), sizes, activation=args.activation)
+
+    def loss_fn(params, batch):
+        logits = mlp_apply(params, batch["x"], activation=args.activation)
+        # The loss in float32 whatever the compute dtype, as PyTorch's autocast does.
+        if accumulate:  # one loss per example: the step takes the exact mean over each group
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                                   batch["y"])
+        return softmax_cross_entropy(logits.astype(jnp.float32), batch["y"])
+
+    @jax.jit
+    def test_accuracy(params):
+        return accuracy(mlp_apply(params, data.x_test, activation=args.activation), data.y_test)
+
+    return _Model(f"MLP {' -> '.join(map(str, sizes))} ({args.activation})", loss_fn,
+                  params, {}, test_accuracy, {"sizes": list(sizes)})
+
+
+def _cnn(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
+    import functools
+
+    import jax
+
+    from funcgrad.convnet import cnn_apply, cnn_init, cnn_loss
+    from funcgrad.loss import Loss
+    from funcgrad.nn import accuracy
+
+    # One key for the init, one for dropout: step s draws fold_in(dropout_key, s).
+    init_key, dropout_key = jax.random.split(jax.random.key(args.seed))
+    params, model_state = cnn_init(init_key, channels=args.channels,
+                                   num_classes=data.num_classes)
+    loss = Loss(functools.partial(cnn_loss, dropout_rate=args.dropout,
+                                  per_example=accumulate is not None),
+                has_state=True, takes_key=True)
+
+    @jax.jit
+    def test_accuracy(params, model_state):  # BatchNorm with its running statistics
+        logits, _ = cnn_apply(params, model_state, data.x_test, train=False)
+        return accuracy(logits, data.y_test)
+
+    blocks = " -> ".join(f"conv {c}" for c in args.channels)
+    return _Model(f"CNN 8x8x1 -> {blocks} -> {data.num_classes} (3x3 conv, BatchNorm, ReLU, "
+                  f"2x2 max-pool; dropout {args.dropout:g})", loss, params,
+                  {"model_state": model_state, "key": dropout_key}, test_accuracy,
+                  {"channels": list(args.channels)})
 
 
 def _strict_json(value):

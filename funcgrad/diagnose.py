@@ -56,6 +56,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from funcgrad._custom_rules import dropped_inputs
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._jaxpr import arg_names, check_array_args, interpret, leaf_paths, source_line
 from funcgrad._jaxpr import closed_parts as _closed
 from funcgrad._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
@@ -265,7 +266,8 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     Args:
       loss_fn: ``loss_fn(params, *args) -> scalar`` (or ``(scalar, aux)`` with `has_aux`), a
         pure function; may use jit, vmap, scan, cond, custom_jvp/vjp inside.
-      params: the pytree differentiated (argument 0), of arrays of any shapes.
+      params: the pytree differentiated (argument 0), of arrays of any shapes (an equinox
+        module: its floating arrays, the rest closed over).
       *args: the other arguments (a batch, labels...), not differentiated.
       has_aux: whether `loss_fn` returns ``(loss, aux)``.
     Returns:
@@ -282,6 +284,7 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     """
     if not callable(loss_fn):
         raise TypeError(f"explain_grads needs a callable loss_fn, got {type(loss_fn).__name__}.")
+    loss_fn, (params, *args) = split_equinox_args(loss_fn, (params, *args))
     names = arg_names(loss_fn, 1 + len(args))
     check_array_args("explain_grads", (params, *args), names)
     paths = leaf_paths((params,), names[:1])

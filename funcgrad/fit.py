@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad._library_objects import check_params
 from funcgrad.accumulate import group_microbatches
 from funcgrad.data import batches, rows
 from funcgrad.monitor import monitor_alerts
@@ -215,6 +216,8 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"fit: batch_size must be a positive int, got {batch_size!r}.")
     _check_callables(step, evaluate, log)
+    if isinstance(state, TrainState):
+        check_params("fit", state.params)  # an equinox / nnx object: the fix to train it
     # Python lists, as from a CSV reader, become arrays; a dict (several inputs) stays a pytree.
     x = np.asarray(x) if isinstance(x, (list, tuple)) else x
     y = np.asarray(y) if isinstance(y, (list, tuple)) else y

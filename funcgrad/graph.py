@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from funcgrad import _graph_draw
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._jaxpr import arg_names, is_float, leaf_paths, source_line, sub_jaxprs
 from funcgrad._traced import TracedValueError, traced_values
 
@@ -227,6 +228,7 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
       *args: the primal point: pytrees (dicts, lists, tuples, None, ...) whose leaves are
         arrays of any shape and dtype: ``jax.Array``, NumPy arrays, Python scalars (traced as
         weakly typed arrays) or ``jax.ShapeDtypeStruct`` (shapes only, nothing is computed).
+        An equinox module's floating arrays are its leaves; its other leaves are closed over.
       residuals: also list what ``jax.vjp(fn, *args)`` saves for the backward pass, with every
         floating leaf differentiated (integer and boolean leaves have no cotangent).
     A jitted `fn` (``trace(jax.jit(f), ...)``, whose record is one ``jit`` equation) is traced
@@ -253,6 +255,7 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
     if not callable(fn):
         raise TypeError(f"trace: fn must be a callable such as a loss function, got "
                         f"{type(fn).__name__} {fn!r}. Example: trace(loss_fn, params, batch).")
+    fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
     names = arg_names(fn, len(args))
     paths = leaf_paths(args, names)
     for path, leaf in zip(paths, jax.tree.leaves(args)):

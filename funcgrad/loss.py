@@ -41,6 +41,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from funcgrad._paths import key_paths, keystr
+
 PyTree = Any
 
 
@@ -195,8 +197,8 @@ def as_loss(fn: Callable | Loss, *, has_aux: bool = False, has_state: bool = Fal
 
 
 def _describe(tree: PyTree) -> dict[str, tuple]:
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(p): (jnp.shape(x), jnp.result_type(x)) for p, x in flat}
+    flat = zip(key_paths(tree), jax.tree.leaves(tree))  # nnx: no .value level (_paths)
+    return {keystr(p): (jnp.shape(x), jnp.result_type(x)) for p, x in flat}
 
 
 def _check_same_state(old: PyTree, new: PyTree) -> None:
@@ -223,9 +225,9 @@ def _check_same_state(old: PyTree, new: PyTree) -> None:
 
 
 def _check_aux(aux: PyTree) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
+    for path, leaf in zip(key_paths(aux), jax.tree.leaves(aux)):
         if not hasattr(leaf, "dtype") and not isinstance(leaf, (int, float, bool, complex)):
             raise TypeError(
-                f"the loss's aux must be a pytree of arrays; aux{jax.tree_util.keystr(path)} "
+                f"the loss's aux must be a pytree of arrays; aux{keystr(path)} "
                 f"is a {type(leaf).__name__}. Return arrays (e.g. jnp.asarray(x)) and keep "
                 "other values out of the loss.")

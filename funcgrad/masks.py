@@ -36,27 +36,18 @@ import numpy as np
 import optax
 from jax.extend import core as jex_core
 
+from funcgrad._library_objects import equinox_floating, split_equinox_args
+from funcgrad._paths import key_paths, keystr, slash_path
+
 PyTree = Any
 Predicate = Callable[[str, Any], bool]
 Selector = Union[str, Predicate, Sequence[Union[str, Predicate]]]
 
 
-def _path(key_path: Sequence[Any]) -> str:
-    """The ``a/0/w`` path of a leaf from its JAX key path (see the module docstring)."""
-    parts = []
-    for k in key_path:
-        for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
 def _paths_and_leaves(params: PyTree) -> tuple[list[str], list[Any]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    return [_path(kp) for kp, _ in flat], [leaf for _, leaf in flat]
+    """The ``a/0/w`` path of every leaf (see the module docstring; an nnx Variable's ``.value``
+    is not a level, `funcgrad._paths`) and the leaves."""
+    return [slash_path(kp) for kp in key_paths(params)], jax.tree.leaves(params)
 
 
 def _selectors(value: Selector | None, arg: str) -> list[str | Predicate]:
@@ -103,7 +94,9 @@ def trainable_mask(params: PyTree, *, train: Selector | None = None,
     ``train="*/w", freeze="0/*"`` trains the weights of every layer but the first.
 
     Args:
-      params: the parameter pytree (arrays or anything else as leaves).
+      params: the parameter pytree (arrays or anything else as leaves). An equinox module
+        is described by its floating arrays: the mask has the structure of
+        ``eqx.filter(model, eqx.is_inexact_array)`` (None elsewhere), the params it trains.
       train, freeze: a glob pattern over leaf paths (see the module docstring: ``"0/w"``,
         ``"0/*"``, ``"*/b"``), a predicate ``(path: str, leaf) -> bool``, or a list of them
         (a leaf is selected when any item selects it).
@@ -118,6 +111,7 @@ def trainable_mask(params: PyTree, *, train: Selector | None = None,
       >>> trainable_mask(params, freeze="0/*")
       [{'b': False, 'w': False}, {'b': True, 'w': True}]
     """
+    params = equinox_floating(params)  # an equinox model: its floating arrays
     paths, leaves = _paths_and_leaves(params)
     trainable = [True] * len(paths)
     train_items = _selectors(train, "train")
@@ -155,12 +149,12 @@ def _leaf_flags(mask: PyTree, params: PyTree, where: str) -> list[bool]:
             "structure of params (as trainable_mask(params, ...) makes it) or a prefix of it "
             f"(one bool for a whole subtree).\n  params: {jax.tree.structure(params)}\n"
             f"  mask:   {mask_def}") from None
-    flat_mask, _ = jax.tree_util.tree_flatten_with_path(mask)
+    flat_mask = zip(key_paths(mask), jax.tree.leaves(mask))
     flags = []
     for (kp, flag), subtree in zip(flat_mask, subtrees):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(
-                f"{where}: the mask leaf at {_path(kp) or '(root)'} is "
+                f"{where}: the mask leaf at {slash_path(kp) or '(root)'} is "
                 f"{type(flag).__name__} {flag!r}; mask leaves must be Python bools (True = "
                 "trainable). A traced or device array cannot be used: which leaves are "
                 "differentiated must be known when the function is traced.")
@@ -198,17 +192,17 @@ def check_differentiable(params: PyTree, where: str, flags: Sequence[bool] | Non
         (``params['count']``), its dtype, and the two fixes: make it floating point if it is a
         weight, or freeze it with `trainable_mask` if it is not trained.
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    flat = list(zip(key_paths(params), jax.tree.leaves(params)))
     flags = [True] * len(flat) if flags is None else flags
     for (kp, x), f in zip(flat, flags):
         dtype = jnp.result_type(x)
         if f and not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(
-                f"{where}: params{jax.tree_util.keystr(kp)} has dtype {dtype}, which has no "
+                f"{where}: params{keystr(kp)} has dtype {dtype}, which has no "
                 "gradient (JAX differentiates floating-point leaves only). If it is a weight, "
                 "make it floating point (e.g. jnp.array(0.0) rather than jnp.array(0), or "
                 ".astype(jnp.float32)); if it is not trained (a step counter, an index table), "
-                f"freeze it: trainable = trainable_mask(params, freeze={_path(kp)!r}), given "
+                f"freeze it: trainable = trainable_mask(params, freeze={slash_path(kp)!r}), given "
                 "to make_train_step(..., trainable=trainable) and init_train_state(..., "
                 "trainable=trainable), or keep it out of params.")
 
@@ -225,6 +219,8 @@ def value_and_grad_trainable(fn: Callable, mask: PyTree, *,
 
     Args:
       fn: ``fn(params, *args, **kwargs) -> scalar`` (or ``(scalar, aux)`` with `has_aux`).
+        An equinox module in the arguments is split as ``eqx.filter_grad`` splits it (its
+        floating arrays differentiated, the rest closed over); `grads` then has None elsewhere.
       mask: Python bools with the structure of `params` or a prefix of it (`trainable_mask`).
       has_aux: as in ``jax.value_and_grad``.
     Returns:
@@ -238,10 +234,11 @@ def value_and_grad_trainable(fn: Callable, mask: PyTree, *,
         floating point (integers have no gradient: freeze them).
     """
     def value_and_grads(params, *args, **kwargs):
+        of_arrays, (params, *args) = split_equinox_args(fn, (params, *args))
         trainable, frozen, merge = _split(params, mask, "value_and_grad_trainable")
 
         def of_trainable(trainable_leaves):
-            return fn(merge(trainable_leaves, frozen), *args, **kwargs)
+            return of_arrays(merge(trainable_leaves, frozen), *args, **kwargs)
 
         value, grads = jax.value_and_grad(of_trainable, has_aux=has_aux)(trainable)
         return value, merge(grads, [jnp.zeros_like(x) for x in frozen])
@@ -323,7 +320,8 @@ def requires_grad(fn: Callable, mask: PyTree) -> Callable[..., PyTree]:
     ``round(x)`` and then give a zero gradient.
 
     Args:
-      fn: ``fn(params, *args) -> pytree of arrays``; `args` are arrays or pytrees of them.
+      fn: ``fn(params, *args) -> pytree of arrays``; `args` are arrays or pytrees of them
+        (an equinox module's floating arrays are its leaves, the rest is closed over).
       mask: Python bools with the structure of `params` or a prefix of it (`trainable_mask`).
     Returns:
       ``report(params, *args) -> pytree of Python bools`` with the structure of `fn`'s output.
@@ -335,10 +333,11 @@ def requires_grad(fn: Callable, mask: PyTree) -> Callable[..., PyTree]:
       (True, False, False)
     """
     def report(params, *args):
+        of_arrays, (params, *args) = split_equinox_args(fn, (params, *args))
         trainable, frozen, merge = _split(params, mask, "requires_grad")
 
         def output_tangents(primals, tangents, frozen_leaves, args):
-            _, out_tangents = jax.jvp(lambda t: fn(merge(t, frozen_leaves), *args),
+            _, out_tangents = jax.jvp(lambda t: of_arrays(merge(t, frozen_leaves), *args),
                                       (primals,), (tangents,))
             return out_tangents
 

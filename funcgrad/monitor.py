@@ -54,6 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad._library_objects import equinox_floating
+from funcgrad._paths import key_paths, keystr
 from funcgrad._relu_axes import UNKNOWN_AXIS_NOTE
 from funcgrad.dead_relu import DeadReLU as DeadReLU
 from funcgrad.dead_relu import with_dead_relu as with_dead_relu
@@ -299,11 +301,10 @@ jax.tree_util.register_dataclass(MonitorMetrics, data_fields=["values", "dead"],
 
 def _layers(params: PyTree) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
     """Leaf names, layer names and each leaf's layer index; a layer is a leaf's parent."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
     leaf_names, layer_names, layer_of = [], [], []
-    for path, _ in flat:
-        leaf_names.append("params" + jax.tree_util.keystr(path))
-        layer = "params" + jax.tree_util.keystr(path[:-1])
+    for path in key_paths(params):  # an nnx Variable's .value is not a level (funcgrad._paths)
+        leaf_names.append("params" + keystr(path))
+        layer = "params" + keystr(path[:-1])
         if layer not in layer_names:
             layer_names.append(layer)
         layer_of.append(layer_names.index(layer))
@@ -464,8 +465,10 @@ class GradMonitor:
 
         `trainable` (a mask from `funcgrad.trainable_mask`, the structure of `params` or a
         prefix of it) excludes layers whose leaves are all frozen from the vanishing check.
-        Raises ValueError if `params` has no leaves.
+        An equinox module is described by its floating arrays (the leaves of
+        ``eqx.filter_grad``'s gradient). Raises ValueError if `params` has no leaves.
         """
+        params = equinox_floating(params)  # an equinox model: the leaves eqx.filter_grad gives
         leaf_names, layer_names, layer_of = _layers(params)
         if not leaf_names:
             raise ValueError(f"grad_monitor: params has no array leaves (got {params!r}), so "

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad._paths import key_paths, keystr
+
 PyTree = Any
 Batch = Mapping[str, Any]
 
@@ -285,10 +287,10 @@ def _floating_dtype(dtype, where: str, name: str = "compute_dtype") -> np.dtype:
 def first_half_leaf(params: PyTree) -> tuple[str, np.dtype] | None:
     """``(path, dtype)`` of the first float16/bfloat16 leaf of `params` (path as ``['w']``),
     or None when every floating leaf is at least float32."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    for path, leaf in zip(key_paths(params), jax.tree.leaves(params)):
         dtype = jnp.result_type(leaf)
         if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-            return jax.tree_util.keystr(path), dtype
+            return keystr(path), dtype
     return None
 
 

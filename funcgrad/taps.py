@@ -43,6 +43,7 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._jaxpr import closed_parts as _closed
 from funcgrad._jaxpr import arg_names, interpret, source_line
 from funcgrad._traced import traced_values
@@ -262,7 +263,10 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
     Args:
       fn: ``fn(*args) -> scalar`` (or ``(scalar, aux)`` with `has_aux`), pure, with `tap`
         calls inside (anywhere it calls, including jitted, vmapped and scanned code).
-      argnums: which positional arguments to differentiate, as in ``jax.grad``.
+      argnums: which positional arguments to differentiate, as in ``jax.grad``: their
+        floating leaves; integer and PRNG-key leaves (an nnx RngCount, RngKey) get JAX's
+        ``float0`` zeros, as with ``jax.grad(..., allow_int=True)``. An equinox module is
+        taken as ``eqx.filter_grad`` takes it (grads None at its non-floating leaves).
       has_aux: whether `fn` returns ``(value, aux)``.
     Returns:
       A function of the same arguments (keyword arguments are passed to `fn` and not
@@ -286,7 +290,8 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
     nums = (argnums,) if single else tuple(argnums)
 
     def transformed(*args, **kwargs):
-        bound = functools.partial(fn, **kwargs) if kwargs else fn
+        of_arrays, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
+        bound = functools.partial(of_arrays, **kwargs) if kwargs else of_arrays
         with traced_values("intermediate_grads", bound, args, arg_names(fn, len(args)), nums):
             closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)
         _check_output(out_shape, has_aux)
@@ -301,8 +306,10 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
             outs = [o if isinstance(o, jax.Array) else jnp.asarray(o) for o in outs]
             return jax.tree.unflatten(out_tree, outs)
 
+        # allow_int: integer and key leaves (an nnx RngCount, RngKey) are not differentiated
+        # and get JAX's float0 zeros, as jax.grad(..., allow_int=True) gives them.
         value, grads = jax.value_and_grad(with_perts, argnums=(0, *(n + 1 for n in nums)),
-                                          has_aux=has_aux)(zeros, *args)
+                                          has_aux=has_aux, allow_int=True)(zeros, *args)
         tap_grads, arg_grads = grads[0], grads[1:]
         return value, (arg_grads[0] if single else arg_grads), tap_grads
 

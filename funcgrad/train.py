@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from funcgrad._library_objects import check_optimizer, check_params
+from funcgrad._paths import key_paths, keystr
 from funcgrad._step_anomaly import (_detecting_anomalies, _detecting_anomalies_per_micro_batch,
                                     _explain_skipped_update)
 from funcgrad._step_stages import (Update, chain, clip_stage, differentiate, finish, guard_stage,
@@ -87,23 +89,18 @@ def make_optimizer(optimizer: str | optax.GradientTransformation, learning_rate:
       momentum: the momentum coefficient beta in [0, 1) for "momentum".
     Raises:
       ValueError: for an unknown name, a non-positive learning rate or a momentum outside [0, 1).
-      TypeError: if `optimizer` is neither a name nor an optax transformation.
+      TypeError: if `optimizer` is neither a name nor an optax transformation (an
+        ``nnx.Optimizer`` is told to pass the optax transformation it wraps).
     """
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
+    check_optimizer("make_optimizer", optimizer)
     if isinstance(optimizer, optax.MultiSteps):
         raise TypeError(
             "optimizer is an optax.MultiSteps, which is not a GradientTransformation itself. "
             "For accumulation equal to the full-batch gradient use make_train_step(..., "
             "accumulate=K) with the inner optimizer; to keep MultiSteps' semantics pass "
             "multi_steps.gradient_transformation().")
-    if type(optimizer).__module__.startswith("flax.nnx"):  # nnx.Optimizer: flax not imported
-        raise TypeError(
-            f"optimizer is a flax {type(optimizer).__name__}, which holds a model and updates "
-            "it in place; funcgrad keeps the optimizer state in the TrainState. Pass the optax "
-            "transformation you built it with (e.g. optax.adam(1e-3)) and the model through "
-            "funcgrad.interop.from_nnx(model): make_train_step(m.loss(objective), tx), "
-            "m.init_train_state(tx).")
     if not isinstance(optimizer, str):
         raise TypeError(
             f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or an optax "
@@ -167,9 +164,14 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     declared with ``takes_key=True`` (`funcgrad.loss`; step s draws ``fold_in(key, s)``).
     Raises TypeError for a `monitor` or `loss_scale` of the wrong kind (``monitor=True``), a
     `key` that is not a PRNG key or a `seed` that is not an int; ValueError if both `seed` and
-    `key` are given.
+    `key` are given. Raises TypeError for an ``nnx.Optimizer``, and for params that are an
+    equinox module, an nnx Module, an nnx State with Variables other than ``nnx.Param``
+    (BatchStat, RngCount...) or hold a non-array leaf: the message gives the split that fixes
+    it (`funcgrad._library_objects`).
     """
     _check_kinds(monitor, loss_scale)
+    check_optimizer("init_train_state", optimizer)
+    check_params("init_train_state", params)  # equinox / nnx objects: the fix, not optax's error
     base_key = _base_key(seed, key)
     if model_state is not None:
         _check_model_state(model_state)
@@ -209,9 +211,9 @@ def _base_key(seed: Any, key: Any) -> jax.Array | None:
 
 def _check_model_state(model_state: PyTree) -> None:
     """TypeError naming a model-state leaf that is not an array (it is a jit and scan carry)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+    for path, leaf in zip(key_paths(model_state), jax.tree.leaves(model_state)):
         if not hasattr(leaf, "dtype") and not isinstance(leaf, (int, float, bool)):
-            raise TypeError(f"init_train_state: model_state{jax.tree_util.keystr(path)} is a "
+            raise TypeError(f"init_train_state: model_state{keystr(path)} is a "
                             f"{type(leaf).__name__}; the model state must be a pytree of "
                             "arrays (keep functions and settings out of it, in the loss).")
 
@@ -376,6 +378,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         scalar (with `accumulate`: not one loss per example) or the optimizer state does not
         match `optimizer` and the params.
     """
+    check_optimizer("make_train_step", optimizer)
     loss = as_loss(loss_fn, has_aux=has_aux, has_state=has_state, takes_key=takes_key)
     optimizer = make_optimizer(optimizer)
     if clip_norm is not None and not (isinstance(clip_norm, (int, float, np.number))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from funcgrad._jaxpr import arg_names
+from funcgrad._paths import key_paths, keystr
 from funcgrad._traced import traced_values
 
 PyTree = Any
@@ -153,10 +154,10 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
 
     primals = tuple(args[i] for i in nums)
     for i, x in zip(nums, primals):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
+        for path, leaf in zip(key_paths(x), jax.tree.leaves(x)):
             if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
                 raise TypeError(
-                    f"backward: argument {i}{jax.tree_util.keystr(path)} (argnums) has dtype "
+                    f"backward: argument {i}{keystr(path)} (argnums) has dtype "
                     f"{jnp.result_type(leaf)}, which has no gradient. Differentiate floating "
                     "arguments only (argnums), or cast it: x.astype(jnp.float32).")
     with traced_values("backward", fn, args, arg_names(fn, len(args)), nums):

@@ -345,8 +345,12 @@ def test_bad_input_gets_a_clear_error():
         find_nonfinite(lambda a: jnp.sum(a), x, argnums="0")
     with pytest.raises(ValueError, match="real scalar loss"):
         find_nonfinite(lambda a: a * 2.0, x)
-    with pytest.raises(TypeError, match=r"params\['step'\] has dtype int32"):
-        find_nonfinite(lambda params: jnp.sum(params["w"]), {"w": x, "step": jnp.int32(3)})
+    # An integer leaf of params (a step counter) is passed through, not differentiated, as
+    # eqx.filter_grad does (issue 13); a complex leaf is refused by name.
+    assert find_nonfinite(lambda params: jnp.sum(params["w"]),
+                          {"w": x, "step": jnp.int32(3)}).ok
+    with pytest.raises(TypeError, match=r"params\['c'\] has dtype complex64"):
+        find_nonfinite(lambda params: jnp.sum(params["w"]), {"w": x, "c": jnp.ones(2, jnp.complex64)})
     with pytest.raises(TypeError, match=r"leaf args\[1\] is a str"):
         find_nonfinite(lambda a, *rest: jnp.sum(a), x, "text")
     # grad=False: any outputs, no argnums check.

@@ -578,18 +578,19 @@ def test_non_array_and_static_arguments_get_the_partial_fix():
     assert report.ok
 
 
-def test_an_equinox_model_passed_whole_gets_the_partition_fix():
-    # An eqx.nn.MLP holds its activation (a function) as a leaf: the error must say how
-    # equinox users split a model, and that split must check (hand-independent: it passes,
-    # and its rows are the MLP's weight and bias leaves, 2 per layer).
+def test_an_equinox_model_passed_whole_is_checked_as_its_partition():
+    # An eqx.nn.MLP holds its activation (a function) as a leaf: passed whole it is split as
+    # eqx.partition(m, eqx.is_inexact_array) splits it (issue 13), so its check equals the
+    # check of the split by hand: the MLP's weight and bias leaves, 2 per layer, by its paths.
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(3, 1, 4, 1, key=jax.random.key(0))
-    with pytest.raises(TypeError, match=r"argument m\.activation is a custom_jvp.*"
-                       r"eqx\.partition\(m, eqx\.is_inexact_array\).*eqx\.combine"):
-        fg.check_grads(lambda m, x: jnp.sum(m(x)), model, jnp.ones(3))
+    whole = fg.check_grads(lambda m, x: jnp.sum(m(x)), model, jnp.ones(3))
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    report = fg.check_grads(lambda p, x: jnp.sum(eqx.combine(p, static)(x)), params, jnp.ones(3))
-    assert report.ok and len(report.rows) == 4, str(report)
+    split = fg.check_grads(lambda m, x: jnp.sum(eqx.combine(m, static)(x)), params, jnp.ones(3))
+    assert whole.ok and split.ok and len(whole.rows) == 4, str(whole)
+    assert [r.path for r in whole.rows] == [r.path for r in split.rows] == [
+        "m.layers[0].weight", "m.layers[0].bias", "m.layers[1].weight", "m.layers[1].bias"]
+    assert [r.analytic for r in whole.rows] == [r.analytic for r in split.rows]
 
 
 def test_tolerances_follow_a_float32_cast_inside_a_float64_function():

@@ -261,18 +261,6 @@ def _train_model():
     return from_nnx(NoBiasCNN(nnx.Rngs(0, dropout=1)))
 
 
-def test_an_nnx_optimizer_given_as_the_optimizer_says_what_to_pass():
-    import optax
-
-    model = _model()
-    m = from_nnx(model)
-    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    with pytest.raises(TypeError, match=r"(?s)flax Optimizer.*optax.adam.*from_nnx"):
-        fg.init_train_state(m.params, opt)
-    with pytest.raises(TypeError, match=r"(?s)flax Optimizer.*make_train_step\(m.loss"):
-        fg.make_train_step(m.loss(_ce), opt)
-
-
 def test_a_module_that_takes_train_gets_it():
     class Net(nnx.Module):
         def __init__(self, rngs):
