@@ -26,7 +26,6 @@ import numpy as np
 import optax
 
 import funcgrad as fg
-import funcgrad.interop  # noqa: F401  (fg.interop)
 from _timing import medians, paired_ratio, ratio_quartiles, rounds, step_args, step_runner, write_results
 
 LIMIT = 1.05

@@ -69,5 +69,6 @@ from funcgrad.monitor import grad_monitor as grad_monitor
 from funcgrad.monitor import monitor_alerts as monitor_alerts
 from funcgrad.monitor import with_dead_relu as with_dead_relu
 from funcgrad.custom import custom_vjp as custom_vjp
+from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
 
 __version__ = "0.1.0"
