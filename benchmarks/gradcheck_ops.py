@@ -1,6 +1,6 @@
 """funcgrad.check_grads judged on an op table built from JAX's autodiff test specs.
 
-For each op of tests/_op_table.py (135 configurations modelled on JAX's lax_autodiff_test,
+For each op of tests/check/_op_table.py (135 configurations modelled on JAX's lax_autodiff_test,
 lax_numpy_test grad table, linalg, nn and control-flow grad checks, at JAX's input ranges),
 in float64 and float32 (the op computes in that dtype), in full and directional mode:
 
@@ -15,7 +15,7 @@ in float64 and float32 (the op computes in that dtype), in full and directional 
   * flax.linen models (Dense -> Conv -> LayerNorm, float32 and bfloat16 compute) with a bug
     planted in a custom_vjp activation.
 
-Until `LeafCheck.resolution` exists the resolution is today's fallback (tests/_op_judge.py).
+Until `LeafCheck.resolution` exists the resolution is today's fallback (tests/check/_op_judge.py).
 
     $ python benchmarks/gradcheck_ops.py [--ops SUBSTRING] [--order2] [--no-flax]
                                          [--out benchmarks/results/gradcheck_ops.json]

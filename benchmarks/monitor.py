@@ -21,7 +21,7 @@ import optax
 
 import funcgrad as fg
 from _timing import step_args, medians, paired_ratio, rounds, step_runner, write_results
-from funcgrad.monitor import grad_monitor
+from funcgrad.train.monitor import grad_monitor
 
 LIMIT = 1.10
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.graph import trace
+from funcgrad.debug.graph import trace
 
 OUT = pathlib.Path("runs/graphs")
 

@@ -14,7 +14,7 @@ from _check import Check
 
 import funcgrad as fg
 from funcgrad._jaxpr import sub_jaxprs
-from funcgrad.masks import freeze, requires_grad, trainable_mask, value_and_grad_trainable
+from funcgrad.train.masks import freeze, requires_grad, trainable_mask, value_and_grad_trainable
 
 
 def count_dot_generals(jaxpr) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.manual import dlogits_softmax_cross_entropy
+from funcgrad.check.manual import dlogits_softmax_cross_entropy
 
 
 def loss_fn(params, x, y):

@@ -5,7 +5,7 @@ PyTorch frees the residuals of a graph during ``backward()``, so a second call n
 residuals: call it as often as you like, with any cotangent; they are freed when it is
 dropped. Differentiating a gradient (a gradient penalty, as in WGAN-GP) is ``jax.grad`` of a
 function that itself calls ``jax.grad``: no ``create_graph=True``, every gradient is itself a
-differentiable function. `funcgrad.vjp.backward` is the one-call form with a cotangent.
+differentiable function. `funcgrad.debug.vjp.backward` is the one-call form with a cotangent.
 
     $ python examples/10_backward_twice.py
 """
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.vjp import backward
+from funcgrad.debug.vjp import backward
 
 
 def reuse_pullback(c: Check) -> None:
@@ -34,7 +34,7 @@ def reuse_pullback(c: Check) -> None:
         c.row(f"pullback(v2)[{i}] = 3 x{i}^2 v2[{i}]", g2[i], want)
     c.row("pullback(v1) again, max |diff|", jnp.max(jnp.abs(g3 - g1)), 0.0)
 
-    # The same through funcgrad.vjp, and its error when the cotangent is left out.
+    # The same through funcgrad.debug.vjp, and its error when the cotangent is left out.
     g = backward(lambda x: x ** 3, x, cotangent=jnp.array([1.0, 0.0, -1.0]))
     c.row("backward(x^3, cotangent=v2)[2]", g[2], -27.0)
     try:

@@ -21,8 +21,8 @@ import optax
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.accumulate import accumulate_grads, stack_microbatches
-from funcgrad.train import make_train_step
+from funcgrad.train.accumulate import accumulate_grads, stack_microbatches
+from funcgrad.train.step import make_train_step
 
 SIZES = [16] * 6 + [4]
 LR = 0.1

@@ -14,7 +14,7 @@ import optax
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.clipping import clip_by_global_norm
+from funcgrad.train.clipping import clip_by_global_norm
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.custom import custom_vjp
+from funcgrad.check.custom import custom_vjp
 
 
 # --- 1. clipped identity: c is a Python float, passed to bwd first (nondiff_argnums) -----------

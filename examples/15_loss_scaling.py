@@ -20,7 +20,7 @@ import optax
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.precision import cast_floating, dynamic_loss_scale, scaled_value_and_grad
+from funcgrad.train.precision import cast_floating, dynamic_loss_scale, scaled_value_and_grad
 
 WEIGHT = 2.0**-24
 EPOCHS, BATCH = 10, 32

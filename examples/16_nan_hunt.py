@@ -22,7 +22,7 @@ import optax
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.anomaly import find_nonfinite
+from funcgrad.debug.anomaly import find_nonfinite
 
 
 def probabilities_by_hand(logits):

@@ -18,7 +18,7 @@ import optax
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.monitor import grad_monitor, monitor_alerts, with_dead_relu
+from funcgrad.train.monitor import grad_monitor, monitor_alerts, with_dead_relu
 
 STEPS = 30
 

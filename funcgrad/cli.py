@@ -51,8 +51,8 @@ _CNN_DEFAULTS = {"channels": [32, 64], "dropout": 0.25}
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from funcgrad.nn import ACTIVATIONS
-    from funcgrad.train import OPTIMIZERS
+    from funcgrad.train.nn import ACTIVATIONS
+    from funcgrad.train.step import OPTIMIZERS
 
     from funcgrad import __version__
 
@@ -68,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
                    help="mlp: a perceptron; cnn: conv 3x3 -> BatchNorm -> ReLU -> max-pool "
                         "blocks on the 8x8 images, dropout and a dense head, evaluated with "
-                        "BatchNorm's running statistics (funcgrad.convnet) (default: mlp)")
+                        "BatchNorm's running statistics (funcgrad.train.convnet) (default: mlp)")
     t.add_argument("--hidden", type=_positive(int), nargs="+", default=None, metavar="N",
                    help="MLP only: hidden layer widths (default: 128)")
     t.add_argument("--activation", choices=sorted(ACTIVATIONS), default=None,
@@ -170,12 +170,12 @@ def _model_flags(train_parser: argparse.ArgumentParser, args: argparse.Namespace
 def _train(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from funcgrad.coupling import CoupledExamplesWarning
-    from funcgrad.data import load_digits
-    from funcgrad.monitor import grad_monitor
-    from funcgrad.precision import dynamic_loss_scale
-    from funcgrad.fit import fit
-    from funcgrad.train import init_train_state, make_optimizer, make_train_step
+    from funcgrad.train.coupling import CoupledExamplesWarning
+    from funcgrad.train.data import load_digits
+    from funcgrad.train.monitor import grad_monitor
+    from funcgrad.train.precision import dynamic_loss_scale
+    from funcgrad.train.fit import fit
+    from funcgrad.train.step import init_train_state, make_optimizer, make_train_step
 
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
@@ -272,7 +272,7 @@ def _mlp(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
     import jax.numpy as jnp
     import optax
 
-    from funcgrad.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
+    from funcgrad.train.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
 
     sizes = (data.x_train.shape[1], *args.hidden, data.num_classes)
     params = mlp_init(jax.random.key(args.seed), sizes, activation=args.activation)
@@ -298,9 +298,9 @@ def _cnn(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
 
     import jax
 
-    from funcgrad.convnet import cnn_apply, cnn_init, cnn_loss
-    from funcgrad.loss import Loss
-    from funcgrad.nn import accuracy
+    from funcgrad.train.convnet import cnn_apply, cnn_init, cnn_loss
+    from funcgrad.train.loss import Loss
+    from funcgrad.train.nn import accuracy
 
     # One key for the init, one for dropout: step s draws fold_in(dropout_key, s).
     init_key, dropout_key = jax.random.split(jax.random.key(args.seed))

@@ -139,7 +139,7 @@ def test_cnn_with_accumulation_half_precision_clipping_and_anomaly_detection(tmp
 
 def test_cnn_nonfinite_run_is_located(tmp_path, capsys):
     # SGD with lr = 1e6 blows the CNN up at its second step; --detect-anomaly names the
-    # primitive and the line in funcgrad/convnet.py, through the model state and the key.
+    # primitive and the line in funcgrad/train/convnet.py, through the model state and the key.
     status = main(["train", "--model", "cnn", "--channels", "8", "16", "--optimizer", "sgd",
                    "--lr", "1e6", "--epochs", "1", "--detect-anomaly", "--no-monitor",
                    "--out", str(tmp_path), "--no-progress"])
@@ -217,8 +217,8 @@ def test_the_plot_merges_thousands_of_alerts_into_a_few_bands(tmp_path, monkeypa
     import matplotlib.figure
 
     from funcgrad.cli import _plot
-    from funcgrad.fit import History
-    from funcgrad.monitor import Alert
+    from funcgrad.train.fit import History
+    from funcgrad.train.monitor import Alert
 
     alerts = ([Alert(5 * i, "vanishing", "params[0]", 1e-7, 1e-6) for i in range(2000)]
               + [Alert(s, "explosion", "global", 1e3, 10.0)

@@ -137,7 +137,7 @@ class Model:
             `objective` returns a tuple without `has_aux` or not a pair with it.
           TypeError: if `objective` is not callable or `inputs` is none of the forms above.
         """
-        from funcgrad.loss import Loss  # the contract's own type (funcgrad/loss.py)
+        from funcgrad.train.loss import Loss  # the contract's own type (funcgrad/train/loss.py)
 
         fn, has_state, takes_key = self._loss_function(
             objective, inputs=inputs, has_aux=has_aux, takes_key=takes_key, train=train,
@@ -203,7 +203,7 @@ class Model:
         `seed` makes the state's base key (the key of step s is ``fold_in(key, s)``); nnx
         models draw from their own ``Rngs`` and get no key.
         """
-        from funcgrad.train import init_train_state
+        from funcgrad.train.step import init_train_state
 
         if not self._takes_key:
             seed = None

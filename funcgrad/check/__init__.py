@@ -1,0 +1,4 @@
+"""Checking gradients: `check_grads`, `audit`, their report, hand-written backprop and
+checked custom rules."""
+from funcgrad.check.grads import audit as audit
+from funcgrad.check.grads import check_grads as check_grads

@@ -1,0 +1,94 @@
+"""Custom VJP rules that drop a cotangent, found by probing each rule's pullback (private).
+
+Used by `funcgrad.debug.diagnose`: a ``custom_vjp`` rule whose ``bwd`` returns None (or zeros that do
+not depend on the output cotangent) for a floating input that the function's output depends
+on cuts every gradient upstream of that input. `explain_grads` names the rule as the blocker.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import jax
+
+from funcgrad._jaxpr import bind, is_float, source_line, sub_jaxprs
+
+
+def dropped_inputs(jaxpr, flow, diff_path) -> dict[int, dict[int, str]]:
+    """``{id(eqn): {input position: why}}`` for every ``custom_vjp_call`` in `jaxpr` (nested
+    ones included) whose pullback gives an input a cotangent that does not depend on the
+    output cotangent, although the function's output depends on that input.
+
+    Args:
+      jaxpr: the program.
+      flow, diff_path: `funcgrad.debug.diagnose`'s dependence analysis (``flow(jaxpr, in_deps)``)
+        and its seed for a differentiable path (``diff_path``), passed in to avoid a cycle.
+    """
+    found: dict[int, dict[int, str]] = {}
+    _walk(jaxpr, flow, diff_path, found, "")
+    return found
+
+
+def _walk(jaxpr, flow, diff_path, found, where):
+    for eqn in jaxpr.eqns:
+        here = source_line(eqn) or where
+        if eqn.primitive.name == "custom_vjp_call" and id(eqn) not in found:
+            drops = _probe(eqn, flow, diff_path, here)
+            if drops:
+                found[id(eqn)] = drops
+        for _, sub, _ in sub_jaxprs(eqn):
+            _walk(sub, flow, diff_path, found, here)
+
+
+def _probe(eqn, flow, diff_path, where) -> dict[int, str]:
+    """The inputs of one ``custom_vjp_call`` whose cotangent ignores the output cotangent."""
+    ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+    floats = [k for k, v in enumerate(eqn.invars) if is_float(v.aval.dtype)]
+    if not floats or not all(is_float(v.aval.dtype) for v in eqn.outvars):
+        return {}
+
+    def pullback(xs, gs):
+        _, pull = jax.vjp(lambda *a: bind(eqn, list(a)), *xs)
+        return pull(list(gs))
+
+    try:
+        closed = jax.make_jaxpr(pullback)(ins, outs)
+    except Exception:  # noqa: BLE001 - a rule that cannot be traced abstractly: no verdict
+        return {}
+    n_in = len(ins)
+    seeds = [{} for _ in range(n_in)] + [{0: diff_path} for _ in outs]
+    cts = flow(closed.jaxpr, seeds)
+    call = eqn.params["call_jaxpr"]
+    sub = getattr(call, "jaxpr", call)
+    primal = flow(sub, [{k: diff_path} for k in range(len(sub.invars))])
+    used = set().union(*(set(d) for d in primal))
+    offset = n_in - len(sub.invars)  # leading consts, if any
+    drops = {}
+    for k in floats:
+        if 0 not in cts[k] and (k - offset) in used:
+            drops[k] = _describe(eqn, k - offset, where)
+    return drops
+
+
+def _describe(eqn, k, where) -> str:
+    call = eqn.params["call_jaxpr"]
+    info = getattr(getattr(call, "jaxpr", call), "debug_info", None)
+    src = getattr(info, "func_src_info", None) or ""  # "scale at /path/file.py:3"
+    name, _, at = src.partition(" at ")
+    name = name or str(eqn.params.get("name", "")) or "a custom_vjp function"
+    if at:
+        name += f" ({os.path.basename(at)})"
+    bwd = getattr(eqn.params.get("bwd"), "f", eqn.params.get("bwd"))
+    names = getattr(bwd, "input_names", None) or getattr(info, "arg_names", None) or ()
+    arg = names[k] if k < len(names) and names[k] else f"its input {k} (0-based)"
+    bwd = inspect.unwrap(bwd) if callable(bwd) else bwd
+    bwd_name = getattr(bwd, "__name__", "bwd")
+    try:
+        file = os.path.basename(inspect.getsourcefile(bwd))
+        bwd_at = f" ({file}:{inspect.getsourcelines(bwd)[1]})"
+    except (TypeError, OSError):
+        bwd_at = ""
+    return (f"the custom_vjp rule of {name} called at {where or '?'}: its bwd {bwd_name}"
+            f"{bwd_at} returns a zero cotangent (None) for {arg}, which the output depends on")

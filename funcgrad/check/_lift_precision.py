@@ -1,0 +1,120 @@
+"""Which float a checked function computes in, and lifting it to float64 for the check
+(private to `funcgrad.check.grads`; the lifting interpreter is `funcgrad.check._lift`).
+
+A function that rounds to bfloat16 (or float32 under float64 inputs) on the differentiated path
+has central differences no better than its rounding allows: checked as computed, a 10% error in
+a bfloat16 custom rule hides under bfloat16's tolerances. Lifted, the same program, custom
+rules included, runs in float64 and the check's float64 tolerances see it.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from funcgrad.check import _objective as obj
+from funcgrad._jaxpr import sub_jaxprs
+
+
+def narrowest_float(jaxpr) -> str | None:
+    """The narrowest real floating dtype produced by an equation of `jaxpr` on the
+    differentiated path: it depends on the first input (theta, the differentiated vector)
+    through floating values, and an output depends on it (nested jaxprs of such an equation
+    count whole). Returned as a name; None if no equation is on that path.
+
+    Left out, since they do not round the derivative being checked: work on constants (data
+    prepared in float32 inside fn); values computed after an integer or boolean result
+    (``(logits.argmax(-1) == y).mean()`` is float32 even under x64, and carries no tangent);
+    and values no output uses (an accuracy returned as aux, dropped from the checked output).
+    """
+    found = set()
+
+    def note(v):
+        dtype = getattr(v.aval, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            found.add(str(dtype))
+
+    def walk_all(j):
+        for eqn in j.eqns:
+            for v in eqn.outvars:
+                note(v)
+            for _, sub, _ in sub_jaxprs(eqn):
+                walk_all(sub)
+
+    is_var = lambda v: not isinstance(v, jex_core.Literal)
+    used = {v for v in jaxpr.outvars if is_var(v)}  # what the outputs depend on, backwards
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in used for v in eqn.outvars):
+            used.update(v for v in eqn.invars if is_var(v))
+    live = {jaxpr.invars[0]}
+    for eqn in jaxpr.eqns:
+        if any(is_var(v) and v in live for v in eqn.invars):
+            # A tangent flows on through floating outputs only (an int or bool has none).
+            live.update(v for v in eqn.outvars if jnp.issubdtype(
+                getattr(v.aval, "dtype", np.int32), jnp.inexact))
+            if not any(v in used for v in eqn.outvars):
+                continue
+            for v in eqn.outvars:
+                note(v)
+            for _, sub, _ in sub_jaxprs(eqn):
+                walk_all(sub)
+    return min(found, key=lambda d: jnp.finfo(d).bits) if found else None
+
+
+
+def lift_precision_of(prob, lift, modes, rtol_as_computed):
+    # rtol_as_computed: (rtol, atol) of the dtype as computed, for the note's resolution.
+    """`prob` checked in float64 when fn computes in a narrower float: its spec lifted
+    (`funcgrad.check._lift`), ``dtype_used`` float64 and ``lifted_from`` the narrow dtype, with a
+    note; or, when lifting is off or cannot reach every value on the differentiated path, as
+    computed, with a note giving the smallest relative error the check can see (its rtol)."""
+    low = prob["dtype_used"]
+    prob = dict(prob, lifted_from=None)
+    if low == "float64":
+        return prob
+    notes = [n for n in prob["notes"] if not n.startswith("fn computes in")]
+    rtol, atol = rtol_as_computed
+    as_computed = (f"eps and tolerances are those of {low}: this check could not see errors "
+                   f"below {atol:g} + {rtol:g}·|derivative| (relative errors below {rtol:g}, and "
+                   f"any error at all in a derivative smaller than {atol:g}).")
+    if not lift:
+        return dict(prob, notes=[f"fn computes in {low}; checked as computed "
+                                 f"(lift_precision=False): {as_computed}", *notes])
+    lifted = prob["spec"]._replace(lift_precision=True)
+    reason = _not_liftable(lifted, prob, modes)
+    if reason:
+        return dict(prob, notes=[f"fn computes in {low}; its casts could not be lifted to "
+                                 f"float64 ({reason}), so it was checked as computed: "
+                                 f"{as_computed}", *notes])
+    return dict(prob, spec=lifted, dtype_used="float64", lifted_from=low, notes=[
+        f"fn computes in {low}; the check lifted its {low} casts to float64 (custom rules "
+        "included) and used float64's eps and tolerances (lift_precision=False checks it as "
+        "computed).", *notes])
+
+
+def _not_liftable(lifted, prob, modes) -> str | None:
+    """Why the lifted program cannot be checked in float64 (None if it can): tracing it, or
+    tracing and lowering its derivative (where a mistyped lifted equation would show), fails,
+    or a value on the differentiated path stays narrower than float64."""
+    theta, leaves, cots = prob["theta"], prob["leaves"], prob["cotangents"]
+    phi = functools.partial(obj.objective, lifted, leaves=leaves, cotangents=cots)
+    if "rev" in modes or lifted.order > 1:
+        derivative = jax.grad(phi)
+    else:
+        derivative = lambda t: jax.jvp(phi, (t,), (t,))[1]  # noqa: E731
+    try:
+        jaxprs = [jax.make_jaxpr(phi)(theta)]
+        traced = jax.jit(derivative).trace(theta)
+        traced.lower()  # no compilation
+        jaxprs.append(traced.jaxpr)
+    except Exception as error:  # noqa: BLE001 - any failure means: check as computed
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    for traced in jaxprs:
+        left = narrowest_float(traced.jaxpr)
+        if left not in (None, "float64"):
+            return (f"a value on the differentiated path stays {left}: a bitcast, a host "
+                    "callback or a primitive the lifting does not enter")
+    return None

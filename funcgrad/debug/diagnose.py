@@ -1,0 +1,469 @@
+"""Why is this leaf's gradient zero? One status per parameter leaf, with the reason.
+
+PyTorch gives ``None`` for a parameter that never reached the loss; JAX gives zeros, and the same
+zeros for a parameter behind ``stop_gradient``, behind ``round``, or behind a dead ReLU layer.
+`explain_grads` tells them apart (article A §4.1 and §6, B §5.2; concept 15 of CONCEPTS.md):
+
+  ``connected``                      the gradient is non-zero;
+  ``unused``                         the loss does not depend on the leaf at all (PyTorch: None);
+  ``blocked_by_stop_gradient``       it depends on it only through ``stop_gradient``;
+  ``blocked_by_zero_derivative_op``  only through ops whose derivative is zero everywhere it is
+                                     defined: round, floor, ceil, sign, comparisons, argmax /
+                                     argmin, casts to integer or bool, ...;
+  ``numerically_zero``               connected through differentiable ops, but the gradient is
+                                     exactly zero for this input (dead ReLU units, saturation, a
+                                     ``where`` branch no example took);
+  ``nonfinite``                      the gradient holds a NaN or inf (`funcgrad.find_nonfinite`
+                                     locates the primitive and line that made it);
+  ``not_differentiable``             an integer or boolean leaf (it has no gradient).
+
+Complex leaves are differentiated like real ones (JAX's convention for a real loss of a
+complex parameter, ``jax.grad``'s output).
+
+The structural questions are answered from the program, not from the numbers:
+  * *does the loss depend on the leaf at all* — a dependence analysis of the jaxpr of the loss
+    (entering jit, custom_jvp/vjp, remat, scan with a fixpoint over the carry, cond, while);
+  * *is there a differentiable path* — the same analysis run on the linear jaxpr of
+    ``jax.linearize``: JAX's own derivative rules drop a tangent that is a symbolic zero
+    (stop_gradient, round, comparisons, custom rules), so a leaf whose tangent input does not
+    reach the tangent output has no differentiable path. Custom derivative rules are
+    therefore judged by what they do (a straight-through estimator around ``round`` counts as
+    connected);
+  * *what blocks it* — the dependence analysis again, now tracking for each leaf the best
+    kind of path (differentiable > through stop_gradient > through a zero-derivative op) and
+    where the path was cut (primitive and source line). A ``custom_vjp`` rule whose pullback
+    gives an input a cotangent that ignores the output cotangent (``bwd`` returned None or
+    zeros) while the function's output depends on that input cuts the path there: the row
+    names the function, its ``bwd`` and their lines (`funcgrad.check._custom_rules`).
+Only ``numerically_zero`` and ``nonfinite`` need the numbers: the gradient itself, and the
+ReLU units' activations (a unit is *dead for this batch* when its pre-activation is <= 0 for
+every example, so its derivative, relu'(z) = 0 for z <= 0 in JAX, is zero for every example;
+units lie along the feature axis of the layer feeding the ReLU, found from the program by
+`funcgrad.debug._relu_axes`, and variance clamps in normalisation layers are not ReLUs;
+inside ``scan`` a unit is dead when that holds at every iteration, inside ``cond`` the branch
+taken is the one looked at).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from funcgrad.check._custom_rules import dropped_inputs
+from funcgrad._library_objects import split_equinox_args
+from funcgrad._jaxpr import arg_names, check_array_args, interpret, leaf_paths, source_line
+from funcgrad._jaxpr import closed_parts as _closed
+from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
+from funcgrad._traced import traced_values
+
+STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
+            "numerically_zero", "nonfinite", "not_differentiable")
+
+#: Primitives with a floating output whose derivative is zero wherever it is defined. Any
+#: primitive with an integer or boolean output (comparisons, argmax, casts to int, ...) cuts the
+#: derivative as well, by its dtype.
+ZERO_DERIVATIVE_PRIMITIVES = frozenset({"round", "floor", "ceil", "sign", "is_finite",
+                                        "nextafter", "stop_gradient"})
+
+_DIFF, _STOP, _ZERO = 3, 2, 1  # kinds of path from a leaf, best first
+
+
+class _Path(NamedTuple):
+    kind: int
+    where: str  # the primitive and line that cut the path ("" for a differentiable path)
+
+
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+
+
+def _merge(*deps: dict[int, _Path]) -> dict[int, _Path]:
+    out: dict[int, _Path] = {}
+    for d in deps:
+        for leaf, path in d.items():
+            if leaf not in out or path.kind > out[leaf].kind:
+                out[leaf] = path
+    return out
+
+
+def _cut(deps: dict[int, _Path], kind: int, where: str) -> dict[int, _Path]:
+    return {leaf: (p if p.kind <= kind else _Path(kind, where)) for leaf, p in deps.items()}
+
+
+def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "",
+          drops: dict | None = None) -> list[dict[int, _Path]]:
+    """For each output of `jaxpr`, the leaves it depends on and the best kind of path.
+
+    `drops` (from `funcgrad.check._custom_rules.dropped_inputs`): custom_vjp calls whose rule drops
+    the cotangent of some inputs; a path through such an input is cut there (_ZERO)."""
+    env: dict[Any, dict[int, _Path]] = {}
+    for var, deps in zip(jaxpr.invars, in_deps):
+        env[var] = deps
+
+    def read(v):
+        return {} if isinstance(v, jex_core.Literal) else env.get(v, {})
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if drops and id(eqn) in drops:
+            ins = [_cut(d, _ZERO, drops[id(eqn)][k]) if k in drops[id(eqn)] else d
+                   for k, d in enumerate(ins)]
+        for var, deps in zip(eqn.outvars, _transfer(eqn, ins, source_line(eqn) or where,
+                                                    drops)):
+            env[var] = deps
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _transfer(eqn, ins, where, drops=None):
+    name = eqn.primitive.name
+    at = f"{name} at {where}" if where else name
+    if name in _CALLS and _CALLS[name] in eqn.params:
+        sub, consts = _closed(eqn.params[_CALLS[name]])
+        n = len(sub.invars)
+        return _flow(sub, ins[len(ins) - n:], where, drops)
+    if name == "scan":
+        p = eqn.params
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+        while True:  # fixpoint over the carry; kinds only grow, so this ends
+            outs = _flow(p["jaxpr"].jaxpr, [*consts, *carry, *xs], where, drops)
+            new = [_merge(c, o) for c, o in zip(carry, outs[:nk])]
+            if new == carry:
+                return outs[:nk] + outs[nk:]
+            carry = new
+    if name == "cond":
+        index = _cut(ins[0], _ZERO, f"the branch index of cond at {where}")
+        branches = [_flow(b.jaxpr, ins[1:], where, drops) for b in eqn.params["branches"]]
+        return [_merge(index, *outs) for outs in zip(*branches)]
+    merged = _merge(*ins)
+    if name == "stop_gradient":
+        return [_cut(merged, _STOP, at)]
+    outs = []
+    for var in eqn.outvars:
+        dtype = getattr(var.aval, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            detail = f"{name} (to {dtype}) at {where}" if name == "convert_element_type" else at
+            outs.append(_cut(merged, _ZERO, f"{detail}, whose output is {dtype}"))
+        elif name in ZERO_DERIVATIVE_PRIMITIVES:
+            outs.append(_cut(merged, _ZERO, at))
+        else:
+            outs.append(merged)
+    return outs
+
+
+@dataclasses.dataclass(frozen=True)
+class ReluSite:
+    """One ReLU in the program and its dead units for the given input.
+
+    Attributes:
+      where: the source line of the ReLU (``file.py:LINE (function)``).
+      units: number of units: the size of the feature axis of the layer feeding the ReLU
+        (a convolution's output channels in its own layout, NCHW or NHWC; a dense layer's
+        outputs), found from the program (`funcgrad.debug._relu_axes`).
+      dead: units whose pre-activation is <= 0 for every example of the batch and every
+        position (pixel) (inside ``scan``: at every iteration).
+      dead_per_iteration: inside ``scan``, the dead units of each time the ReLU ran, in the
+        order run: once per iteration (a scan over stacked layers runs one layer each), or,
+        inside a ``cond`` in the scan body, once per iteration that took its branch; () when
+        it ran once.
+      axis: the axis of the ReLU's input that holds the units; a tuple of axes (row-major)
+        when a reshape has split the features over several, e.g. (groups, channels / groups).
+      note: "" or, when the feature axis could not be found from the program, why the last
+        axis was used.
+    """
+    where: str
+    units: int
+    dead: int
+    dead_per_iteration: tuple[int, ...] = ()
+    axis: int | tuple[int, ...] = -1
+    note: str = ""
+
+    @property
+    def dead_fraction(self) -> float:
+        return self.dead / self.units if self.units else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafExplanation:
+    """One row of `explain_grads`.
+
+    Attributes:
+      path: the leaf's name by pytree path, e.g. ``params[0]['w']``.
+      shape, dtype: the leaf's.
+      status: one of `STATUSES`.
+      grad_norm: L2 norm of the leaf's gradient (0.0 for a leaf that is not differentiated).
+      detail: the reason in words: the primitive and source line that cut the path, or the
+        dead ReLU units, or "".
+    """
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    status: str
+    grad_norm: float
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GradExplanation:
+    """What `explain_grads` returns: one `LeafExplanation` per parameter leaf.
+
+    ``print(report)`` shows a table; ``report.to_dict()`` gives plain data; ``report[path]``
+    looks a row up by its path; ``report.status(path)`` gives its status.
+    """
+    rows: tuple[LeafExplanation, ...]
+    loss: float
+    relus: tuple[ReluSite, ...]
+
+    def __getitem__(self, path: str) -> LeafExplanation:
+        for row in self.rows:
+            if row.path == path:
+                return row
+        raise KeyError(f"no leaf {path!r}; leaves are {[r.path for r in self.rows]}")
+
+    def status(self, path: str) -> str:
+        return self[path].status
+
+    def to_dict(self) -> dict:
+        return {"loss": self.loss,
+                "leaves": [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.rows],
+                "relus": [dataclasses.asdict(s) | {"dead_fraction": s.dead_fraction}
+                          for s in self.relus]}
+
+    def __str__(self) -> str:
+        w = max([len("leaf")] + [len(r.path) for r in self.rows])
+        lines = [f"explain_grads: loss = {self.loss:.6g}",
+                 f"  {'leaf':<{w}}  {'shape':<12}{'status':<31}{'grad norm':>11}  detail"]
+        for r in self.rows:
+            lines.append(f"  {r.path:<{w}}  {str(list(r.shape)):<12}{r.status:<31}"
+                         f"{r.grad_norm:>11.3g}  {r.detail}")
+        for s in self.relus:
+            line = (f"  ReLU at {s.where or '?'}: {s.dead}/{s.units} units dead for this "
+                    f"batch ({100 * s.dead_fraction:.0f}%)")
+            if isinstance(s.axis, tuple):  # features split over several axes by a reshape
+                line += f", units along axes {s.axis} (row-major)"
+            elif s.axis >= 0:
+                line += f", units along axis {s.axis}"
+            if s.note:
+                line += f" [{s.note}]"
+            if s.dead_per_iteration:
+                line += (f" every one of the {len(s.dead_per_iteration)} times it ran in a "
+                         f"scan; dead per run: {_counts(s.dead_per_iteration)}")
+            lines.append(line)
+        return "\n".join(lines)
+
+
+def explain_grads(loss_fn: Callable, params: Any, *args: Any,
+                  has_aux: bool = False) -> GradExplanation:
+    """Explains, leaf by leaf, whether and why ``jax.grad(loss_fn)(params, *args)`` is zero.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args) -> scalar`` (or ``(scalar, aux)`` with `has_aux`), a
+        pure function; may use jit, vmap, scan, cond, custom_jvp/vjp inside.
+      params: the pytree differentiated (argument 0), of arrays of any shapes (an equinox
+        module: its floating arrays, the rest closed over).
+      *args: the other arguments (a batch, labels...), not differentiated.
+      has_aux: whether `loss_fn` returns ``(loss, aux)``.
+    Returns:
+      A `GradExplanation`: one row per leaf of `params` in ``jax.tree.leaves`` order, with its
+      status (see the module docstring), gradient norm and the reason; plus every ReLU found
+      in the program with its dead units for this input.
+    Raises:
+      TypeError: if `loss_fn` is not callable, or an argument is not an array or a number;
+        `funcgrad.TracedValueError` (a TypeError) when `loss_fn` uses a traced value as a
+        Python value (``if loss > 0:``): the message names its line and the fix.
+      ValueError: if the loss is not a real scalar, or its gradient cannot be taken in reverse
+        mode (a ``lax.while_loop``, or ``fori_loop`` with traced bounds, that depends on
+        `params`; the message says so).
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"explain_grads needs a callable loss_fn, got {type(loss_fn).__name__}.")
+    loss_fn, (params, *args) = split_equinox_args(loss_fn, (params, *args))
+    names = arg_names(loss_fn, 1 + len(args))
+    check_array_args("explain_grads", (params, *args), names)
+    paths = leaf_paths((params,), names[:1])
+    p_leaves, p_tree = jax.tree.flatten(params)
+    with traced_values("explain_grads", loss_fn, (params, *args), names, (0,)):
+        closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *args)
+    loss_shape = out_shape[0] if has_aux else out_shape
+    if not (hasattr(loss_shape, "shape") and loss_shape.shape == ()
+            and jnp.issubdtype(loss_shape.dtype, jnp.floating)):
+        got = (f"shape {tuple(loss_shape.shape)} dtype {loss_shape.dtype}"
+               if hasattr(loss_shape, "shape") else type(loss_shape).__name__)
+        integer = [path for path, x in zip(paths, p_leaves)
+                   if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+        if integer and getattr(loss_shape, "shape", None) == ():  # an integer scalar loss
+            fix = (f"The params leaf {integer[0]} is an integer array (e.g. jnp.arange(3)); "
+                   "integer params have no gradient: make them float (jnp.arange(3.0), "
+                   "x.astype(jnp.float32)).")
+        else:
+            fix = "Reduce it (e.g. .mean()) or pass has_aux=True."
+        raise ValueError(f"explain_grads needs loss_fn to return a real scalar loss"
+                         f"{' as the first element of (loss, aux)' if has_aux else ''}; got "
+                         f"{got}. {fix}")
+    floating = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in p_leaves]
+    n_all = len(closed.jaxpr.invars)
+    in_deps = [({i: _Path(_DIFF, "")} if i < len(p_leaves) and floating[i] else {})
+               for i in range(n_all)]
+    drops = dropped_inputs(closed.jaxpr, _flow, _Path(_DIFF, ""))
+    primal = _flow(closed.jaxpr, in_deps, drops=drops)[0]
+
+    diff_idx = [i for i, f in enumerate(floating) if f]
+
+    def of_floats(float_leaves):
+        leaves = list(p_leaves)
+        for i, x in zip(diff_idx, float_leaves):
+            leaves[i] = x
+        out = loss_fn(jax.tree.unflatten(p_tree, leaves), *args)
+        return out[0] if has_aux else out
+
+    float_leaves = [p_leaves[i] for i in diff_idx]
+    loss, linear = jax.linearize(of_floats, float_leaves)
+    lin = jax.make_jaxpr(linear)(float_leaves)
+    reach = _flow(lin.jaxpr, [{j: _Path(_DIFF, "")} for j in range(len(diff_idx))])[0]
+    try:
+        grads = jax.grad(of_floats)(float_leaves)
+    except ValueError as error:
+        if "while_loop" not in str(error):
+            raise
+        raise ValueError(
+            "explain_grads takes the gradient in reverse mode (jax.grad), and loss_fn runs a "
+            "lax.while_loop (or a fori_loop with traced bounds) that depends on params, which "
+            "JAX cannot differentiate in reverse mode. Write the loop as lax.scan, or as "
+            "fori_loop with Python int bounds (it then lowers to scan).") from error
+    relus = _relu_sites(closed, params, args, len(p_leaves))
+
+    rows = []
+    for i, (path, leaf) in enumerate(zip(paths, p_leaves)):
+        shape, dtype = tuple(jnp.shape(leaf)), str(jnp.result_type(leaf))
+        if not floating[i]:
+            rows.append(LeafExplanation(path, shape, dtype, "not_differentiable", 0.0,
+                                        f"{dtype} leaf: integer and boolean leaves have no "
+                                        "gradient"))
+            continue
+        j = diff_idx.index(i)
+        g = np.asarray(grads[j])
+        norm = float(np.sqrt(np.sum(np.square(np.abs(g).astype(np.float64)))))
+        bad = ~np.isfinite(g)
+        if np.any(bad):
+            first = tuple(int(k) for k in np.argwhere(bad)[0])
+            status, detail = "nonfinite", (
+                f"{int(bad.sum())} of {g.size} gradient elements are NaN or inf (the first at "
+                f"index {list(first)}: {g[first]}); funcgrad.find_nonfinite(loss_fn, params, "
+                "...) locates the primitive and line that made it")
+        elif i not in primal:
+            status, detail = "unused", "the loss does not depend on this leaf (PyTorch: grad None)"
+        elif j in reach and np.any(g != 0):
+            status, detail = "connected", ""
+        elif j in reach and primal[i].kind == _DIFF:
+            status, detail = "numerically_zero", _numeric_detail(relus)
+        elif primal[i].kind == _STOP:
+            status, detail = "blocked_by_stop_gradient", f"cut by {primal[i].where}"
+        elif primal[i].kind == _ZERO:
+            status, detail = "blocked_by_zero_derivative_op", f"cut by {primal[i].where}"
+        else:  # our analysis saw a differentiable path, JAX's rules gave a symbolic zero
+            status, detail = ("blocked_by_zero_derivative_op",
+                              "JAX's derivative rules give a symbolic zero on every path "
+                              "(a custom_jvp/custom_vjp rule or a primitive without a tangent)")
+        rows.append(LeafExplanation(path, shape, dtype, status, norm, detail))
+    return GradExplanation(tuple(rows), float(loss), tuple(relus))
+
+
+def _numeric_detail(relus: list[ReluSite]) -> str:
+    text = ("differentiable path exists, but the gradient is exactly zero for this input "
+            "(dead ReLU units, saturation, or a branch no example took)")
+    dead = [s for s in relus if s.dead or any(s.dead_per_iteration)]
+    if dead:
+        text += "; dead ReLU units: " + ", ".join(
+            f"{s.dead}/{s.units} at {s.where or '?'}" + (
+                f" (per scan iteration: {_counts(s.dead_per_iteration)})"
+                if s.dead_per_iteration else "") for s in dead)
+    return text
+
+
+def _counts(values: tuple[int, ...], most: int = 12) -> str:
+    shown = ", ".join(map(str, values[:most]))
+    return shown + (f", ... ({len(values)} in all)" if len(values) > most else "")
+
+
+# --- ReLU sites: evaluate the program once and look at every max(x, 0) -------------------
+
+def _relu_sites(closed, params, args, n_params) -> list[ReluSite]:
+    # call path -> [where, units, alive in any evaluation, dead count of each evaluation,
+    #               axis, note]
+    found: dict[tuple, list] = {}
+    # A loss of the params alone closes over its batch: its constants are then data.
+    relus = ReluAxes(closed.jaxpr, n_params, consts_are="unknown" if args else "data")
+    _record(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), found, "", (),
+            relus)
+    return [ReluSite(where, units, int(units - alive.sum()),
+                     tuple(per) if len(per) > 1 else (), axis, note)
+            for where, units, alive, per, axis, note in found.values()]
+
+
+def _is_zero_literal(v) -> bool:
+    return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
+
+
+def _record(jaxpr, consts, args, found, where, path, relus: ReluAxes):
+    """Evaluates `jaxpr`; for each ReLU, ORs into ``found[key][2]`` which units were alive and
+    appends to ``found[key][3]`` how many were dead in this evaluation.
+
+    A ReLU is keyed by its call path (the ids of the equations that lead to it), so the same
+    jitted helper called by two layers gives two sites, and one ReLU in a scan body gives one
+    site over all iterations."""
+    def rule(eqn, ins):
+        name = eqn.primitive.name
+        here = source_line(eqn) or where
+        key = (*path, id(eqn))
+        if name in _CALLS and _CALLS[name] in eqn.params:
+            sub, sub_consts = _closed(eqn.params[_CALLS[name]])
+            return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], found, here, key,
+                           relus)
+        if name == "scan" and relus.has_relu(eqn.params["jaxpr"].jaxpr):  # else: one bind
+            return _record_scan(eqn, ins, found, here, key, relus)
+        if name == "cond":
+            branch = eqn.params["branches"][int(np.clip(ins[0], 0,
+                                                        len(eqn.params["branches"]) - 1))]
+            return _record(branch.jaxpr, branch.consts, ins[1:], found, here, key, relus)
+        if relus.is_relu(eqn):  # a float max(x, 0), not a variance clamp
+            x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
+            if x.ndim:
+                axes, known = relus.unit_axes(eqn, x.shape)
+                units = math.prod(x.shape[d] for d in axes)
+                alive = np.any(np.moveaxis(x, axes, range(x.ndim - len(axes), x.ndim))
+                               .reshape(-1, units) > 0, axis=0)
+                axis = axes[0] if len(axes) == 1 else axes
+                note = "" if known or x.ndim == 1 else UNKNOWN_AXIS_NOTE
+                site = found.setdefault(key, [here, units, np.zeros(units, bool), [], axis,
+                                              note])
+                site[2] |= alive
+                site[3].append(int(units - alive.sum()))
+        return None
+    return interpret(jaxpr, consts, args, rule)
+
+
+def _record_scan(eqn, ins, found, where, key, relus):
+    """A scan, one iteration at a time, so that the ReLUs of its body are seen."""
+    p = eqn.params
+    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    body, body_consts = _closed(p["jaxpr"])
+    consts, carry, xs = ins[:nc], list(ins[nc:nc + nk]), ins[nc + nk:]
+    ys = []
+    for t in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
+        outs = _record(body, body_consts, [*consts, *carry, *(x[t] for x in xs)], found,
+                       where, key, relus)
+        carry, y = outs[:nk], outs[nk:]
+        ys.append(y)
+    if p["reverse"]:
+        ys.reverse()
+    stacked = [jnp.stack([y[k] for y in ys]) if ys else
+               jnp.zeros((0, *v.aval.shape), v.aval.dtype)
+               for k, v in enumerate(body.outvars[nk:])]
+    return [*carry, *stacked]

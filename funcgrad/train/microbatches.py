@@ -1,0 +1,166 @@
+"""Micro-batches on the host: padded to one size and stacked, with the mask of their real rows.
+
+`funcgrad.train.accumulate` scans over a stack of equal-sized micro-batches; these helpers build that
+stack from micro-batches of unequal sizes (the last one of an epoch is usually short) and keep
+the mask of real rows in the same object, a `Microbatches`, so that the padding rows cannot be
+counted as examples by forgetting to pass the mask.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Microbatches:
+    """Stacked, padded micro-batches and the mask of their real rows, travelling together.
+
+    Made by `stack_microbatches` and `group_microbatches`; `accumulate_grads` and an
+    accumulating step (``make_train_step(..., accumulate=K)``) take it whole and use its mask,
+    so padding rows are never counted as examples. A pytree (its leaves are those of `data`,
+    then `mask`), so it passes through ``jax.jit``. It does not unpack: the PyTorch-style
+    ``stacked, mask = stack_microbatches(...)`` raises, because dropping the mask later would
+    silently average the padding rows in.
+
+    Attributes:
+      data: pytree of arrays of shape ``(num_micro_batches, m, ...)``, padded to m rows.
+      mask: bool ``(num_micro_batches, m)``, True for a real example, False for padding.
+    """
+    data: PyTree
+    mask: Any
+
+    def __iter__(self):
+        raise TypeError(
+            "a Microbatches does not unpack: it keeps the stacked micro-batches and the mask of "
+            "their real rows together, so the padding cannot be counted by accident. Pass it "
+            "whole: accumulate_grads(loss_fn, params, mbs) or step(state, mbs); read the arrays "
+            "as mbs.data and mbs.mask.")
+
+
+jax.tree_util.register_dataclass(Microbatches, data_fields=["data", "mask"], meta_fields=[])
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int (micro-batches per update), got "
+                         f"{value!r}.")
+    return int(value)
+
+
+def stack_microbatches(microbatches: Sequence[PyTree], *,
+                       size: int | None = None) -> Microbatches:
+    """Pads micro-batches of possibly unequal sizes to one size and stacks them, with a mask.
+
+    Runs on the host, in NumPy, except for leaves of an extended dtype (typed PRNG keys,
+    ``jax.random.split(key, n)`` for per-example dropout), which NumPy cannot hold: those are
+    padded and stacked with ``jax.numpy`` and stay JAX arrays. A micro-batch with n < `size`
+    rows is padded with copies of its last row (so the padded losses are finite whenever the
+    real ones are, and a padded key is a valid key), and the mask marks its first n rows as
+    real.
+
+    Args:
+      microbatches: a non-empty sequence of pytrees with one structure (e.g. dicts
+        ``{"x": (n_j, ...), "y": (n_j,)}``); within a micro-batch every leaf has the same
+        leading length n_j >= 1. JAX arrays are copied to the host.
+      size: the padded size m; default the largest n_j.
+    Returns:
+      a `Microbatches`: ``.data`` has the structure of a micro-batch with leaves of shape
+      ``(len(microbatches), m, ...)`` and the leaves' dtypes (NumPy arrays; JAX arrays for
+      PRNG keys); ``.mask`` is bool ``(len(microbatches), m)``.
+      Pass it whole to `accumulate_grads` or an accumulating step.
+    Raises:
+      ValueError: if there are no micro-batches, one is empty, its leaves disagree on their
+        leading length (or one is a scalar), it has more than `size` rows, or the structures
+        differ.
+    """
+    if not microbatches:
+        raise ValueError("stack_microbatches: got no micro-batches; pass at least one.")
+    treedef = jax.tree.structure(microbatches[0])
+    counts = []
+    for j, mb in enumerate(microbatches):
+        if jax.tree.structure(mb) != treedef:
+            raise ValueError(f"stack_microbatches: micro-batch {j} has structure "
+                             f"{jax.tree.structure(mb)}, but micro-batch 0 has {treedef}.")
+        lengths = {_rows(leaf, j) for leaf in jax.tree.leaves(mb)}
+        if len(lengths) != 1 or 0 in lengths:
+            raise ValueError(f"stack_microbatches: the leaves of micro-batch {j} have leading "
+                             f"lengths {sorted(lengths)}; they must be one length >= 1.")
+        counts.append(lengths.pop())
+    size = max(counts) if size is None else size
+    if max(counts) > size:
+        raise ValueError(f"stack_microbatches: micro-batch {counts.index(max(counts))} has "
+                         f"{max(counts)} rows, more than size={size}. Pass a larger size.")
+
+    stacked = jax.tree.map(lambda *leaves: _padded_stack(leaves, size), *microbatches)
+    mask = np.arange(size)[None, :] < np.asarray(counts)[:, None]
+    return Microbatches(stacked, mask)
+
+
+def _rows(leaf, j: int) -> int:
+    """The leading length of a micro-batch leaf (its shape is read, never its values)."""
+    shape = np.shape(leaf)  # .shape when it has one: a PRNG key array does not become NumPy
+    if not shape:
+        raise ValueError(f"stack_microbatches: micro-batch {j} has a scalar leaf "
+                         f"({leaf!r}); every leaf needs a leading axis of examples, e.g. "
+                         "shape (n_j, ...).")
+    return shape[0]
+
+
+def _padded_stack(leaves: Sequence[Any], size: int):
+    """The leaves padded to `size` rows with copies of their last row, stacked: NumPy, or
+    jax.numpy for an extended dtype (typed PRNG keys), which NumPy cannot hold."""
+    extended = any(isinstance(a, jax.Array)
+                   and jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in leaves)
+    xp = jnp if extended else np
+    rows = lambda n: np.minimum(np.arange(size), n - 1)  # 0 .. n-1, then n-1 repeated
+    return xp.stack([xp.asarray(a)[rows(np.shape(a)[0])] for a in leaves])
+
+
+def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
+                       size: int | None = None) -> Iterator[Microbatches]:
+    """Yields ``stack_microbatches`` of each `accumulate` consecutive micro-batches.
+
+    The last group holds the remaining 1 .. accumulate - 1 micro-batches when their number is
+    not a multiple of `accumulate`; it is yielded, never dropped here, so that the step's
+    `tail` policy decides. All groups pad to one size, so a jitted step compiles at most twice
+    (full groups, and the shorter last one).
+
+    Args:
+      microbatches: an iterable of micro-batches, e.g. ``funcgrad.train.data.batches(x, y,
+        batch_size=m, ...)``, whose last one may be smaller.
+      accumulate: micro-batches per group, a positive int.
+      size: the padded micro-batch size; default the size of the first micro-batch.
+    Yields:
+      a `Microbatches` per group, as `stack_microbatches` returns it, leading axis
+      `accumulate` (fewer for the last group).
+    Raises:
+      ValueError: if `accumulate` is not a positive int, or as `stack_microbatches`.
+      TypeError: if `microbatches` is one batch (a dict or an array), not an iterable of them.
+    """
+    k = _positive_int(accumulate, "group_microbatches: accumulate")  # checked at the call
+    if isinstance(microbatches, Mapping) or hasattr(microbatches, "shape"):
+        raise TypeError(
+            "group_microbatches takes an iterable of micro-batches (e.g. a list of dicts, or "
+            "funcgrad.train.data.batches(x, y, batch_size=m)), got one "
+            f"{type(microbatches).__name__}; iterating it would give its "
+            f"{'keys' if isinstance(microbatches, Mapping) else 'rows'}. Split the batch "
+            "first, or pass [batch].")
+
+    def groups(size):
+        group: list[PyTree] = []
+        for mb in microbatches:
+            size = _rows(jax.tree.leaves(mb)[0], 0) if size is None else size
+            group.append(mb)
+            if len(group) == k:
+                yield stack_microbatches(group, size=size)
+                group = []
+        if group:
+            yield stack_microbatches(group, size=size)
+    return groups(size)
