@@ -185,12 +185,27 @@ def test_cnn_nonfinite_run_is_located(tmp_path, capsys):
         "momentum_without_momentum_optimizer", "out_is_a_file", "no_command", "cnn_hidden",
         "cnn_activation", "mlp_dropout", "mlp_channels", "cnn_too_many_blocks",
         "cnn_dropout_one", "unknown_model"])
-def test_bad_flags_give_one_line(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "funcgrad", *argv], capture_output=True,
-                          text=True, timeout=60)
+def test_bad_flags_give_one_line(argv, message, capsys):
+    # In-process: the parser is the same object `python -m funcgrad` runs (its entry point is
+    # checked in a subprocess below), and a subprocess per flag cost an import of JAX each.
+    # An uncaught exception (a traceback) propagates here instead of SystemExit and fails.
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+def test_a_bad_flag_through_python_m_funcgrad_is_one_line():
+    # The real entry point (funcgrad/__main__.py) in a fresh interpreter: exit status 2 and one
+    # line on stderr, nothing printed by importing the package first.
+    proc = subprocess.run([sys.executable, "-m", "funcgrad", "train", "--lr", "-1"],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and "argument --lr: expected a positive float, got '-1'" in lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
 
 
 def test_version():
