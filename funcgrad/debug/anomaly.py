@@ -69,7 +69,7 @@ from funcgrad.debug._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_flo
                                      _rank, _V)
 from funcgrad._traced import traced_values
 
-_FUNCGRAD_DIR = os.path.dirname(os.path.abspath(__file__))
+from funcgrad._traced import _FUNCGRAD_DIR  # the package's folder, all its subpackages
 
 # Lines of this file are never "the user's line".
 source_info_util.register_exclusion(__file__)

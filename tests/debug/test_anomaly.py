@@ -596,3 +596,14 @@ def test_a_nan_in_a_padded_row_is_connected_to_that_row():
     report = find_nonfinite(weighted, _W33, padded, labels, weights)
     assert report.phase == "input" and report.where == "x"
     assert "row [3]" in report.hint and "0 * NaN is NaN" in report.hint
+
+
+def test_funcgrads_own_guards_are_not_listed_as_masked_from_any_subpackage():
+    """The label guard of fg.softmax_cross_entropy (funcgrad/train/nn.py, a -inf/NaN constant
+    that never reaches the loss) is funcgrad's own: a clean batch lists nothing masked. It was
+    listed when the own-code test looked only in the folder of anomaly.py itself."""
+    params = fg.mlp_init(jax.random.key(0), (4, 8, 3))
+    batch = {"x": jnp.ones((5, 4)), "y": jnp.array([0, 1, 2, 0, 1])}
+    report = fg.find_nonfinite(
+        lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"]), params, batch)
+    assert report.ok and report.masked == ()
