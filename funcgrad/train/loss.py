@@ -70,7 +70,9 @@ class Loss:
       takes_key: `fn` takes ``key=``, a PRNG key (shape (), a typed key array, or a uint32
         ``(2,)`` raw key, as the state was created with).
     Raises:
-      TypeError: if `fn` is not callable or a flag is not a bool.
+      TypeError: if `fn` is not callable or a flag is not a bool, or if `fn`'s signature
+        contradicts a flag (``has_state=True`` for a function without a ``model_state``
+        parameter, a required ``key`` parameter without ``takes_key=True``, ...).
     """
 
     def __init__(self, fn: Callable, *, has_aux: bool = False, has_state: bool = False,
@@ -86,6 +88,7 @@ class Loss:
             if not isinstance(value, bool):
                 raise TypeError(f"Loss: {name} must be True or False, got {value!r}.")
         self.fn, self.has_aux, self.has_state, self.takes_key = fn, has_aux, has_state, takes_key
+        _check_signature(fn, has_state=has_state, takes_key=takes_key)
         functools.update_wrapper(self, fn, updated=())
 
     def __repr__(self) -> str:
@@ -106,15 +109,19 @@ class Loss:
         kwargs = {}
         if self.has_state:
             if model_state is None:
-                raise ValueError(f"{self!r} declares model state, but none was given. Create "
-                                 "the train state with init_train_state(params, optimizer, "
-                                 "model_state=...), or declare has_state=False.")
+                raise ValueError(f"{self!r} declares model state, but none was given. In a "
+                                 "train step, create the state with init_train_state(params, "
+                                 "optimizer, model_state=...); for check_grads and the other "
+                                 "analysis tools pass loss.bind(model_state, key); or declare "
+                                 "has_state=False.")
             kwargs["model_state"] = model_state
         if self.takes_key:
             if key is None:
-                raise ValueError(f"{self!r} takes a PRNG key, but the train state has none. "
-                                 "Create it with init_train_state(params, optimizer, seed=0) "
-                                 "(or key=jax.random.key(0)).")
+                raise ValueError(f"{self!r} takes a PRNG key, but none was given. In a train "
+                                 "step, create the state with init_train_state(params, "
+                                 "optimizer, seed=0) (or key=jax.random.key(0)); for the "
+                                 "analysis tools pass loss.bind(model_state, key=jax.random."
+                                 "key(0)).")
             kwargs["key"] = key
         out = self.fn(params, batch, **kwargs)
         return self._unpacked(out, model_state, check_state=self._check_state)
@@ -140,7 +147,8 @@ class Loss:
             form = ("(loss, (new_model_state, aux))" if self.has_aux and self.has_state
                     else "(loss, new_model_state)" if self.has_state else "(loss, aux)")
             got = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list))
-                   else f"a single {type(out).__name__} of shape {jnp.shape(out)}")
+                   else f"a single array of shape {jnp.shape(out)}" if hasattr(out, "dtype")
+                   else f"a single {type(out).__name__}")
             raise ValueError(f"{self!r} must return {form}, got {got}. Return the declared "
                              "form, or change the flags.")
         loss, rest = out
@@ -175,6 +183,35 @@ class Loss:
         bound.__name__ = getattr(self.fn, "__name__", "loss")
         bound.__qualname__ = getattr(self.fn, "__qualname__", bound.__name__)
         return bound
+
+
+def _check_signature(fn: Callable, *, has_state: bool, takes_key: bool) -> None:
+    """TypeError when `fn`'s parameters contradict the declared flags (the call would fail
+    with Python's bare "unexpected keyword argument" deep inside a trace)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    for arg, flag, declared in (("model_state", "has_state", has_state),
+                                ("key", "takes_key", takes_key)):
+        param = params.get(arg)
+        accepts = open_kwargs or (param is not None and param.kind in kinds)
+        required = (param is not None and param.kind in kinds
+                    and param.default is inspect.Parameter.empty)
+        if declared and not accepts:
+            raise TypeError(f"{flag}=True, but {name} takes no {arg}= argument. Add the "
+                            f"parameter (def {name}(params, batch, *, {arg}): ...) or drop "
+                            f"{flag}=True.")
+        if not declared and required:
+            raise TypeError(f"{name} requires {arg}=, but the loss is not declared with "
+                            f"{flag}=True, so it would never be passed. Pass {flag}=True to "
+                            "make_train_step (or funcgrad.Loss), or give the parameter a "
+                            "default.")
 
 
 def as_loss(fn: Callable | Loss, *, has_aux: bool = False, has_state: bool = False,

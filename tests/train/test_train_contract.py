@@ -277,7 +277,8 @@ def test_contract_errors_are_clear():
     with pytest.raises(TypeError, match="one PRNG key"):
         fg.init_train_state(_params(), opt, key=jnp.zeros((3,), jnp.float32))
     with pytest.raises(ValueError, match="declared without has_state"):
-        fg.make_train_step(fg.Loss(loss, has_aux=True), opt, has_state=True)
+        fg.make_train_step(fg.Loss(lambda p, b, **kw: loss(p, b, **kw), has_aux=True), opt,
+                           has_state=True)
 
 
 def test_loss_bind_feeds_the_analysis_tools():
@@ -289,3 +290,24 @@ def test_loss_bind_feeds_the_analysis_tools():
     out = contract(_params(), _data(), model_state=_model_state(), key=jax.random.key(0))
     assert isinstance(out, fg.LossOutput) and out.aux["keep"].shape == (N, D)
     np.testing.assert_allclose(float(bound(_params(), _data())), float(out.loss))
+
+
+def test_a_signature_that_contradicts_the_flags_is_named_at_make_time():
+    opt = optax.sgd(0.1)
+
+    def keyed(params, batch, *, key):
+        return jnp.sum(batch["x"] @ params["w"])
+
+    def plain(params, batch):
+        return jnp.sum(batch["x"] @ params["w"])
+
+    with pytest.raises(TypeError, match="requires key=, but the loss is not declared with "
+                                        "takes_key=True"):
+        fg.make_train_step(keyed, opt)
+    with pytest.raises(TypeError, match="has_state=True, but .*plain takes no model_state="):
+        fg.make_train_step(plain, opt, has_state=True)
+    with pytest.raises(TypeError, match="takes_key=True, but .*plain takes no key="):
+        fg.make_train_step(plain, opt, takes_key=True)
+    # **kwargs accepts both; a defaulted parameter is optional
+    fg.make_train_step(lambda p, b, **kw: plain(p, b), opt, takes_key=True)
+    fg.make_train_step(lambda p, b, key=None: plain(p, b), opt)
