@@ -605,9 +605,18 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
     expected = jax.eval_shape(optimizer.init, state.params)
     got = state.opt_state
     if jax.tree.structure(expected) != jax.tree.structure(got) or shapes(expected) != shapes(got):
+        frozen = lambda tree: "MaskedNode" in repr(jax.tree.structure(tree))
+        cause = ("The step freezes leaves (trainable= or funcgrad.freeze) but the state was "
+                 "created without the same mask: pass the same trainable= to "
+                 "init_train_state. " if frozen(expected) and not frozen(got) else
+                 "The state was created with a trainable= mask (or funcgrad.freeze) that "
+                 "this step does not have: pass the same trainable= to make_train_step. "
+                 if frozen(got) and not frozen(expected) else "")
+        short = lambda tree: (text if len(text := str(jax.tree.structure(tree))) <= 300
+                              else text[:300] + " ...")
         raise ValueError(
             "the optimizer state in the TrainState was not made by this optimizer for these "
-            f"params (structure or leaf shapes differ).\n  expected: "
-            f"{jax.tree.structure(expected)}\n  got: {jax.tree.structure(got)}\n"
-            "Create the state with init_train_state(params, optimizer) using the same optimizer "
-            "(and the same trainable= mask, if the step has one).")
+            f"params (structure or leaf shapes differ). {cause}\n  expected: {short(expected)}"
+            f"\n  got: {short(got)}\nCreate the state with init_train_state(params, "
+            "optimizer) using the same optimizer (and the same trainable= mask, if the step "
+            "has one).")

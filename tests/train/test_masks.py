@@ -263,3 +263,15 @@ def test_requires_grad_of_a_frozen_first_layer():
     params, x, _, _ = _mlp()
     f = lambda p, x: (x @ p[0]["w"] + p[0]["b"][None, :], fg.mlp_apply(p, x))
     assert requires_grad(f, [False, True])(params, x) == (False, True)
+
+
+def test_a_state_made_without_the_steps_mask_says_which_side_lacks_it():
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    mask = fg.trainable_mask(params, freeze="a")
+    loss = lambda p, b: jnp.sum(p["a"] * p["b"])
+    step = fg.make_train_step(loss, optax.adam(0.1), trainable=mask)
+    with pytest.raises(ValueError, match="the state was created without the same mask"):
+        step(fg.init_train_state(params, optax.adam(0.1)), {})
+    plain = fg.make_train_step(loss, optax.adam(0.1))
+    with pytest.raises(ValueError, match="that this step does not have"):
+        plain(fg.init_train_state(params, optax.adam(0.1), trainable=mask), {})
