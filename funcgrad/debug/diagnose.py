@@ -238,10 +238,11 @@ class GradExplanation:
 
     def __str__(self) -> str:
         w = max([len("leaf")] + [len(r.path) for r in self.rows])
+        ws = max([len("shape")] + [len(str(list(r.shape))) for r in self.rows]) + 2
         lines = [f"explain_grads: loss = {self.loss:.6g}",
-                 f"  {'leaf':<{w}}  {'shape':<12}{'status':<31}{'grad norm':>11}  detail"]
+                 f"  {'leaf':<{w}}  {'shape':<{ws}}{'status':<31}{'grad norm':>11}  detail"]
         for r in self.rows:
-            lines.append(f"  {r.path:<{w}}  {str(list(r.shape)):<12}{r.status:<31}"
+            lines.append(f"  {r.path:<{w}}  {str(list(r.shape)):<{ws}}{r.status:<31}"
                          f"{r.grad_norm:>11.3g}  {r.detail}")
         for s in self.relus:
             line = (f"  ReLU at {s.where or '?'}: {s.dead}/{s.units} units dead for this "

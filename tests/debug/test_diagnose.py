@@ -324,3 +324,11 @@ def test_a_custom_vjp_rule_with_a_real_cotangent_stays_connected():
     report = explain_grads(lambda p, x: jnp.sum(scale(x, p)), jnp.float32(2.0), jnp.ones(3))
     # d/dw sum(x * w) = sum(x) = 3.
     assert report.status("p") == "connected" and report["p"].grad_norm == 3.0
+
+
+def test_the_table_keeps_a_gap_after_a_long_shape():
+    """A 4-D kernel's shape "[8, 1, 3, 3]" (12 characters) ran into its status column."""
+    params = {"kernel": jnp.ones((8, 1, 3, 3)), "unused": jnp.ones((2,))}
+    text = str(fg.explain_grads(lambda p, x: jnp.sum(p["kernel"] * x), params, jnp.ones(())))
+    row = next(line for line in text.splitlines() if "kernel" in line)
+    assert "[8, 1, 3, 3]  connected" in row, text
