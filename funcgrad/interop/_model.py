@@ -178,6 +178,7 @@ class Model:
 
         loss_fn.__name__ = getattr(objective, "__name__", "objective")
         loss_fn.__qualname__ = loss_fn.__name__
+        loss_fn.__wrapped__ = objective  # warnings and errors name the user's objective line
         return loss_fn, has_state, bool(takes_key)
 
     def rebuild(self, params: PyTree, model_state: PyTree | None = None) -> Any:

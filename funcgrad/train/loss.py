@@ -191,7 +191,7 @@ def _check_signature(fn: Callable, *, has_state: bool, takes_key: bool) -> None:
     import inspect
 
     try:
-        params = inspect.signature(fn).parameters
+        params = inspect.signature(fn, follow_wrapped=False).parameters
     except (TypeError, ValueError):  # a builtin or C function: nothing to read
         return
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
