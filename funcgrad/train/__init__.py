@@ -7,3 +7,4 @@ from funcgrad.train.step import init_train_state as init_train_state
 from funcgrad.train.step import make_optimizer as make_optimizer
 from funcgrad.train.step import make_train_step as make_train_step
 from funcgrad.train.step import step_was_skipped as step_was_skipped
+from funcgrad.train.step import NONFINITE_POLICIES as NONFINITE_POLICIES
