@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gradcheck.py
 	$(BIN)/python benchmarks/gradcheck_ops.py
 	$(BIN)/python benchmarks/monitor.py
+	$(BIN)/python benchmarks/interop.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
