@@ -448,6 +448,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
 
             def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
                 entry_checks(state)
+                _check_stacked(microbatches, mask, accumulate)
                 return accumulating(state, microbatches, mask)
             return step
 
@@ -620,3 +621,18 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
             f"\n  got: {short(got)}\nCreate the state with init_train_state(params, "
             "optimizer) using the same optimizer (and the same trainable= mask, if the step "
             "has one).")
+
+
+def _check_stacked(microbatches: PyTree, mask: Any, k: int) -> None:
+    """The accumulation shape error, saying first that this step takes stacked micro-batches
+    (a plain batch passed to an ``accumulate=K`` step is the usual cause)."""
+    from funcgrad.train.accumulate import _leading_axes, _unpacked
+
+    try:
+        _leading_axes(_unpacked(microbatches, mask)[0])
+    except ValueError as error:
+        raise ValueError(
+            f"this step was made with accumulate={k}: it takes micro-batches stacked along a "
+            "leading axis, (num_micro_batches, micro_batch_size, ...), e.g. "
+            "fg.stack_microbatches([mb0, mb1, ...]) or fg.group_microbatches(...), not one "
+            f"batch (fit stacks them for you). {error}") from None

@@ -311,3 +311,11 @@ def test_a_signature_that_contradicts_the_flags_is_named_at_make_time():
     # **kwargs accepts both; a defaulted parameter is optional
     fg.make_train_step(lambda p, b, **kw: plain(p, b), opt, takes_key=True)
     fg.make_train_step(lambda p, b, key=None: plain(p, b), opt)
+
+
+def test_an_accumulating_step_given_one_batch_says_it_takes_stacked_micro_batches():
+    opt = optax.sgd(0.1)
+    step = fg.make_train_step(lambda p, b: jnp.sum(b["x"] @ p["w"], axis=1), opt, accumulate=2)
+    with pytest.raises(ValueError, match=r"made with accumulate=2: it takes micro-batches "
+                                         r"stacked.*microbatches\['y'\] has shape \(8,\)"):
+        step(fg.init_train_state(_params(), opt), _data())
