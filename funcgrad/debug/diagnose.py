@@ -325,11 +325,17 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
         return out[0] if has_aux else out
 
     float_leaves = [p_leaves[i] for i in diff_idx]
-    loss, linear = jax.linearize(of_floats, float_leaves)
-    lin = jax.make_jaxpr(linear)(float_leaves)
-    reach = _flow(lin.jaxpr, [{j: _Path(_DIFF, "")} for j in range(len(diff_idx))])[0]
+    # The linear map's program, staged without evaluating anything: which tangent inputs
+    # reach the loss's tangent. (Evaluated eagerly, jax.linearize and jax.grad would compile
+    # every primitive of the model on its own: 11 of the 17 s of explain_grads on a small
+    # equinox CNN; jitted, the gradient is one compilation.)
+    lin = jax.make_jaxpr(lambda primals, tangents: jax.linearize(of_floats, primals)[1](tangents))(
+        float_leaves, float_leaves)
+    n_diff = len(diff_idx)
+    reach = _flow(lin.jaxpr, [{} for _ in range(n_diff)]
+                  + [{j: _Path(_DIFF, "")} for j in range(n_diff)])[0]
     try:
-        grads = jax.grad(of_floats)(float_leaves)
+        loss, grads = jax.jit(jax.value_and_grad(of_floats))(float_leaves)
     except ValueError as error:
         if "while_loop" not in str(error):
             raise
@@ -394,77 +400,118 @@ def _counts(values: tuple[int, ...], most: int = 12) -> str:
 
 
 # --- ReLU sites: evaluate the program once and look at every max(x, 0) -------------------
+#
+# The program is re-traced equation by equation under one jax.jit, which returns the input of
+# every ReLU (evaluated eagerly instead, every primitive compiled on its own: 5.5 s of a small
+# CNN's explain_grads). A ReLU in a scan body comes back stacked over the iterations (the scan
+# is re-built with the ReLU inputs as extra per-iteration outputs); every branch of a cond is
+# traced, its outputs selected by the branch index, and its ReLUs counted only where its
+# branch was taken. Dead counting is then done in NumPy.
+
+@dataclasses.dataclass
+class _Site:
+    where: str
+    units: int
+    axes: tuple[int, ...]
+    note: str
+
 
 def _relu_sites(closed, params, args, n_params) -> list[ReluSite]:
-    # call path -> [where, units, alive in any evaluation, dead count of each evaluation,
-    #               axis, note]
-    found: dict[tuple, list] = {}
     # A loss of the params alone closes over its batch: its constants are then data.
     relus = ReluAxes(closed.jaxpr, n_params, consts_are="unknown" if args else "data")
-    _record(closed.jaxpr, closed.consts, jax.tree.leaves((params, *args)), found, "", (),
-            relus)
-    return [ReluSite(where, units, int(units - alive.sum()),
-                     tuple(per) if len(per) > 1 else (), axis, note)
-            for where, units, alive, per, axis, note in found.values()]
+    sites: dict[tuple, _Site] = {}  # call path -> static facts, filled while tracing
+
+    def staged(consts, flat_args):
+        recorded: dict[tuple, tuple] = {}  # call path -> (ReLU input, taken) with iteration axes
+        _record(closed.jaxpr, consts, flat_args, recorded, sites, "", (), relus)
+        return recorded
+
+    recorded = jax.jit(staged)(closed.consts, jax.tree.leaves((params, *args)))
+    out = []
+    for key, site in sites.items():
+        if key not in recorded:
+            continue
+        x, taken = (np.asarray(v) for v in recorded[key])
+        # x: (*iterations, *shape of one evaluation); taken: (*iterations,)
+        per_eval = x.reshape(-1, *x.shape[taken.ndim:])[taken.reshape(-1)]
+        alive_any, dead = np.zeros(site.units, bool), []
+        for one in per_eval:
+            axes = list(site.axes)
+            alive = np.any(np.moveaxis(one, axes, range(one.ndim - len(axes), one.ndim))
+                           .reshape(-1, site.units) > 0, axis=0)
+            alive_any |= alive
+            dead.append(int(site.units - alive.sum()))
+        if not dead:
+            continue  # only in branches never taken
+        axis = site.axes[0] if len(site.axes) == 1 else site.axes
+        out.append(ReluSite(site.where, site.units, int(site.units - alive_any.sum()),
+                            tuple(dead) if len(dead) > 1 else (), axis, site.note))
+    return out
 
 
 def _is_zero_literal(v) -> bool:
     return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
 
 
-def _record(jaxpr, consts, args, found, where, path, relus: ReluAxes):
-    """Evaluates `jaxpr`; for each ReLU, ORs into ``found[key][2]`` which units were alive and
-    appends to ``found[key][3]`` how many were dead in this evaluation.
-
-    A ReLU is keyed by its call path (the ids of the equations that lead to it), so the same
-    jitted helper called by two layers gives two sites, and one ReLU in a scan body gives one
-    site over all iterations."""
+def _record(jaxpr, consts, args, recorded, sites, where, path, relus: ReluAxes, taken=None):
+    """Traces `jaxpr` on `args`; puts into ``recorded[key]`` each ReLU's input and whether it
+    ran (`taken`, a boolean scalar; None: always), keyed by its call path (the ids of the
+    equations that lead to it), so the same jitted helper called by two layers gives two
+    sites, and one ReLU in a scan body gives one site over all iterations."""
     def rule(eqn, ins):
         name = eqn.primitive.name
         here = source_line(eqn) or where
         key = (*path, id(eqn))
         if name in _CALLS and _CALLS[name] in eqn.params:
             sub, sub_consts = _closed(eqn.params[_CALLS[name]])
-            return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], found, here, key,
-                           relus)
+            return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], recorded, sites,
+                           here, key, relus, taken)
         if name == "scan" and relus.has_relu(eqn.params["jaxpr"].jaxpr):  # else: one bind
-            return _record_scan(eqn, ins, found, here, key, relus)
-        if name == "cond":
-            branch = eqn.params["branches"][int(np.clip(ins[0], 0,
-                                                        len(eqn.params["branches"]) - 1))]
-            return _record(branch.jaxpr, branch.consts, ins[1:], found, here, key, relus)
+            return _record_scan(eqn, ins, recorded, sites, here, key, relus, taken)
+        if name == "cond" and any(relus.has_relu(b.jaxpr) for b in eqn.params["branches"]):
+            return _record_cond(eqn, ins, recorded, sites, here, key, relus, taken)
         if relus.is_relu(eqn):  # a float max(x, 0), not a variance clamp
-            x = np.asarray(ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0])
-            if x.ndim:
-                axes, known = relus.unit_axes(eqn, x.shape)
-                units = math.prod(x.shape[d] for d in axes)
-                alive = np.any(np.moveaxis(x, axes, range(x.ndim - len(axes), x.ndim))
-                               .reshape(-1, units) > 0, axis=0)
-                axis = axes[0] if len(axes) == 1 else axes
-                note = "" if known or x.ndim == 1 else UNKNOWN_AXIS_NOTE
-                site = found.setdefault(key, [here, units, np.zeros(units, bool), [], axis,
-                                              note])
-                site[2] |= alive
-                site[3].append(int(units - alive.sum()))
+            x = ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0]
+            if jnp.ndim(x):
+                axes, known = relus.unit_axes(eqn, jnp.shape(x))
+                units = math.prod(jnp.shape(x)[d] for d in axes)
+                note = "" if known or jnp.ndim(x) == 1 else UNKNOWN_AXIS_NOTE
+                sites.setdefault(key, _Site(here, units, tuple(axes), note))
+                recorded[key] = (x, jnp.bool_(True) if taken is None else taken)
         return None
     return interpret(jaxpr, consts, args, rule)
 
 
-def _record_scan(eqn, ins, found, where, key, relus):
-    """A scan, one iteration at a time, so that the ReLUs of its body are seen."""
+def _record_cond(eqn, ins, recorded, sites, where, key, relus, taken):
+    """Every branch traced; the outputs of the one the index picks (as cond's clamp)."""
+    branches = eqn.params["branches"]
+    index = jnp.clip(ins[0], 0, len(branches) - 1).astype(jnp.int32)
+    outs = []
+    for b, branch in enumerate(branches):
+        ran = index == b if taken is None else jnp.logical_and(taken, index == b)
+        outs.append(_record(branch.jaxpr, branch.consts, ins[1:], recorded, sites, where,
+                            (*key, b), relus, ran))
+    return [jax.lax.select_n(index, *vals) if len(branches) > 1 else vals[0]
+            for vals in zip(*outs)]
+
+
+def _record_scan(eqn, ins, recorded, sites, where, key, relus, taken):
+    """A scan re-built with its body's ReLU inputs as extra per-iteration outputs."""
     p = eqn.params
-    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    nc, nk = p["num_consts"], p["num_carry"]
     body, body_consts = _closed(p["jaxpr"])
-    consts, carry, xs = ins[:nc], list(ins[nc:nc + nk]), ins[nc + nk:]
-    ys = []
-    for t in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
-        outs = _record(body, body_consts, [*consts, *carry, *(x[t] for x in xs)], found,
-                       where, key, relus)
-        carry, y = outs[:nk], outs[nk:]
-        ys.append(y)
-    if p["reverse"]:
-        ys.reverse()
-    stacked = [jnp.stack([y[k] for y in ys]) if ys else
-               jnp.zeros((0, *v.aval.shape), v.aval.dtype)
-               for k, v in enumerate(body.outvars[nk:])]
-    return [*carry, *stacked]
+    consts, carry, xs = ins[:nc], list(ins[nc:nc + nk]), list(ins[nc + nk:])
+
+    def step(carry, x):
+        inner: dict[tuple, tuple] = {}
+        outs = _record(body, body_consts, [*consts, *carry, *x], inner, sites, where, key,
+                       relus, taken)
+        return outs[:nk], (outs[nk:], inner)
+
+    carry, (ys, inner) = jax.lax.scan(step, carry, xs, length=p["length"],
+                                      reverse=p["reverse"])
+    for k, (x, ran) in inner.items():
+        if p["reverse"]:  # in the order the iterations ran
+            x, ran = jnp.flip(x, 0), jnp.flip(ran, 0)
+        recorded[k] = (x, ran)
+    return [*carry, *ys]
