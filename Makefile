@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/funcgrad train --out runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
