@@ -1,0 +1,339 @@
+"""Rematerialisation (checkpointing) that lowers the memory XLA really allocates.
+
+PyTorch's ``torch.utils.checkpoint``; JAX's ``jax.checkpoint`` (``jax.remat``). Source article
+A5.1: keep fewer activations in the forward pass and recompute them in the backward pass,
+trading about one extra forward pass for memory; Chen et al. 2016, "Training deep nets with
+sublinear memory cost": sqrt(n) segments of n layers keep O(sqrt n) activations.
+
+**Why ``jax.checkpoint`` often saves nothing on XLA:CPU.** ``jax.checkpoint`` puts an
+``optimization_barrier`` on the recomputation's inputs so that XLA's common-subexpression
+elimination (CSE) does not merge the recomputed forward with the original one. XLA:CPU's
+pipeline removes every barrier early (its ``cse_barrier_expander`` pass, before layout
+assignment) and then runs CSE (``simplification_after_layout_assignment``): the recomputed
+matmuls are merged into the forward ones and the activations are kept after all, while the
+remaining structure still changes buffer assignment. Measured (``benchmarks/remat.py``; the
+16-layer tanh MLP of width 512 at batch 2048, ``temp + output`` of ``memory_analysis()``):
+no remat 84 MiB; ``jax.checkpoint`` per layer 144 MiB, per 4-layer segment 96 MiB; the same
+with the last segment left plain 96 MiB. XLA dumps (``--xla_dump_hlo_pass_re=.*``) show the
+dot count fall from 13 to 11 at that CSE on a 4-layer example.
+
+**What keeps the recomputation.** `remat` makes the backward pass run the recomputation inside
+a ``lax.cond`` whose predicate XLA cannot evaluate at compile time (one element of the
+incoming cotangent compared with itself; both branches are the same computation, so the value
+is the same whichever runs). CSE does not merge across a conditional's branches, and the
+branch cannot start before the cotangent exists, so the recomputed activations live only
+while their segment is differentiated: 48 MiB (0.57x) for 4 segments of 4 with the last one
+kept, gradients bit-identical to no remat. On GPU and TPU, where XLA keeps the barriers and a
+conditional costs a predicate read by the host, `remat` is ``jax.checkpoint`` itself
+(``mechanism="auto"``); that choice is documented, not measured here (no GPU on this machine).
+
+A lower bound for one recomputation per layer: a chain of n layers in segments keeps, while
+segment j is differentiated, the inputs of the segments before it and the activations of
+segment j, plus two cotangent buffers. For the MLP above every activation is 4 MiB and the
+gradient output 16 MiB, and no segmentation of 16 layers keeps fewer than 8 buffers at its
+worst moment (sizes s_j with j + s_j <= 6 for all j cannot sum to 16), so 16 + 8 x 4 = 48 MiB
+= 0.57x is the floor that `remat_sequential` reaches; going lower needs layers recomputed
+more than once (nested segments), which costs more than the 1.30x time the issue allows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+#: Policies JAX provides ready to use (pass these names as strings); the others in
+#: ``jax.checkpoint_policies`` are factories: call them (``save_only_these_names("h1")``).
+POLICY_NAMES = ("nothing_saveable", "everything_saveable", "dots_saveable",
+                "dots_with_no_batch_dims_saveable", "checkpoint_dots",
+                "checkpoint_dots_with_no_batch_dims")
+_FACTORIES = ("save_only_these_names", "save_any_names_but_these",
+              "save_anything_except_these_names", "save_and_offload_only_these_names",
+              "save_from_both_policies", "offload_dot_with_no_batch_dims")
+MECHANISMS = ("auto", "cond", "barrier")
+
+
+def _policy(policy: Any) -> Callable | None:
+    if policy is None or callable(policy):
+        return policy
+    if isinstance(policy, str):
+        if policy in POLICY_NAMES:
+            return getattr(jax.checkpoint_policies, policy)
+        if policy in _FACTORIES:
+            raise ValueError(
+                f"remat: the policy {policy!r} needs arguments: pass "
+                f"jax.checkpoint_policies.{policy}(...) (e.g. with the names given to "
+                "jax.ad_checkpoint.checkpoint_name), not its name.")
+        raise ValueError(f"remat: unknown policy {policy!r}; expected None, a callable from "
+                         f"jax.checkpoint_policies, or one of {', '.join(POLICY_NAMES)}.")
+    raise TypeError(f"remat: policy must be None, a name or a callable, got "
+                    f"{type(policy).__name__}.")
+
+
+def _mechanism(mechanism: str) -> str:
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"remat: mechanism must be one of {MECHANISMS}, got {mechanism!r}.")
+    if mechanism == "auto":
+        return "cond" if jax.default_backend() == "cpu" else "barrier"
+    return mechanism
+
+
+def _runtime_true(cotangent: Any) -> jax.Array:
+    """A predicate that is true unless one cotangent element is NaN, which XLA cannot fold."""
+    for leaf in jax.tree.leaves(cotangent):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size:
+            x = leaf.reshape(-1)[0]
+            return x == x
+    return jnp.bool_(True)
+
+
+def remat(fn: Callable, *, policy: Any = None, mechanism: str = "auto") -> Callable:
+    """``fn`` whose backward pass recomputes its intermediates instead of keeping them.
+
+    Like ``jax.checkpoint(fn, policy=policy)``, but on XLA:CPU the recomputation really
+    happens in the backward pass (see the module docstring for why ``jax.checkpoint`` alone is
+    undone there): the returned function keeps only `fn`'s inputs (and what `policy` saves)
+    from its forward pass.
+
+    Args:
+      fn: a pure function of positional pytrees of arrays (PRNG keys included: dropout inside
+        `fn` draws the same mask in the recomputation, since the key is an input). Values it
+        closes over are allowed; static arguments should be bound with functools.partial.
+      policy: what the forward pass may keep besides the inputs: None (nothing), a name from
+        `POLICY_NAMES`, or a policy callable from ``jax.checkpoint_policies`` (e.g.
+        ``save_only_these_names("h")`` with ``jax.ad_checkpoint.checkpoint_name``; the offload
+        policies move saved values to host memory on GPU/TPU).
+      mechanism: "cond" (the recomputation inside a lax.cond: effective on XLA:CPU), "barrier"
+        (``jax.checkpoint``'s optimization barrier: what GPU and TPU honour), or "auto" (cond on
+        CPU, barrier elsewhere).
+    Returns:
+      A function with `fn`'s signature and values. Forward-mode differentiation (jax.jvp) of
+      it is not supported with the "cond" mechanism (it is a ``jax.custom_vjp``).
+    Raises:
+      ValueError / TypeError: for an unknown policy or mechanism, or a non-callable `fn`.
+    """
+    if not callable(fn):
+        raise TypeError(f"remat needs a callable, got {type(fn).__name__}.")
+    chosen_policy = _policy(policy)
+    if mechanism not in MECHANISMS:
+        _mechanism(mechanism)
+
+    @functools.wraps(fn)
+    def rematted(*args):
+        if _mechanism(mechanism) == "barrier":
+            return jax.checkpoint(fn, policy=chosen_policy)(*args)
+        return _cond_remat(fn, chosen_policy, args)
+
+    return rematted
+
+
+def _cond_remat(fn, policy, args):
+    checkpointed = jax.checkpoint(fn, policy=policy, prevent_cse=False)
+    # Values fn closes over that are being traced become explicit inputs, so that the
+    # custom_vjp differentiates them too.
+    converted, consts = jax.closure_convert(checkpointed, *args)
+    n = len(args)
+
+    @jax.custom_vjp
+    def call(consts, *args):
+        return converted(*args, *consts)
+
+    def fwd(consts, *args):
+        return jax.vjp(converted, *args, *consts)  # residuals: the vjp's saved values
+
+    def bwd(vjp_fn, cotangent):
+        def back(vjp_fn, cotangent):
+            return vjp_fn(cotangent)
+        cts = lax.cond(_runtime_true(cotangent), back, back, vjp_fn, cotangent)
+        return (list(cts[n:]), *cts[:n])
+
+    call.defvjp(fwd, bwd)
+    return call(list(consts), *args)
+
+
+# --- a stack of layers in segments -------------------------------------------------------
+
+def segment_sizes(n: int, segments: Any) -> tuple[int, ...]:
+    """The sizes of the segments `n` layers are cut into.
+
+    `segments`: "sqrt" (segments of ceil(sqrt n) layers: Chen et al. 2016), an int k (segments
+    of k layers, the last one shorter), or explicit sizes summing to n.
+    Raises ValueError naming the fix for a size outside [1, n] or sizes not summing to n."""
+    if n < 1:
+        raise ValueError("remat_sequential needs at least one layer, got none.")
+    if isinstance(segments, str):
+        if segments != "sqrt":
+            raise ValueError(f"remat_sequential: segments must be 'sqrt', an int or a tuple of "
+                             f"sizes, got {segments!r}.")
+        k = math.ceil(math.sqrt(n))
+    elif isinstance(segments, int) and not isinstance(segments, bool):
+        k = segments
+        if not 1 <= k <= n:
+            raise ValueError(f"remat_sequential: a segment of {k} layers does not fit a stack "
+                             f"of {n}; pass a size in [1, {n}] (or 'sqrt').")
+    else:
+        sizes = tuple(int(s) for s in segments)
+        if any(s < 1 for s in sizes) or sum(sizes) != n:
+            raise ValueError(f"remat_sequential: segment sizes {sizes} must be positive and "
+                             f"sum to the {n} layers.")
+        return sizes
+    return (k,) * (n // k) + ((n % k,) if n % k else ())
+
+
+def remat_sequential(layer: Callable | Sequence[Callable], params: Sequence[Any], x: Any, *,
+                     segments: Any = "sqrt", policy: Any = None, keep_last: bool = True,
+                     mechanism: str = "auto") -> Any:
+    """Applies ``h = layer_i(params[i], h)`` for i = 0..n-1, rematerialised in segments.
+
+    The backward pass keeps each segment's input and recomputes the segment's activations
+    when its turn comes (one extra forward pass of every layer outside the last segment).
+
+    Args:
+      layer: ``layer(p, h) -> h``, one function for every layer or a sequence of n.
+      params: a sequence of n per-layer param pytrees.
+      x: the stack's input (any pytree of arrays the layers take).
+      segments: see `segment_sizes` ("sqrt", an int k, or explicit sizes).
+      policy, mechanism: as in `remat`.
+      keep_last: the last segment is not rematerialised: its activations are needed first in
+        the backward pass, so recomputing them would cost time and save nothing (PyTorch's
+        ``checkpoint_sequential`` does the same).
+    Returns:
+      the last layer's output.
+    Raises:
+      ValueError: for a bad `segments`, a policy JAX does not know, or a `layer` sequence of
+        another length than `params`.
+    """
+    params = list(params)
+    n = len(params)
+    layers = list(layer) if isinstance(layer, Sequence) else [layer] * n
+    if len(layers) != n:
+        raise ValueError(f"remat_sequential: {len(layers)} layer functions for {n} param "
+                         "entries; pass one function, or one per entry of params.")
+    sizes = segment_sizes(n, segments)
+    h, start = x, 0
+    for j, size in enumerate(sizes):
+        fns = layers[start:start + size]
+
+        def segment(ps, h, fns=fns):
+            for f, p in zip(fns, ps):
+                h = f(p, h)
+            return h
+
+        ps = params[start:start + size]
+        start += size
+        if keep_last and j == len(sizes) - 1 and len(sizes) > 1:
+            h = segment(ps, h)
+        else:
+            h = remat(segment, policy=policy, mechanism=mechanism)(ps, h)
+    return h
+
+
+# --- a budget ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RematPlan:
+    """The segmentation `plan_remat` chose.
+
+    Attributes:
+      segments: the segment sizes to pass to `remat_sequential` (``()``: no remat needed).
+      keep_last: whether the last segment is left plain.
+      bytes: compiled ``temp + output`` bytes of the gradient with this plan.
+      baseline_bytes: the same without remat.
+      budget: the fraction asked for.
+      recompute: layers recomputed in the backward pass, as a fraction of the forward pass
+        (0.75: three quarters of the layers run twice).
+      candidates: every plan compiled, as (segments, bytes, recompute); ``()`` is no remat.
+    """
+    segments: tuple[int, ...]
+    keep_last: bool
+    bytes: int
+    baseline_bytes: int
+    budget: float
+    recompute: float
+    candidates: tuple[tuple[tuple[int, ...], int, float], ...]
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes / self.baseline_bytes
+
+    def __str__(self) -> str:
+        what = (f"segments {list(self.segments)}" if self.segments else "no remat")
+        return (f"remat plan for a budget of {self.budget:g} x {self.baseline_bytes / 2**20:.1f} "
+                f"MiB: {what}, {self.bytes / 2**20:.1f} MiB ({self.fraction:.2f}x), "
+                f"recomputing {self.recompute:.0%} of the forward pass")
+
+
+def _compiled_bytes(fn, *args) -> int:
+    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes)
+
+
+def plan_remat(layer: Callable | Sequence[Callable], params: Sequence[Any], x: Any,
+               budget: float, *, head: Callable | None = None, policy: Any = None) -> RematPlan:
+    """Chooses segments for `remat_sequential` so that the compiled gradient fits a budget.
+
+    Compiles ``jax.grad`` of ``head(remat_sequential(layer, params, x, segments=s))`` with
+    respect to `params` for no remat and for every uniform segment size s = n..1 (last segment
+    kept), reads ``temp + output`` from XLA's ``memory_analysis()``, and returns the plan with
+    the least recomputation whose bytes are at most ``budget x`` the no-remat bytes (ties: the
+    fewer bytes). Plans are compiled in order of recomputation, stopping at the first level
+    that fits.
+
+    Args:
+      layer, params, x: as in `remat_sequential`.
+      budget: the fraction b in (0, 1] of the no-remat ``temp + output`` bytes.
+      head: ``head(h) -> scalar`` after the stack (default ``0.5 * mean(h**2)``, any loss of
+        the output gives the same activation memory up to its own temporaries).
+    Returns:
+      a `RematPlan` (``str()`` says what it chose and the recompute cost).
+    Raises:
+      ValueError: a budget outside (0, 1], or one no plan meets (the message gives the
+        smallest fraction reached and what to do).
+    """
+    if not (isinstance(budget, (int, float)) and 0.0 < budget <= 1.0):
+        raise ValueError(f"plan_remat: budget must be a fraction in (0, 1] of the no-remat "
+                         f"memory, got {budget!r}.")
+    head = head or (lambda h: 0.5 * jnp.mean(jnp.square(h)))
+    params = list(params)
+    n = len(params)
+
+    def grad_of(segments):
+        def loss(params, x):
+            if segments is None:
+                h = x
+                layers = list(layer) if isinstance(layer, Sequence) else [layer] * n
+                for f, p in zip(layers, params):
+                    h = f(p, h)
+            else:
+                h = remat_sequential(layer, params, x, segments=segments, policy=policy)
+            return head(h)
+        return jax.grad(loss)
+
+    baseline = _compiled_bytes(grad_of(None), params, x)
+    candidates = [((), baseline, 0.0)]
+    plans = {}
+    for k in range(n - 1, 0, -1):  # one segment of n kept plain would be no remat
+        sizes = segment_sizes(n, k)
+        plans.setdefault(sizes, (n - sizes[-1]) / n)
+    # Least recomputation first; stop at the first recompute level where a plan fits.
+    fitting = [c for c in candidates if c[1] <= budget * baseline]
+    for level in sorted(set(plans.values())):
+        if fitting:
+            break
+        for sizes in (s for s, r in plans.items() if r == level):
+            candidates.append((sizes, _compiled_bytes(grad_of(sizes), params, x), level))
+        fitting = [c for c in candidates if c[1] <= budget * baseline]
+    if not fitting:
+        best = min(candidates, key=lambda c: c[1])
+        raise ValueError(
+            f"plan_remat: no segmentation fits {budget:g} x the no-remat {baseline / 2**20:.1f} "
+            f"MiB; the smallest is {best[1] / baseline:.2f}x (segments {list(best[0])}). "
+            "Raise the budget, or cut memory elsewhere (smaller batch, accumulation).")
+    segments, nbytes, recompute = min(fitting, key=lambda c: (c[2], c[1]))
+    return RematPlan(segments, True, nbytes, baseline, float(budget), recompute,
+                     tuple(candidates))
