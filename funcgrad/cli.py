@@ -46,8 +46,20 @@ _seed = _checked(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
 
 #: Flags that belong to one model only, with the model's default (None: the flag was not
 #: given). A flag given for the other model is an error, not silently ignored.
-_MLP_DEFAULTS = {"hidden": [128], "activation": "relu"}
+_MLP_DEFAULTS = {"hidden": [128], "activation": "relu", "remat": None}
 _CNN_DEFAULTS = {"channels": [32, 64], "dropout": 0.25}
+
+
+def _remat_segments(text: str):
+    if text == "sqrt":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected 'sqrt' or a positive int, got {text!r}")
+    return k
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -73,6 +85,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="MLP only: hidden layer widths (default: 128)")
     t.add_argument("--activation", choices=sorted(ACTIVATIONS), default=None,
                    help="MLP only: hidden activation (default: relu)")
+    t.add_argument("--remat", type=_remat_segments, default=None, metavar="SEGMENTS",
+                   help="MLP only: rematerialise the layers in segments ('sqrt' or a segment "
+                        "size K): the backward pass keeps each segment's input and recomputes "
+                        "the rest (funcgrad.memory.remat_sequential; default: keep everything)")
     t.add_argument("--channels", type=_positive(int), nargs="+", default=None, metavar="N",
                    help="CNN only: output channels of each conv block, at most 3 blocks "
                         "(each halves the 8x8 image) (default: 32 64)")
@@ -157,11 +173,16 @@ def _model_flags(train_parser: argparse.ArgumentParser, args: argparse.Namespace
                 f"argument {flag}: applies to --model {'cnn' if args.model == 'mlp' else 'mlp'} "
                 f"only (got --model {args.model}); drop it"
                 + (" or add --model cnn" if args.model == "mlp" else
-                   " (the cnn's widths are set by --channels; its activation is ReLU)"))
+                   " (the cnn's widths are set by --channels; its activation is ReLU)"
+                   if name in ("hidden", "activation") else ""))
         delattr(args, name)
     for name, default in own.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    layers = len(args.hidden) + 1 if args.model == "mlp" else 0
+    if args.model == "mlp" and isinstance(args.remat, int) and args.remat > layers:
+        train_parser.error(f"argument --remat: a segment of {args.remat} layers does not fit the "
+                           f"MLP's {layers} layers; pass at most {layers}, or sqrt")
     if args.model == "cnn" and len(args.channels) > 3:
         train_parser.error(f"argument --channels: each block halves the 8x8 image, so at most "
                            f"3 blocks; got {len(args.channels)}")
@@ -276,9 +297,10 @@ def _mlp(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
 
     sizes = (data.x_train.shape[1], *args.hidden, data.num_classes)
     params = mlp_init(jax.random.key(args.seed), sizes, activation=args.activation)
+    remat = args.remat
 
     def loss_fn(params, batch):
-        logits = mlp_apply(params, batch["x"], activation=args.activation)
+        logits = mlp_apply(params, batch["x"], activation=args.activation, remat=remat)
         # The loss in float32 whatever the compute dtype, as PyTorch's autocast does.
         if accumulate:  # one loss per example: the step takes the exact mean over each group
             return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),

@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from funcgrad.cli import main
@@ -64,6 +65,21 @@ def test_accumulate_flag(tmp_path, capsys):
     # ceil(1437 / 32) = 45 micro-batches: 11 groups of 4 and a tail of 1, applied: 12 updates.
     metrics = json.loads((out / "metrics.json").read_text())
     assert len(metrics["steps"]["loss"]) == 12 and metrics["dropped_examples"] == 0
+
+
+def test_remat_flag_trains_the_same_values(tmp_path, capsys):
+    # Remat changes what the backward pass keeps, not what it computes: the same run without
+    # --remat (the second method) gives the same losses, to float32 rounding of a separately
+    # compiled recomputation.
+    runs = {}
+    for name, extra in (("plain", []), ("remat", ["--remat", "2"])):
+        status = main(["train", "--hidden", "16", "16", "16", "--epochs", "1", "--no-monitor",
+                       "--out", str(tmp_path / name), "--no-progress", *extra])
+        assert status == 0
+        runs[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    assert runs["remat"]["config"]["remat"] == 2 and runs["plain"]["config"]["remat"] is None
+    np.testing.assert_allclose(runs["remat"]["steps"]["loss"], runs["plain"]["steps"]["loss"],
+                               rtol=1e-4)
 
 
 def test_accumulate_beyond_the_data_says_so(tmp_path, capsys):
@@ -163,6 +179,11 @@ def test_cnn_nonfinite_run_is_located(tmp_path, capsys):
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["train", "--accumulate", "0"], "argument --accumulate: expected a positive int, got '0'"),
+    (["train", "--remat", "0"], "argument --remat: expected 'sqrt' or a positive int, got '0'"),
+    (["train", "--hidden", "8", "--remat", "3"],
+     "argument --remat: a segment of 3 layers does not fit the MLP's 2 layers"),
+    (["train", "--model", "cnn", "--remat", "2"],
+     "argument --remat: applies to --model mlp only (got --model cnn); drop it"),
     (["train", "--momentum", "0.5"],
      "funcgrad train: error: argument --momentum: applies to --optimizer momentum only"),
     (["train", "--out", __file__], "funcgrad train: error: argument --out: "),
@@ -182,6 +203,7 @@ def test_cnn_nonfinite_run_is_located(tmp_path, capsys):
     (["train", "--model", "rnn"], "argument --model: invalid choice: 'rnn'"),
 ], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
         "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype", "accumulate",
+        "remat_zero", "remat_too_long", "cnn_remat",
         "momentum_without_momentum_optimizer", "out_is_a_file", "no_command", "cnn_hidden",
         "cnn_activation", "mlp_dropout", "mlp_channels", "cnn_too_many_blocks",
         "cnn_dropout_one", "unknown_model"])

@@ -116,7 +116,8 @@ def mlp_init(key: jax.Array, sizes: Sequence[int], *, activation: str = "relu",
     return layers if activation == "relu" else MLPParams(layers, activation)
 
 
-def mlp_apply(params: Params, x: jax.Array, *, activation: str | None = None) -> jax.Array:
+def mlp_apply(params: Params, x: jax.Array, *, activation: str | None = None,
+              remat: Any = None) -> jax.Array:
     """Returns the logits of the perceptron: ``act(x W0 + b0) ... W_last + b_last``.
 
     Args:
@@ -125,6 +126,10 @@ def mlp_apply(params: Params, x: jax.Array, *, activation: str | None = None) ->
       x: inputs of shape ``(batch, in)``, floating.
       activation: the hidden activation's name; the last layer is linear. Default: the one
         `params` carry (`MLPParams.activation`), else "relu".
+      remat: None (keep every activation for the backward pass), or the layers' segments for
+        `funcgrad.memory.remat_sequential` ("sqrt", a segment size k, or sizes): the backward
+        pass then keeps each segment's input and recomputes the rest (same values, less
+        compiled memory; see funcgrad/memory/remat.py).
     Returns:
       logits of shape ``(batch, out)`` in the dtype of the parameters and `x` combined.
     Raises:
@@ -153,11 +158,19 @@ def mlp_apply(params: Params, x: jax.Array, *, activation: str | None = None) ->
         raise ValueError(
             f"mlp_apply: x has {x.shape[1]} features but params[0]['w'] expects "
             f"{params[0]['w'].shape[0]} (shape {params[0]['w'].shape}).")
+    def hidden(layer, h):
+        return act(h @ layer["w"] + layer["b"][None, :])
+
+    def last(layer, h):
+        return h @ layer["w"] + layer["b"][None, :]
+
+    layers = [hidden] * (len(params) - 1) + [last]
+    if remat is not None:
+        from funcgrad.memory.remat import remat_sequential
+        return remat_sequential(layers, list(params), x, segments=remat)
     h = x
-    for i, layer in enumerate(params):
-        h = h @ layer["w"] + layer["b"][None, :]
-        if i < len(params) - 1:
-            h = act(h)
+    for f, layer in zip(layers, params):
+        h = f(layer, h)
     return h
 
 

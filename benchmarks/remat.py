@@ -1,0 +1,185 @@
+"""Remat on XLA: compiled memory and step time of `funcgrad.memory.remat` against no remat and
+``jax.checkpoint`` (issue 14, point 2 and its targets). Prints tables and writes JSON.
+
+1. The 16-layer tanh MLP, width 512, batch 2048, ``jit(grad(0.5 * mean(h**2)))``: ``temp +
+   output`` of ``memory_analysis()``, and the median step time (ratios against no remat, in
+   this process), for no remat, ``jax.checkpoint`` per layer and per 4-layer segment (the
+   naive use), and ``fg`` remat_sequential (sqrt n = 4 segments of 4, last kept; and sizes
+   6, 5, 4, 1). Each of no remat and fg's sqrt plan is also run in a fresh process, whose peak
+   RSS above the RSS before the call confirms the compiled figure.
+2. Budget: `plan_remat` for b in {0.25, 0.5, 0.75}.
+3. Depth n in {16, 64, 256} at width 256, batch 1024: the memory beyond the gradient output
+   (``temp``) without remat and with sqrt n segments; log-log slope against n.
+
+    $ python benchmarks/remat.py [--quick] [--out benchmarks/results/remat.json]
+"""
+import argparse
+import functools
+import json
+import math
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from funcgrad.memory.remat import plan_remat, remat_sequential
+
+MiB = 2 ** 20
+
+
+def layer(p, h):
+    w, b = p
+    return jnp.tanh(h @ w + b[None, :])
+
+
+def make(n, width, batch, seed=0):
+    keys = jax.random.split(jax.random.key(seed), n + 1)
+    params = [(jax.random.normal(k, (width, width)) / np.sqrt(width), jnp.zeros((width,)))
+              for k in keys[:n]]
+    x = jax.random.normal(keys[n], (batch, width))
+    return params, x
+
+
+def head(h):
+    return 0.5 * jnp.mean(h ** 2)
+
+
+def plain(params, x):
+    h = x
+    for p in params:
+        h = layer(p, h)
+    return head(h)
+
+
+def naive(params, x, k):
+    """jax.checkpoint on every segment of k layers (the documented way)."""
+    def seg(ps, h):
+        for p in ps:
+            h = layer(p, h)
+        return h
+    h = x
+    for i in range(0, len(params), k):
+        h = jax.checkpoint(seg)(params[i:i + k], h)
+    return head(h)
+
+
+def ours(params, x, segments):
+    return head(remat_sequential(layer, params, x, segments=segments))
+
+
+VARIANTS = {
+    "no remat": plain,
+    "jax.checkpoint per layer": functools.partial(naive, k=1),
+    "jax.checkpoint per 4 layers": functools.partial(naive, k=4),
+    "fg remat_sequential sqrt (4x4)": functools.partial(ours, segments="sqrt"),
+    "fg remat_sequential (6,5,4,1)": functools.partial(ours, segments=(6, 5, 4, 1)),
+}
+
+
+def compiled(fn, params, x):
+    c = jax.jit(jax.grad(fn)).lower(params, x).compile()
+    m = c.memory_analysis()
+    return c, m
+
+
+def median_ms(c, params, x, repeats):
+    jax.block_until_ready(c(params, x))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(c(params, x))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def child(name):
+    """Fresh process: peak RSS of one call above the RSS before it (KiB on Linux)."""
+    params, x = make(16, 512, 2048)
+    c, _ = compiled(VARIANTS[name], params, x)
+    jax.block_until_ready((params, x))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/status") as f:
+        rss_now = next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+    jax.block_until_ready(c(params, x))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_above_rss_kib": peak - rss_now, "peak_before_kib": before}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="depths 16 and 64 only, 3 repeats")
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "remat.json"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child)
+    repeats = 3 if args.quick else 7
+    out = {"jax": jax.__version__, "backend": jax.default_backend()}
+
+    print("1. 16-layer tanh MLP, width 512, batch 2048: jit(grad)")
+    params, x = make(16, 512, 2048)
+    rows = {}
+    for name, fn in VARIANTS.items():
+        c, m = compiled(fn, params, x)
+        rows[name] = {"temp_output_mib": (m.temp_size_in_bytes + m.output_size_in_bytes) / MiB,
+                      "ms": median_ms(c, params, x, repeats)}
+    base = rows["no remat"]
+    print(f"{'variant':34s} {'temp+out MiB':>12s} {'x':>6s} {'ms':>8s} {'time x':>7s}")
+    for name, r in rows.items():
+        r["memory_ratio"] = r["temp_output_mib"] / base["temp_output_mib"]
+        r["time_ratio"] = r["ms"] / base["ms"]
+        print(f"{name:34s} {r['temp_output_mib']:12.1f} {r['memory_ratio']:6.2f} "
+              f"{r['ms']:8.1f} {r['time_ratio']:7.2f}")
+    out["mlp"] = rows
+    rss = {}
+    for name in ("no remat", "fg remat_sequential sqrt (4x4)"):
+        proc = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True,
+                              text=True, check=True)
+        rss[name] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_above_rss_kib"] / 1024
+    print("fresh-process peak RSS above the RSS before the call (MiB): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in rss.items())
+          + f"; ratio {rss['fg remat_sequential sqrt (4x4)'] / rss['no remat']:.2f}")
+    out["mlp_peak_rss_mib"] = rss
+
+    print("\n2. Budget (plan_remat), same MLP")
+    out["budget"] = {}
+    for b in (0.25, 0.5, 0.75):
+        try:
+            plan = plan_remat(layer, params, x, b)
+            print(f"b={b}: {plan}")
+            out["budget"][str(b)] = {"segments": plan.segments, "fraction": plan.fraction,
+                                     "recompute": plan.recompute, "met": True}
+        except ValueError as e:
+            print(f"b={b}: not reachable: {e}")
+            out["budget"][str(b)] = {"met": False, "message": str(e)}
+
+    print("\n3. Depth, width 256, batch 1024: memory beyond the gradient output (temp, MiB)")
+    depths = (16, 64) if args.quick else (16, 64, 256)
+    depth_rows = {}
+    for n in depths:
+        params, x = make(n, 256, 1024)
+        _, m0 = compiled(plain, params, x)
+        _, m1 = compiled(functools.partial(ours, segments="sqrt"), params, x)
+        depth_rows[n] = {"plain": m0.temp_size_in_bytes / MiB, "sqrt": m1.temp_size_in_bytes / MiB}
+        print(f"n={n:4d}: no remat {depth_rows[n]['plain']:8.1f}   sqrt segments "
+              f"{depth_rows[n]['sqrt']:8.1f}")
+    ns = np.log(np.array(depths, float))
+    for key in ("plain", "sqrt"):
+        slope = float(np.polyfit(ns, np.log([depth_rows[n][key] for n in depths]), 1)[0])
+        out[f"depth_slope_{key}"] = slope
+        print(f"log-log slope, {key}: {slope:.2f}")
+    out["depth"] = depth_rows
+
+    path = pathlib.Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=float))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
