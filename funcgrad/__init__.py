@@ -69,6 +69,11 @@ from funcgrad.train.monitor import grad_monitor as grad_monitor
 from funcgrad.train.monitor import monitor_alerts as monitor_alerts
 from funcgrad.train.monitor import with_dead_relu as with_dead_relu
 from funcgrad.check.custom import custom_vjp as custom_vjp
+from funcgrad.memory.remat import RematPlan as RematPlan
+from funcgrad.memory.remat import plan_remat as plan_remat
+from funcgrad.memory.remat import remat as remat
+from funcgrad.memory.remat import remat_sequential as remat_sequential
+from funcgrad import memory as memory
 from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
 
 __version__ = "0.1.0"
