@@ -9,6 +9,10 @@
    RSS above the RSS before the call confirms the compiled figure (it adds a constant of
    about 16-19 MiB here: the runtime's own first-call allocations).
 2. Budget: `plan_remat` for b in {0.25, 0.5, 0.75}.
+   ``jax.checkpoint`` per 4 layers is also compiled in fresh processes with XLA passes
+   disabled: without ``cse_barrier_expander`` (the barrier kept) it saves as much as fg's remat;
+   without ``cse`` alone the recomputed dots stay but the memory does not fall (the
+   recomputation is scheduled early, inside the forward pass).
 3. Depth n in {16, 64, 256} at width 256, batch 1024: the memory beyond the gradient output
    (``temp``) without remat and with sqrt n segments; log-log slope against n.
 
@@ -18,6 +22,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -117,14 +122,34 @@ def child(name):
     print(json.dumps({"peak_above_rss_kib": _status("VmHWM") - before}))
 
 
+def child_memory(name):
+    """The compiled temp+output (MiB) and dot count of one variant, under this process's
+    XLA_FLAGS."""
+    params, x = make(16, 512, 2048)
+    c, m = compiled(VARIANTS[name], params, x)
+    dots = sum(1 for line in c.as_text().splitlines() if " dot(" in line)
+    print(json.dumps({"mib": (m.temp_size_in_bytes + m.output_size_in_bytes) / MiB,
+                      "dots": dots}))
+
+
+XLA_EXPERIMENTS = {  # why jax.checkpoint saves nothing on XLA:CPU, pass by pass
+    "default passes": "",
+    "without cse_barrier_expander": "--xla_disable_hlo_passes=cse_barrier_expander",
+    "without cse": "--xla_disable_hlo_passes=cse",
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="depths 16 and 64 only, 3 repeats")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "remat.json"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-memory", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.child)
+    if args.child_memory:
+        return child_memory(args.child_memory)
     repeats = 3 if args.quick else 7
     out = {"jax": jax.__version__, "backend": jax.default_backend()}
 
@@ -154,6 +179,17 @@ def main():
           + f"; saved {rss['no remat'] - rss[ours_name]:.1f} MiB, compiled figures say "
           f"{rows['no remat']['temp_output_mib'] - rows[ours_name]['temp_output_mib']:.1f}")
     out["mlp_peak_rss_mib"] = rss
+
+    print("\njax.checkpoint per 4 layers under XLA flags (fresh processes): MiB, dots compiled")
+    out["xla_flags"] = {}
+    for label, flags in XLA_EXPERIMENTS.items():
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        proc = subprocess.run([sys.executable, __file__, "--child-memory",
+                               "jax.checkpoint per 4 layers"], capture_output=True, text=True,
+                              check=True, env=env)
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        out["xla_flags"][label] = r
+        print(f"  {label:32s} {r['mib']:7.1f} MiB  {r['dots']} dots")
 
     print("\n2. Budget (plan_remat), same MLP")
     out["budget"] = {}
