@@ -193,3 +193,21 @@ def test_segment_sizes():
     assert segment_sizes(16, "sqrt") == (4, 4, 4, 4)
     assert segment_sizes(10, "sqrt") == (4, 4, 2)  # ceil(sqrt 10) = 4
     assert segment_sizes(7, 3) == (3, 3, 1)
+
+
+def test_under_vmap_over_examples_the_recompute_stays_a_conditional():
+    # equinox-style per-example vmap: the predicate comes from the (unbatched) layer params,
+    # so the cond is not turned into a select that would run the recomputation twice.
+    params = _params(4)
+
+    def per_example(ps, x):
+        return jnp.sum(remat_sequential(_layer, ps, x[None, :], segments=2) ** 2)
+
+    def plain(ps, x):
+        return jnp.sum(functools.reduce(lambda h, p: _layer(p, h), ps, x[None, :]) ** 2)
+
+    grad = jax.jit(jax.vmap(jax.grad(per_example), in_axes=(None, 0)))
+    text = grad.lower(params, X[:3]).as_text()
+    assert text.count("stablehlo.case") + text.count("stablehlo.if") == 1  # one rematted segment
+    _assert_same_grads(grad(params, X[:3]),
+                       jax.vmap(jax.grad(plain), in_axes=(None, 0))(params, X[:3]))
