@@ -280,9 +280,8 @@ def _compiled(target, args):
 def _check_differentiable(fn, args, nums, names, grad) -> None:
     leaves = [(p, x) for i in nums for p, x in
               zip(leaf_paths((args[i],), [names[i]]), jax.tree.leaves(args[i]))]
-    if not any(is_float(x.dtype if hasattr(x, "dtype") else np.result_type(type(x)))
-               for _, x in leaves):
-        found = ", ".join(f"{p}: {np.result_type(x)}" for p, x in leaves[:4]) or "no leaves"
+    if not any(is_float(_dtype(x)) for _, x in leaves):
+        found = ", ".join(f"{p}: {_dtype(x)}" for p, x in leaves[:4]) or "no leaves"
         raise TypeError(f"memory_report: no differentiable input: the arguments at argnums="
                         f"{nums} have no floating leaf ({found}). Pass argnums= the position "
                         "of the parameters, or cast them to float (jnp.float32); integer and "
@@ -332,7 +331,7 @@ def _name_constant(r, rest):
     if r.origin != "constant":
         return r
     same = [p for p, x in rest if tuple(np.shape(x)) == r.shape
-            and str(np.result_type(x)) == r.dtype]
+            and str(_dtype(x)) == r.dtype]
     if len(same) != 1:
         return r
     return dataclasses.replace(r, origin="argument", leaf=same[0] + " (not differentiated)")
@@ -450,6 +449,10 @@ def _bytes(n: int, signed: bool = False) -> str:
         if n >= size:
             return f"{sign}{n / size:.1f} {unit}"
     return f"{sign}{n} B"
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.result_type(type(x))
 
 
 def _fn_name(fn) -> str:
