@@ -21,7 +21,7 @@ the row says so (``masked``). On a GPU (none here) the same comparison uses
 ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` minus ``bytes_in_use`` before the call,
 which the child reports instead of RSS when the default backend is "gpu".
 
-    $ python benchmarks/memory_report.py            # prints a table, writes memory_report.json
+    $ python benchmarks/memory_report.py            # prints a table, writes benchmarks/results/memory_report.json
 """
 import json
 import os
@@ -125,7 +125,8 @@ def main() -> None:
               f"{r['temp'] / mib:>7.1f}{r['estimate'] / mib:>10.1f}{r['measured'] / mib:>8.1f}"
               f"{r['ratio']:>9.3f}{first:>8}{r['ratio_first_call']:>10.3f}"
               f"  {'within 5%' if abs(r['ratio'] - 1) <= 0.05 else 'off by more than 5%'}")
-    path = os.path.join(HERE, "memory_report.json")
+    path = os.path.join(HERE, "results", "memory_report.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"depth": DEPTH, "width": WIDTH, "batch": BATCH,
                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
