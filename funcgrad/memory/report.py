@@ -151,8 +151,9 @@ class MemoryReport:
             return self.remat["verdict"]
         if self.grad_extra_bytes is None:
             return self._library_note() + (
-                "The compiled bytes above are what the machine pays; a residual table is the "
-                "jaxpr's view of what a vjp would keep.")
+                "The compiled bytes above are what the machine pays" + (
+                    "; the residual table is the jaxpr's view of what a vjp would keep."
+                    if self.residuals is not None else "."))
         return self._library_note() + (f"The machine pays the compiled figures: the gradient needs "
                 f"{_bytes(self.grad_extra_bytes)} more temp+output than the forward pass alone, "
                 f"where the jaxpr saves {_bytes(self.saved_activation_bytes)} of activations "
@@ -183,7 +184,9 @@ class MemoryReport:
         return json.dumps(self.to_dict(), **{"indent": 1, **kwargs})
 
     def __str__(self) -> str:
-        lines = [f"memory of {self.mode} {self.name} (XLA's compiled program; bytes)",
+        how = {"function": "jax.jit(fn)", "grad": "jax.jit(jax.grad(fn))",
+               "step": "jitted as given"}.get(self.mode, self.mode)
+        lines = [f"memory of {self.name}, {how} (XLA's compiled program; bytes)",
                  f"  {'arguments':<34}{self.argument_bytes:>14,}  {_bytes(self.argument_bytes)}",
                  f"  {'outputs':<34}{self.output_bytes:>14,}  {_bytes(self.output_bytes)}",
                  f"  {'aliased (output reuses an input)':<34}{self.alias_bytes:>14,}  "
