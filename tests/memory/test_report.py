@@ -143,3 +143,23 @@ def test_bad_input_says_what_to_do():
         memory_report(one_layer, W, X, grad=True, argnums=5)
     with pytest.raises(TypeError, match="must be a callable"):
         memory_report("loss", W, X)
+
+
+def test_a_policy_names_itself_on_the_rows_it_kept():
+    policy = jax.checkpoint_policies.dots_saveable
+    r = memory_report(jax.checkpoint(three_layers, policy=policy), WS, X, grad=True)
+    made = [row for row in r.residuals if row.origin == "output"]
+    # dots_saveable keeps the matmul outputs, one (4, 8) float32 per layer at most: 128 B.
+    assert made and all(row.primitive == "dot_general" and row.nbytes == 128 for row in made)
+    assert all("jax.checkpoint, policy" in row.kept_by and "DotsSaveable" in row.kept_by
+               for row in made)
+
+
+def test_a_checkpoint_inside_scan_is_not_claimed_either_way():
+    def scanned(w, x):
+        body = jax.checkpoint(lambda h, _: (jnp.tanh(h @ w), None))
+        return jnp.sum(jax.lax.scan(body, x, None, length=3)[0])
+
+    r = memory_report(scanned, WS[0], X, grad=True)
+    assert r.remat["compiled_saving"] is None
+    assert "inside a loop" in r.reconciliation and "trust the compiled figures" in r.reconciliation
