@@ -263,7 +263,7 @@ def test_the_plot_merges_thousands_of_alerts_into_a_few_bands(tmp_path, monkeypa
 
 def test_memory_report_is_printed_and_written(tmp_path, capsys):
     out = tmp_path / "run"
-    status = main(["train", "--epochs", "1", "--batch-size", "64", "--hidden", "16",
+    status = main(["train", "--epochs", "1", "--batch-size", "256", "--hidden", "16",
                    "--no-monitor", "--memory-report", "--out", str(out), "--no-progress"])
     assert status == 0
     printed = capsys.readouterr().out
@@ -271,9 +271,9 @@ def test_memory_report_is_printed_and_written(tmp_path, capsys):
     assert memory["mode"] == "step" and "estimated peak" in printed
     # The step's arguments hold at least the MLP 64 -> 16 -> 10's float32 params, twice for
     # Adam's two moments besides the params: 3 * (64*16 + 16 + 16*10 + 10) * 4 bytes, and the
-    # batch: 64 * 64 float32 pixels + 64 int32 labels.
+    # batch: 256 * 64 float32 pixels + 256 int32 labels.
     params = (64 * 16 + 16 + 16 * 10 + 10) * 4
-    assert memory["argument_bytes"] >= 3 * params + 64 * 64 * 4 + 64 * 4
+    assert memory["argument_bytes"] >= 3 * params + 256 * 64 * 4 + 256 * 4
     assert memory["peak_bytes"] == (memory["argument_bytes"] + memory["output_bytes"]
                                     + memory["temp_bytes"] - memory["alias_bytes"])
     assert f"{memory['peak_bytes']:,}" in printed

@@ -55,6 +55,11 @@ def test_one_layer_gradient_bytes_by_hand():
     # The estimated peak is argument + output + temp - alias.
     assert r.peak_bytes == 640 + 512 + r.temp_bytes
     assert r.new_bytes == 512 + r.temp_bytes
+    # Shapes alone give the same compiled figures (nothing is run).
+    shapes = memory_report(one_layer, jax.ShapeDtypeStruct(W.shape, W.dtype),
+                           jax.ShapeDtypeStruct(X.shape, X.dtype), grad=True)
+    assert (shapes.argument_bytes, shapes.output_bytes, shapes.residual_bytes) == (
+        640, 512, r.residual_bytes)
 
 
 def test_to_dict_json_and_text_carry_the_same_figures():
