@@ -73,6 +73,8 @@ from funcgrad.memory.remat import RematPlan as RematPlan
 from funcgrad.memory.remat import plan_remat as plan_remat
 from funcgrad.memory.remat import remat as remat
 from funcgrad.memory.remat import remat_sequential as remat_sequential
+from funcgrad.memory.report import MemoryReport as MemoryReport
+from funcgrad.memory.report import memory_report as memory_report
 from funcgrad import memory as memory
 from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
 

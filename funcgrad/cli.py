@@ -127,6 +127,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="when a step's loss or gradient goes NaN/inf, name the primitive, the pass "
                         "(forward/backward) and the source line that produced it (one host read "
                         "per step)")
+    t.add_argument("--memory-report", action="store_true",
+                   help="before training, print the memory of the compiled step (XLA's "
+                        "argument/output/temporary bytes, the estimated peak) and write it into "
+                        "metrics.json under \"memory\" (one extra compilation)")
     parser.train_parser = t  # flag errors found after parsing use its "funcgrad train" prefix
     return parser
 
@@ -239,12 +243,15 @@ def _train(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
         warnings.filterwarnings("ignore", "fit: accumulate=", UserWarning)  # the note above
         warnings.filterwarnings("ignore", category=CoupledExamplesWarning)  # the note above
-        result = fit(make_train_step(model.loss, tx, clip_norm=args.clip_norm,
-                                     compute_dtype=compute_dtype, loss_scale=loss_scale,
-                                     accumulate=accumulate, detect_anomaly=args.detect_anomaly,
-                                     monitor=monitor),
-                     init_train_state(model.params, tx, loss_scale=loss_scale, monitor=monitor,
-                                      **model.state_kwargs),
+        step = make_train_step(model.loss, tx, clip_norm=args.clip_norm,
+                               compute_dtype=compute_dtype, loss_scale=loss_scale,
+                               accumulate=accumulate, detect_anomaly=args.detect_anomaly,
+                               monitor=monitor)
+        state = init_train_state(model.params, tx, loss_scale=loss_scale, monitor=monitor,
+                                 **model.state_kwargs)
+        memory = _memory_report(step, state, data, args.batch_size, accumulate) \
+            if args.memory_report else None
+        result = fit(step, state,
                      data.x_train,
                      data.y_train, epochs=args.epochs,
                      batch_size=args.batch_size, seed=args.seed,
@@ -256,7 +263,8 @@ def _train(args: argparse.Namespace) -> int:
         json.dump(_strict_json({
             "config": {k: v for k, v in vars(args).items() if k != "command"},
             **model.shape, **history.to_dict(),
-            "nonfinite": result.nonfinite.to_dict() if result.nonfinite else None}), f, indent=1)
+            "nonfinite": result.nonfinite.to_dict() if result.nonfinite else None,
+            **({"memory": memory} if memory is not None else {})}), f, indent=1)
     plot_path = _plot(history, os.path.join(args.out, "training.png"))
     final = float(model.test_accuracy(  # the last finite state if stopped early
         result.state.params, *(() if result.state.model_state is None
@@ -272,6 +280,20 @@ def _train(args: argparse.Namespace) -> int:
         print(f"funcgrad: error: {result.nonfinite}", file=sys.stderr)
         return 1
     return 0
+
+
+def _memory_report(step, state, data, batch_size: int, accumulate: int | None) -> dict:
+    """Prints `funcgrad.memory_report` of the compiled step on one batch of the run's shape
+    (stacked micro-batches with --accumulate) and returns its dict for metrics.json."""
+    from funcgrad.memory.report import memory_report
+    from funcgrad.train.microbatches import stack_microbatches
+
+    n = min(batch_size, len(data.x_train))
+    one = {"x": data.x_train[:n], "y": data.y_train[:n]}
+    report = memory_report(step, state, stack_microbatches([one] * accumulate)
+                           if accumulate else one)
+    print(report, flush=True)
+    return report.to_dict()
 
 
 class _Model(NamedTuple):

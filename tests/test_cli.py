@@ -281,3 +281,21 @@ def test_the_plot_merges_thousands_of_alerts_into_a_few_bands(tmp_path, monkeypa
     # The two explosion bursts are 7,769 steps apart: they stay two bands, not one.
     assert sorted((round(a), round(b)) for k, a, b, _ in spans if k == "explosion") == [
         (75, 256), (7975, 8156)]
+
+
+def test_memory_report_is_printed_and_written(tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(["train", "--epochs", "1", "--batch-size", "256", "--hidden", "16",
+                   "--no-monitor", "--memory-report", "--out", str(out), "--no-progress"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    memory = json.loads((out / "metrics.json").read_text())["memory"]
+    assert memory["mode"] == "step" and "estimated peak" in printed
+    # The step's arguments hold at least the MLP 64 -> 16 -> 10's float32 params, twice for
+    # Adam's two moments besides the params: 3 * (64*16 + 16 + 16*10 + 10) * 4 bytes, and the
+    # batch: 256 * 64 float32 pixels + 256 int32 labels.
+    params = (64 * 16 + 16 + 16 * 10 + 10) * 4
+    assert memory["argument_bytes"] >= 3 * params + 256 * 64 * 4 + 256 * 4
+    assert memory["peak_bytes"] == (memory["argument_bytes"] + memory["output_bytes"]
+                                    + memory["temp_bytes"] - memory["alias_bytes"])
+    assert f"{memory['peak_bytes']:,}" in printed

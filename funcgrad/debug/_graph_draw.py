@@ -14,6 +14,11 @@ from funcgrad._jaxpr import is_float
 if TYPE_CHECKING:
     from funcgrad.debug.graph import Graph
 
+_JAXPR_VIEW = (
+    "(what jax.vjp saves before XLA compiles it: XLA fuses, reuses and re-schedules buffers, "
+    "and under jax.checkpoint these bytes can fall while the compiled memory does not; "
+    "fg.memory_report(fn, *args, grad=True) gives the bytes the machine pays)")
+
 _NO_DOT = (
     "render: the Graphviz `dot` program is not on PATH, so the graph cannot be drawn as {fmt}. "
     "Install Graphviz itself (the `graphviz` Python package only writes DOT text): "
@@ -43,9 +48,10 @@ def to_text(graph: Graph, depth: int | None) -> str:
     lines += [f"  {f.name:<24} {_type(f.shape, f.dtype):<14} {f.uses} uses: "
               f"{', '.join(f.consumers)}" for f in graph.fanouts] or ["  none"]
     if graph.residuals is not None:
-        lines.append(f"residuals saved for the backward pass (vjp): "
+        lines.append(f"residuals saved for the backward pass (vjp), the jaxpr's view: "
                      f"{_count(graph.residuals, 'value')}, {graph.residual_bytes} bytes "
                      f"({_bytes(graph.residual_bytes)})")
+        lines.append(f"  {_JAXPR_VIEW}")
         for r in graph.residuals:
             what = (f"argument {r.leaf}" if r.leaf else
                     f"{r.origin} of {r.primitive}" if r.primitive else r.origin)
@@ -65,14 +71,14 @@ def to_dot(graph: Graph, depth: int | None, rankdir: str) -> str:
                           "pip install 'graphviz>=0.20'. (Drawing images with render() "
                           "also needs the Graphviz `dot` program.)") from e
     dot = graphviz.Digraph(name=graph.name)
-    saved_text = (f"; the backward pass keeps {_bytes(graph.residual_bytes)} of residuals"
-                  if graph.residuals is not None else "")
+    saved_text = (f"; the jaxpr saves {_bytes(graph.residual_bytes)} of residuals "
+                  "(compiled memory: fg.memory_report)" if graph.residuals is not None else "")
     dot.attr(rankdir=rankdir, fontname="Helvetica", fontsize="11", nodesep="0.25",
              ranksep="0.3", labelloc="t", label=(
                  f"{graph.name}: {_count(graph.nodes, 'equation')}{saved_text}\n"
                  "blue: leaves    ellipse: equation    3-D box: nested jaxpr    "
                  "green: outputs\norange: fan-out (one cotangent per use, summed)    "
-                 "saves: residual bytes    grey dashed: reaches no output"))
+                 "saves: the jaxpr's residual bytes    grey dashed: reaches no output"))
     dot.attr("node", fontname="Helvetica", fontsize="10", height="0.3", margin="0.06,0.03")
     dot.attr("edge", fontname="Helvetica", fontsize="8", arrowsize="0.6")
     saved: dict[str, int] = {}

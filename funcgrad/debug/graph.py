@@ -108,7 +108,10 @@ class Graph:
       leaves, outputs: the inputs by pytree path and the outputs (``out``, ``out[0]``, ...).
       fanouts: floating values used more than once at this level, most uses first.
       residuals: what ``jax.vjp`` saves, differentiating every floating leaf; None inside
-        nested graphs or when ``trace(..., residuals=False)``.
+        nested graphs or when ``trace(..., residuals=False)``. This is the jaxpr's view,
+        before XLA compiles the program: the compiled memory can differ (under
+        ``jax.checkpoint`` these bytes fall while compiled memory may not move);
+        `funcgrad.memory_report` gives the compiled bytes and reconciles the two.
     """
     name: str
     nodes: tuple[Node, ...]
@@ -120,7 +123,8 @@ class Graph:
 
     @property
     def residual_bytes(self) -> int:
-        """Total bytes of the residuals (0 when none were computed)."""
+        """Total bytes of the residuals (0 when none were computed): the jaxpr's view, not
+        the compiled program's memory (see `funcgrad.memory_report`)."""
         return sum(r.nbytes for r in self.residuals or ())
 
     def node(self, node_id: str) -> Node:
@@ -394,8 +398,8 @@ def _live_vars(jaxpr) -> set:
 
 # --- residuals -----------------------------------------------------------------------------
 
-_OUTPUT = re.compile(r"^(output|named '[^']*') of (?:jitted function '(?P<jit>[^']*)'|"
-                     r"(?P<prim>\S+)) from (?P<src>.*)$")
+_OUTPUT = re.compile(r"^(output|named '[^']*')(?: of (?:jitted function '(?P<jit>[^']*)'|"
+                     r"(?P<prim>\S+)))? from (?P<src>.*)$")  # a named value: no "of ..."
 _ARG = re.compile(r"^from the argument \w+\[(?P<i>\d+)\]$")
 
 
@@ -445,7 +449,7 @@ def _residual(aval, text: str, arg_paths: list[str], graph: Graph) -> Residual:
         return Residual(shape, dtype, nbytes, "argument", "", "", arg_paths[int(m["i"])], None,
                         text)
     if m := _OUTPUT.match(text):
-        prim = f"jit({m['jit']})" if m["jit"] is not None else m["prim"]
+        prim = f"jit({m['jit']})" if m["jit"] is not None else m["prim"] or ""
         head, sep, rest = m["src"].partition(":")
         source = os.path.basename(head) + sep + rest
         origin = "output" if m[1] == "output" else "named"

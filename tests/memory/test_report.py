@@ -1,0 +1,170 @@
+"""funcgrad.memory.report: the compiled program's bytes, the jaxpr's residuals, and their
+reconciliation (compile only, small shapes: each test a fraction of a second to a few)."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import funcgrad as fg
+from funcgrad.memory import MemoryReport, memory_report
+
+
+def one_layer(w, x):
+    return jnp.sum(jnp.tanh(x @ w))
+
+
+def three_layers(ws, x):
+    h = x
+    for w in ws:
+        h = jnp.tanh(h @ w)
+    return jnp.sum(h)
+
+
+W = jnp.full((8, 16), 0.1, jnp.float32)   # 8 * 16 * 4 = 512 bytes
+X = jnp.ones((4, 8), jnp.float32)         # 4 * 8 * 4 = 128 bytes
+WS = [jnp.full((8, 8), 0.1, jnp.float32) for _ in range(3)]  # 3 x 256 bytes
+
+
+def test_one_layer_gradient_bytes_by_hand():
+    r = memory_report(one_layer, W, X, grad=True)
+    assert isinstance(r, MemoryReport) and r.mode == "grad"
+    # Arguments: w (512 B) + x (128 B). The gradient w.r.t. w has w's shape: 512 B.
+    assert (r.argument_bytes, r.output_bytes, r.alias_bytes) == (640, 512, 0)
+    # The forward pass alone returns one float32 scalar: output 4 B (temp as XLA decides).
+    assert r.forward_bytes >= 4
+    # d/dw sum(tanh(x @ w)) = x^T (ct * (1 - t^2)) with t = tanh(x w): the vjp keeps x (an
+    # input, 128 B, not differentiated here, so closed over) and, from tanh's jvp rule
+    # (g * (1 - ans) * (1 + ans) in JAX's linearised form), two (4, 16) float32 values made
+    # from t: "output of tanh" and "output of sub", 2 * 4 * 16 * 4 = 512 B (the same count as
+    # tests/debug/test_graph.py's tanh_sum).
+    rows = [(r_.origin, r_.shape, r_.nbytes) for r_ in r.residuals]
+    assert ("argument", (4, 8), 128) in rows
+    assert r.saved_activation_bytes == 512
+    assert sorted(row.primitive for row in r.residuals if row.origin == "output") == [
+        "sub", "tanh"]
+    assert r.residual_bytes == sum(row.nbytes for row in r.residuals) == 128 + 512
+    x_row = next(row for row in r.residuals if row.origin == "argument")
+    assert x_row.leaf == "x (not differentiated)"
+    made = [row for row in r.residuals if row.origin == "output"]
+    assert all("test_report.py" in row.source and "one_layer" in row.source for row in made)
+    assert all(row.kept_by == "vjp default (no checkpoint)" for row in made)
+    # The estimated peak is argument + output + temp - alias.
+    assert r.peak_bytes == 640 + 512 + r.temp_bytes
+    assert r.new_bytes == 512 + r.temp_bytes
+    # Shapes alone give the same compiled figures (nothing is run).
+    shapes = memory_report(one_layer, jax.ShapeDtypeStruct(W.shape, W.dtype),
+                           jax.ShapeDtypeStruct(X.shape, X.dtype), grad=True)
+    assert (shapes.argument_bytes, shapes.output_bytes, shapes.residual_bytes) == (
+        640, 512, r.residual_bytes)
+
+
+def test_to_dict_json_and_text_carry_the_same_figures():
+    r = memory_report(three_layers, WS, X, grad=True)
+    d = json.loads(r.to_json())
+    # Arguments: three (8, 8) float32 weights and x. Outputs: the three weight gradients,
+    # plus, on XLA:CPU, the tuple that holds them: one 8-byte pointer per element.
+    assert d["argument_bytes"] == 3 * 256 + 128
+    assert d["output_bytes"] == 3 * 256 + 3 * 8
+    assert d["residual_bytes"] == sum(row["nbytes"] for row in d["residuals"])
+    # Three layers, each saving its tanh output t (the next layer's input) and/or 1 - t^2,
+    # all (4, 8) float32 = 128 B each: a multiple of 128 B, at least one per layer.
+    assert d["saved_activation_bytes"] % 128 == 0 and d["saved_activation_bytes"] >= 3 * 128
+    assert d["peak_bytes"] == d["argument_bytes"] + d["output_bytes"] + d["temp_bytes"]
+    assert d["remat"] is None
+    text = str(r)
+    assert f"{r.peak_bytes:,}" in text and "the jaxpr's view" in text
+    assert r.dominant in text and "dominate" in r.dominant
+
+
+def test_whole_function_checkpoint_is_reported_as_no_compiled_saving():
+    plain = memory_report(three_layers, WS, X, grad=True)
+    ck = memory_report(jax.checkpoint(three_layers), WS, X, grad=True)
+    # Under a whole-function checkpoint the vjp keeps only the inputs: no saved activations.
+    assert ck.saved_activation_bytes == 0 and plain.saved_activation_bytes > 0
+    assert all(row.kept_by == "input or constant (held anyway)" for row in ck.residuals)
+    # The no-remat figures the report computes itself equal the plain function's report.
+    assert ck.remat["jaxpr_residual_bytes"] == plain.saved_activation_bytes
+    assert ck.remat["compiled_bytes"] == plain.temp_bytes + plain.output_bytes
+    # The compiled gradient does not get smaller: said so, not implied as a saving.
+    assert ck.temp_bytes + ck.output_bytes >= plain.temp_bytes + plain.output_bytes
+    assert ck.remat["compiled_saving"] is False
+    assert ck.reconciliation.startswith("No compiled saving")
+
+
+def test_named_residuals_say_which_name_and_policy_kept_them():
+    def net(ws, x):
+        h = x
+        for w in ws:
+            h = checkpoint_name(jnp.tanh(h @ w), "act")
+        return jnp.sum(h)
+
+    policy = jax.checkpoint_policies.save_only_these_names("act")
+    r = memory_report(jax.checkpoint(net, policy=policy), WS, X, grad=True, argnums=(0, 1))
+    named = [row for row in r.residuals if row.origin == "named"]
+    # The policy saves only values named 'act', each a (4, 8) float32 tanh output: 128 B, at
+    # most one per layer; everything else the vjp keeps is an input.
+    assert 1 <= len(named) <= 3 and all(row.nbytes == 4 * 8 * 4 for row in named)
+    assert all(row.origin in ("named", "argument") for row in r.residuals)
+    assert all("'act'" in row.kept_by and "SaveOnlyTheseNames" in row.kept_by for row in named)
+    assert all("test_report.py" in row.source for row in named)
+    assert r.saved_activation_bytes == 128 * len(named)
+
+
+def test_a_train_step_is_compiled_as_given():
+    params = fg.mlp_init(jax.random.key(0), (8, 4, 3))
+    tx = optax.sgd(0.1)
+
+    def loss(p, b):
+        return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
+
+    step = fg.make_train_step(loss, tx)
+    state = fg.init_train_state(params, tx)
+    batch = {"x": np.ones((5, 8), np.float32), "y": np.zeros((5,), np.int32)}
+    r = memory_report(step, state, batch)
+    assert r.mode == "step" and r.residuals is None and r.forward_bytes is None
+    # The step's arguments are every leaf of the state and the batch, counted from the arrays.
+    expected = sum(np.asarray(x).nbytes for x in jax.tree.leaves((state, batch))
+                   if not jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key))
+    assert r.argument_bytes == expected
+
+
+def test_trace_labels_its_residuals_as_the_jaxpr_view():
+    text = fg.trace(one_layer, W, X).to_text()
+    assert "the jaxpr's view" in text and "fg.memory_report" in text
+
+
+def test_bad_input_says_what_to_do():
+    with pytest.raises(TypeError, match="no differentiable input.*argnums="):
+        memory_report(lambda n, x: jnp.sum(x), jnp.arange(3), X, grad=True)
+    with pytest.raises(ValueError, match=r"real scalar loss.*f32\[4,16\].*jnp.mean"):
+        memory_report(lambda w, x: jnp.tanh(x @ w), W, X, grad=True)
+    with pytest.raises(TypeError, match="argument mode is a str.*functools.partial"):
+        memory_report(lambda w, mode: jnp.sum(w), W, "sq")
+    with pytest.raises(ValueError, match="argnums=5"):
+        memory_report(one_layer, W, X, grad=True, argnums=5)
+    with pytest.raises(TypeError, match="must be a callable"):
+        memory_report("loss", W, X)
+
+
+def test_a_policy_names_itself_on_the_rows_it_kept():
+    policy = jax.checkpoint_policies.dots_saveable
+    r = memory_report(jax.checkpoint(three_layers, policy=policy), WS, X, grad=True)
+    made = [row for row in r.residuals if row.origin == "output"]
+    # dots_saveable keeps the matmul outputs, one (4, 8) float32 per layer at most: 128 B.
+    assert made and all(row.primitive == "dot_general" and row.nbytes == 128 for row in made)
+    assert all("jax.checkpoint, policy" in row.kept_by and "DotsSaveable" in row.kept_by
+               for row in made)
+
+
+def test_a_checkpoint_inside_scan_is_not_claimed_either_way():
+    def scanned(w, x):
+        body = jax.checkpoint(lambda h, _: (jnp.tanh(h @ w), None))
+        return jnp.sum(jax.lax.scan(body, x, None, length=3)[0])
+
+    r = memory_report(scanned, WS[0], X, grad=True)
+    assert r.remat["compiled_saving"] is None
+    assert "inside a loop" in r.reconciliation and "trust the compiled figures" in r.reconciliation
