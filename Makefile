@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gradcheck_ops.py
 	$(BIN)/python benchmarks/monitor.py
 	$(BIN)/python benchmarks/interop.py
+	$(BIN)/python benchmarks/memory_report.py
+	$(BIN)/python benchmarks/remat.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
