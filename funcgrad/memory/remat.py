@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 #: Policies JAX provides ready to use (pass these names as strings); the others in
@@ -97,7 +98,8 @@ def _runtime_true(*trees: Any) -> jax.Array:
     return jnp.bool_(True)
 
 
-def remat(fn: Callable, *, policy: Any = None, mechanism: str = "auto") -> Callable:
+def remat(fn: Callable, *, policy: Any = None, mechanism: str = "auto",
+          static_argnums: int | Sequence[int] = ()) -> Callable:
     """``fn`` whose backward pass recomputes its intermediates instead of keeping them.
 
     Like ``jax.checkpoint(fn, policy=policy)``, but on XLA:CPU the recomputation really
@@ -106,9 +108,10 @@ def remat(fn: Callable, *, policy: Any = None, mechanism: str = "auto") -> Calla
     from its forward pass.
 
     Args:
-      fn: a pure function of positional pytrees of arrays (PRNG keys included: dropout inside
-        `fn` draws the same mask in the recomputation, since the key is an input). Values it
-        closes over are allowed; static arguments should be bound with functools.partial.
+      fn: a pure function of pytrees of arrays (PRNG keys included: dropout inside `fn` draws
+        the same mask in the recomputation, since the key is an input). Values it closes over
+        and keyword arguments are allowed (traced ones are differentiated); positional
+        arguments that are not arrays (strings, None, functions) are passed through as static.
       policy: what the forward pass may keep besides the inputs: None (nothing), a name from
         `POLICY_NAMES`, or a policy callable from ``jax.checkpoint_policies`` (e.g.
         ``save_only_these_names("h")`` with ``jax.ad_checkpoint.checkpoint_name``; the offload
@@ -116,6 +119,8 @@ def remat(fn: Callable, *, policy: Any = None, mechanism: str = "auto") -> Calla
       mechanism: "cond" (the recomputation inside a lax.cond: effective on XLA:CPU), "barrier"
         (``jax.checkpoint``'s optimization barrier: what GPU and TPU honour), or "auto" (cond on
         CPU, barrier elsewhere).
+      static_argnums: positional arguments that are Python values fn branches on (``if
+        train:``), as in ``jax.checkpoint``; they are not traced.
     Returns:
       A function with `fn`'s signature and values. Forward-mode differentiation (jax.jvp) of
       it is not supported with the "cond" mechanism (it is a ``jax.custom_vjp``).
@@ -128,13 +133,30 @@ def remat(fn: Callable, *, policy: Any = None, mechanism: str = "auto") -> Calla
     if mechanism not in MECHANISMS:
         _mechanism(mechanism)
 
+    static = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
+
     @functools.wraps(fn)
-    def rematted(*args):
+    def rematted(*args, **kwargs):
+        # Static arguments (named in static_argnums, or not arrays at all: strings, None,
+        # functions) and keyword arguments are bound to fn; keyword values that are traced
+        # arrays are still differentiated (closure conversion below).
+        fixed = {i for i, a in enumerate(args)
+                 if i in static or not all(_is_array(leaf) for leaf in jax.tree.leaves(a))}
+        traced = [a for i, a in enumerate(args) if i not in fixed]
+
+        def bound(*traced_args):
+            it = iter(traced_args)
+            return fn(*(a if i in fixed else next(it) for i, a in enumerate(args)), **kwargs)
+
         if _mechanism(mechanism) == "barrier":
-            return jax.checkpoint(fn, policy=chosen_policy)(*args)
-        return _cond_remat(fn, chosen_policy, args)
+            return jax.checkpoint(bound, policy=chosen_policy)(*traced)
+        return _cond_remat(bound, chosen_policy, traced)
 
     return rematted
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
 
 
 def _cond_remat(fn, policy, args):

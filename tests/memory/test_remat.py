@@ -211,3 +211,20 @@ def test_under_vmap_over_examples_the_recompute_stays_a_conditional():
     assert text.count("stablehlo.case") + text.count("stablehlo.if") == 1  # one rematted segment
     _assert_same_grads(grad(params, X[:3]),
                        jax.vmap(jax.grad(plain), in_axes=(None, 0))(params, X[:3]))
+
+
+def test_keyword_static_and_integer_arguments():
+    # A block with a Python flag it branches on, integer token ids, a name string and a
+    # keyword scale: the same gradient as without remat.
+    table = jnp.asarray(np.random.default_rng(2).standard_normal((10, 8)), jnp.float32)
+    ids = jnp.array([1, 3, 3, 7])
+
+    def block(table, ids, train, name, *, scale):
+        h = table[ids] * scale
+        return jnp.sum(jnp.tanh(h) if train and name == "tanh" else h)
+
+    def grads(f):
+        return jax.grad(lambda t, s: f(t, ids, True, "tanh", scale=s), argnums=(0, 1))(
+            table, 2.0)
+
+    _assert_same_grads(grads(remat(block, static_argnums=2)), grads(block))
