@@ -372,12 +372,19 @@ def _kept_by(r, policies: dict[str, str]) -> str:
         name = r.description.split("'")[1] if "'" in r.description else "?"
         return f"checkpoint_name {name!r} saved by {policies.get(r.source, 'a policy')}"
     if r.source in policies:
+        if (_OUTSIDE, r.source) in policies:
+            return (f"jax.checkpoint ({policies[r.source]}) or vjp default: this line runs "
+                    "both inside and outside a checkpoint")
         return f"jax.checkpoint, {policies[r.source]}"
     return "vjp default (no checkpoint)"
 
 
+_OUTSIDE = "outside a checkpoint"
+
+
 def _remat_lines(jaxpr, policy: str | None = None, out=None) -> dict[str, str]:
-    """Source line -> the checkpoint policy of the innermost ``jax.checkpoint`` around it."""
+    """Source line -> the checkpoint policy of the innermost ``jax.checkpoint`` around it;
+    ``(_OUTSIDE, line) -> ""`` for lines that also run outside every checkpoint."""
     out = {} if out is None else out
     for eqn in jaxpr.eqns:
         inner = policy
@@ -388,6 +395,8 @@ def _remat_lines(jaxpr, policy: str | None = None, out=None) -> dict[str, str]:
                 "no policy (saves only its inputs)"
         if inner is not None:
             out.setdefault(source_line(eqn), inner)
+        else:  # the same line may also run outside any checkpoint (a helper called twice)
+            out.setdefault((_OUTSIDE, source_line(eqn)), "")
         for v in eqn.params.values():
             for sub in (v if isinstance(v, (tuple, list)) else (v,)):
                 if isinstance(sub, jex_core.ClosedJaxpr):
@@ -437,7 +446,8 @@ def _inline_remat(closed, out_tree) -> Callable:
 
 def _remat_anywhere(jaxpr) -> bool:
     """Whether a ``jax.checkpoint`` sits anywhere, loop and cond bodies included."""
-    return bool(_remat_lines(jaxpr)) or any(e.primitive.name in _REMAT for e in jaxpr.eqns)
+    return (any(not isinstance(k, tuple) for k in _remat_lines(jaxpr))
+            or any(e.primitive.name in _REMAT for e in jaxpr.eqns))
 
 
 def _remat_view(fn, args, nums, names, rows, compiled_bytes) -> dict | None:
