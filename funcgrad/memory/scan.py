@@ -103,13 +103,14 @@ def _nested_scan(f, carry, xs, steps, factors, reverse):
     full = count * seg
     # Forward: the full segments are the first `full` steps; reversed: the last `full` steps.
     head, tail = (rest, steps) if reverse else (0, full)
-    ys_parts = [None, None]  # (first steps' ys, last steps' ys) in the order of xs
 
     def segment(c, x):
         return _nested_scan(f, c, x, seg, factors[1:], reverse)
 
     def run_full(c):
         x = jax.tree.map(lambda a: a[head:tail].reshape(count, seg, *a.shape[1:]), xs)
+        # prevent_cse=False (advised by JAX's docs for a checkpoint inside scan) compiled to
+        # the same temp + output bytes here (T = 1024, 4096); the default is kept.
         c, y = lax.scan(jax.checkpoint(segment), c, x, length=count, reverse=reverse)
         return c, jax.tree.map(lambda a: a.reshape(full, *a.shape[2:]), y)
 
@@ -118,14 +119,17 @@ def _nested_scan(f, carry, xs, steps, factors, reverse):
         x = jax.tree.map(lambda a: a[lo:hi], xs)
         return _nested_scan(f, c, x, rest, factors[1:], reverse)
 
+    parts = []  # ys of the pieces in the order they run (the order of xs when not reverse)
     if count:
-        carry, ys_parts[1 if reverse else 0] = run_full(carry)
+        carry, y = run_full(carry)
+        parts.append(y)
     if rest:
-        carry, ys_parts[0 if reverse else 1] = run_rest(carry)
-    parts = [p for p in ys_parts if p is not None]
+        carry, y = run_rest(carry)
+        parts.append(y)
     if len(parts) == 1:
         return carry, parts[0]
-    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+    first, last = parts[::-1] if reverse else parts
+    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, last)
 
 
 def _factors(steps: int, depth: int) -> tuple[int, ...]:
