@@ -69,6 +69,7 @@ from funcgrad.train.monitor import grad_monitor as grad_monitor
 from funcgrad.train.monitor import monitor_alerts as monitor_alerts
 from funcgrad.train.monitor import with_dead_relu as with_dead_relu
 from funcgrad.check.custom import custom_vjp as custom_vjp
+from funcgrad.memory import checkpointed_scan as checkpointed_scan
 from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
 
 __version__ = "0.1.0"
