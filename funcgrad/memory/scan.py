@@ -16,9 +16,12 @@ Costs, for T steps and `levels` = L with segment factors k_1 * ... * k_L >= T (k
 `levels=2` gives 2 * sqrt(T) carries for about one extra forward pass; `levels="log"` gives
 segments of 2 at ceil(log2 T) levels: about 2 * log2(T) carries for log2(T) extra forward passes.
 In the compiled program (XLA:CPU, jax 0.10.2; benchmarks/checkpointed_scan.py) each level also
-holds its loop state (carry and cotangent), about 6-8 carries a level in all, and with
-`levels="log"` the nested slices of `xs` (T/2 + T/4 + ... steps) are materialised: about one
-copy of `xs` more, input-sized rather than carry-sized; with `levels=2` none was.
+holds its loop state (carry and cotangent): about 7-9 carries a level in all (8.0 * log2 T
+carries at T = 10,000 with `levels="log"`, 4.2 * sqrt(T) with `levels=2`). With `levels="log"`
+XLA also materialises the nested slices of `xs` (T/2 + T/4 + ... steps: one copy of `xs`), and
+when T is not a power of 2, the slices and concatenated ys of the mixed-radix pieces: 2.6
+copies of `xs` in all at T = 10,000; input-sized (T * x bytes), not carry-sized, but growing
+like T. With `levels=2` no copy of `xs` was seen.
 This is nested uniform segmenting, not the optimal Revolve schedule (which, for a given number of
 stored carries, re-runs the fewest steps); it needs nothing but `lax.scan` and `jax.checkpoint`.
 
@@ -52,11 +55,14 @@ def checkpointed_scan(f: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]], init
     / `jax.vjp` the backward pass stores the carry at segment boundaries and recomputes each
     segment's steps from it (see the module docstring for the schedule and its sources):
 
-      levels     carries kept by the backward pass     forward passes run
-      1          T (this is `lax.scan`)                1
-      2          about 2 * sqrt(T)                     2
-      L          about L * T**(1/L)                    L
-      "log"      about 2 * log2(T)                     ceil(log2 T)
+      levels     carries stored        compiled, T = 10,000 (measured)   forward passes run
+      1          T (this is lax.scan)  3.0 * T (3 residuals a step)     1
+      2          about 2 * sqrt(T)     4.2 * sqrt(T)                    2
+      L          about L * T**(1/L)                                     L
+      "log"      about 2 * log2(T)     8.0 * log2(T)                    ceil(log2 T)
+
+    ("compiled": temp + output bytes over the carry's bytes, for h -> tanh(h @ W) with h of
+    shape (64, 256) float32, no xs; the compiled figure adds each level's loop state.)
 
     The memory that counts is that of the compiled program
     (``jax.jit(jax.grad(loss)).lower(...).compile().memory_analysis()``, temp + output bytes);

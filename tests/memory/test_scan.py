@@ -1,4 +1,4 @@
-"""checkpointed_scan: lax.scan's values and gradients, with a backward pass that keeps fewer carries."""
+"""checkpointed_scan: lax.scan's values and gradients, with a backward pass keeping fewer carries."""
 import math
 
 import jax
