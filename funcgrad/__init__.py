@@ -75,6 +75,7 @@ from funcgrad.memory.remat import remat as remat
 from funcgrad.memory.remat import remat_sequential as remat_sequential
 from funcgrad.memory.report import MemoryReport as MemoryReport
 from funcgrad.memory.report import memory_report as memory_report
+from funcgrad.memory.scan import checkpointed_scan as checkpointed_scan
 from funcgrad import memory as memory
 from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
 

@@ -7,3 +7,4 @@ from funcgrad.memory.remat import remat_sequential as remat_sequential
 from funcgrad.memory.report import MemoryReport as MemoryReport
 from funcgrad.memory.report import ResidualRow as ResidualRow
 from funcgrad.memory.report import memory_report as memory_report
+from funcgrad.memory.scan import checkpointed_scan as checkpointed_scan
