@@ -183,10 +183,35 @@ def test_an_impossible_budget_says_what_is_reachable():
     (lambda: remat(_layer, policy="save_only_these_names"), r"needs arguments"),
     (lambda: remat(_layer, mechanism="magic"), r"mechanism must be one of"),
     (lambda: remat_sequential([_layer] * 3, _params(2), X), r"3 layer functions for 2"),
+    (lambda: plan_remat(_layer, _params(1), X, 0.5), r"a stack of 1 layer\(s\) cannot be cut"),
 ])
 def test_bad_input_is_refused_clearly(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: segment_sizes(4, True), r"segments must be 'sqrt', an int or a tuple"),
+    (lambda: segment_sizes(4, 2.0), r"segments must be 'sqrt', an int or a tuple"),
+    (lambda: remat_sequential(_layer, {"a": _params(1)[0]}, X), r"list\(params.values\(\)\)"),
+])
+def test_bad_types_are_refused_clearly(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+def test_one_kept_segment_is_no_remat_and_remat_is_a_decorator_factory():
+    # sqrt of 2 layers is one segment of 2, the last, kept: the plain program's memory.
+    params = _params(2)
+    assert _bytes(functools.partial(_segmented, segments="sqrt"), params, X) == _bytes(
+        _plain, params, X)
+
+    @remat(policy="dots_saveable")
+    def block(p, h):
+        return _layer(p, h)
+
+    _assert_same_grads(jax.grad(lambda p: jnp.sum(block(p, X)))(params[0]),
+                       jax.grad(lambda p: jnp.sum(_layer(p, X)))(params[0]))
 
 
 def test_segment_sizes():
@@ -195,22 +220,36 @@ def test_segment_sizes():
     assert segment_sizes(7, 3) == (3, 3, 1)
 
 
-def test_under_vmap_over_examples_the_recompute_stays_a_conditional():
-    # equinox-style per-example vmap: the predicate comes from the (unbatched) layer params,
-    # so the cond is not turned into a select that would run the recomputation twice.
-    params = _params(4)
+def test_under_vmap_it_is_jax_checkpoint_and_outside_vmap_it_saves():
+    # Under vmap a custom backward pass would build the gradient of the unbatched weights per
+    # example (64 examples x 64 x 64 floats = 1 MiB) before summing it; remat then falls back
+    # to jax.checkpoint, whose memory is the plain program's (16 KiB weights). Put outside the
+    # vmap, remat keeps its saving.
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((WIDTH, WIDTH)) / 8, jnp.float32)
+    x = X[:64]
 
-    def per_example(ps, x):
-        return jnp.sum(remat_sequential(_layer, ps, x[None, :], segments=2) ** 2)
+    def layer(w, h):
+        return jnp.tanh(h @ w)
 
-    def plain(ps, x):
-        return jnp.sum(functools.reduce(lambda h, p: _layer(p, h), ps, x[None, :]) ** 2)
+    def inside(w, x):
+        return jnp.sum(jax.vmap(lambda xi: jnp.sum(remat(layer)(w, layer(w, xi))))(x))
 
-    grad = jax.jit(jax.vmap(jax.grad(per_example), in_axes=(None, 0)))
-    text = grad.lower(params, X[:3]).as_text()
-    assert text.count("stablehlo.case") + text.count("stablehlo.if") == 1  # one rematted segment
-    _assert_same_grads(grad(params, X[:3]),
-                       jax.vmap(jax.grad(plain), in_axes=(None, 0))(params, X[:3]))
+    def plain(w, x):
+        return jnp.sum(jax.vmap(lambda xi: jnp.sum(layer(w, layer(w, xi))))(x))
+
+    def outside(w, x):
+        return jnp.sum(remat(jax.vmap(layer, in_axes=(None, 0)))(w, layer(w, x)))
+
+    assert _bytes(inside, w, x) <= _bytes(plain, w, x) + 4096  # not per-example gradients
+    text = jax.jit(jax.grad(outside)).lower(w, x).as_text()
+    assert text.count("stablehlo.case") + text.count("stablehlo.if") == 1  # the cond remat
+    want = jax.grad(plain)(w, x)
+    _assert_same_grads(jax.grad(inside)(w, x), want)
+    _assert_same_grads(jax.grad(outside)(w, x), want)
+    # Forward mode works too (jax.checkpoint under jax.jvp).
+    tangent = jnp.ones_like(w)
+    _assert_same_grads(jax.jvp(lambda w: inside(w, x), (w,), (tangent,))[1],
+                       jax.jvp(lambda w: plain(w, x), (w,), (tangent,))[1])
 
 
 def test_keyword_static_and_integer_arguments():
