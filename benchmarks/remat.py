@@ -1,4 +1,4 @@
-"""Remat on XLA: compiled memory and step time of `funcgrad.memory.remat` against no remat and
+"""Remat on XLA: compiled memory and step time of `funcgrad.memory.checkpointing` against no remat and
 ``jax.checkpoint`` (issue 14, point 2 and its targets). Prints tables and writes JSON.
 
 1. The 16-layer tanh MLP, width 512, batch 2048, ``jit(grad(0.5 * mean(h**2)))``: ``temp +
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad.memory.remat import plan_remat, remat_sequential
+from funcgrad.memory.checkpointing import plan_remat, remat_sequential
 
 MiB = 2 ** 20
 

@@ -69,10 +69,10 @@ from funcgrad.train.monitor import grad_monitor as grad_monitor
 from funcgrad.train.monitor import monitor_alerts as monitor_alerts
 from funcgrad.train.monitor import with_dead_relu as with_dead_relu
 from funcgrad.check.custom import custom_vjp as custom_vjp
-from funcgrad.memory.remat import RematPlan as RematPlan
-from funcgrad.memory.remat import plan_remat as plan_remat
-from funcgrad.memory.remat import remat as remat
-from funcgrad.memory.remat import remat_sequential as remat_sequential
+from funcgrad.memory.checkpointing import RematPlan as RematPlan
+from funcgrad.memory.checkpointing import plan_remat as plan_remat
+from funcgrad.memory.checkpointing import remat as remat
+from funcgrad.memory.checkpointing import remat_sequential as remat_sequential
 from funcgrad.memory.report import MemoryReport as MemoryReport
 from funcgrad.memory.report import memory_report as memory_report
 from funcgrad.memory.scan import checkpointed_scan as checkpointed_scan

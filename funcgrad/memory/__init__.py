@@ -1,9 +1,9 @@
 """Memory you can see and cut (concepts 17 and 20): the memory report of a compiled step,
 rematerialisation that lowers what XLA allocates, and checkpointed scans."""
-from funcgrad.memory.remat import RematPlan as RematPlan
-from funcgrad.memory.remat import plan_remat as plan_remat
-from funcgrad.memory.remat import remat as remat
-from funcgrad.memory.remat import remat_sequential as remat_sequential
+from funcgrad.memory.checkpointing import RematPlan as RematPlan
+from funcgrad.memory.checkpointing import plan_remat as plan_remat
+from funcgrad.memory.checkpointing import remat as remat
+from funcgrad.memory.checkpointing import remat_sequential as remat_sequential
 from funcgrad.memory.report import MemoryReport as MemoryReport
 from funcgrad.memory.report import ResidualRow as ResidualRow
 from funcgrad.memory.report import memory_report as memory_report

@@ -129,7 +129,7 @@ def mlp_apply(params: Params, x: jax.Array, *, activation: str | None = None,
       remat: None (keep every activation for the backward pass), or the layers' segments for
         `funcgrad.memory.remat_sequential` ("sqrt", a segment size k, or sizes): the backward
         pass then keeps each segment's input and recomputes the rest (same values, less
-        compiled memory; see funcgrad/memory/remat.py).
+        compiled memory; see funcgrad/memory/checkpointing.py).
     Returns:
       logits of shape ``(batch, out)`` in the dtype of the parameters and `x` combined.
     Raises:
@@ -166,7 +166,7 @@ def mlp_apply(params: Params, x: jax.Array, *, activation: str | None = None,
 
     layers = [hidden] * (len(params) - 1) + [last]
     if remat is not None:
-        from funcgrad.memory.remat import remat_sequential
+        from funcgrad.memory.checkpointing import remat_sequential
         return remat_sequential(layers, list(params), x, segments=remat)
     h = x
     for f, layer in zip(layers, params):

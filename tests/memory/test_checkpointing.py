@@ -1,4 +1,4 @@
-"""funcgrad.memory.remat: the gradient is unchanged, and XLA really allocates less.
+"""funcgrad.memory.checkpointing: the gradient is unchanged, and XLA really allocates less.
 
 Values are compared with the plain program's gradient (the second method); memory claims
 are read from XLA's own ``memory_analysis()`` of the compiled gradient (``temp + output``),
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from funcgrad.memory.remat import plan_remat, remat, remat_sequential, segment_sizes
+from funcgrad.memory.checkpointing import plan_remat, remat, remat_sequential, segment_sizes
 
 N, WIDTH, BATCH = 16, 64, 256  # one activation: 256 x 64 x 4 bytes = 64 KiB
 
