@@ -250,6 +250,7 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
         raise TypeError(f"memory_report: fn must be a callable (a loss, a model or a train "
                         f"step), got {type(fn).__name__}. Example: memory_report(loss, params, "
                         "batch, grad=True).")
+    fn = _plain_loss(fn)
     fn, args = split_equinox_args(fn, args)
     names = arg_names(fn, len(args))
     check_array_args("memory_report", jax.tree.map(  # shapes-only stand-ins are fine here
@@ -282,6 +283,23 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
                         int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes),
                         int(stats.temp_size_in_bytes), int(stats.generated_code_size_in_bytes),
                         rows, forward, remat, fusions[0])
+
+
+def _plain_loss(fn):
+    """A `funcgrad.Loss` as ``f(params, batch) -> loss`` (its LossOutput's loss)."""
+    from funcgrad.train.loss import Loss
+
+    if not isinstance(fn, Loss):
+        return fn
+    if fn.has_state or fn.takes_key:
+        raise TypeError(
+            "memory_report: this funcgrad.Loss takes "
+            + " and ".join(w for w, f in (("model_state=", fn.has_state),
+                                          ("key=", fn.takes_key)) if f)
+            + ", which memory_report cannot invent: pass loss.bind(model_state, key) (a plain "
+            "f(params, batch) -> loss with them fixed), e.g. memory_report(loss.bind("
+            "state.model_state, key), state.params, batch, grad=True).")
+    return fn.bind()
 
 
 def _compiled(target, args, fusions: list | None = None):
@@ -413,6 +431,9 @@ def _has_remat(jaxpr) -> bool:
         sub = eqn.params.get("jaxpr")
         if eqn.primitive.name in ("pjit", "jit") and _has_remat(sub.jaxpr):
             return True
+        if eqn.primitive.name == "custom_vjp_call" and _has_remat(  # funcgrad.remat
+                eqn.params["call_jaxpr"].jaxpr):
+            return True
     return False
 
 
@@ -430,6 +451,9 @@ def _inline_remat(closed, out_tree) -> Callable:
             elif name in ("pjit", "jit") and _has_remat(eqn.params["jaxpr"].jaxpr):
                 sub = eqn.params["jaxpr"]
                 outs = run(sub.jaxpr, sub.consts, ins)
+            elif name == "custom_vjp_call" and _has_remat(eqn.params["call_jaxpr"].jaxpr):
+                sub = eqn.params["call_jaxpr"]  # funcgrad.remat: its plain computation
+                outs = run(sub.jaxpr, sub.consts, ins[len(ins) - len(sub.jaxpr.invars):])
             else:
                 params = eqn.primitive.get_bind_params(eqn.params)  # as jax's eval_jaxpr
                 outs = eqn.primitive.bind(*ins, **params)

@@ -168,3 +168,41 @@ def test_a_checkpoint_inside_scan_is_not_claimed_either_way():
     r = memory_report(scanned, WS[0], X, grad=True)
     assert r.remat["compiled_saving"] is None
     assert "inside a loop" in r.reconciliation and "trust the compiled figures" in r.reconciliation
+
+
+def test_funcgrad_remat_is_compared_with_the_same_function_without_it():
+    # fg.remat's recomputation sits in a custom_vjp and a cond: the report inlines it and
+    # compiles the plain gradient, whose bytes we compile here independently.
+    def layer(p, h):
+        return jnp.tanh(h @ p)
+
+    ps = [jnp.eye(32) * 0.5 for _ in range(6)]
+    x = jnp.ones((128, 32))
+
+    def plain(ps, x):
+        h = x
+        for p in ps:
+            h = layer(p, h)
+        return jnp.mean(h ** 2)
+
+    def ours(ps, x):
+        return jnp.mean(fg.remat_sequential(layer, ps, x, segments=2) ** 2)
+
+    def temp_out(f):
+        m = jax.jit(jax.grad(f)).lower(ps, x).compile().memory_analysis()
+        return m.temp_size_in_bytes + m.output_size_in_bytes
+
+    r = memory_report(ours, ps, x, grad=True)
+    assert r.remat["compiled_bytes"] == temp_out(plain)
+    assert r.remat["compiled_saving_bytes"] == temp_out(plain) - temp_out(ours) > 0
+    assert "loop or cond body" not in r.reconciliation
+
+
+def test_a_funcgrad_loss_is_taken_and_one_needing_a_key_is_told_to_bind():
+    loss = fg.Loss(lambda w, batch: jnp.mean(batch["x"] @ w))
+    plain = memory_report(lambda w, batch: jnp.mean(batch["x"] @ w), W, {"x": X}, grad=True)
+    got = memory_report(loss, W, {"x": X}, grad=True)
+    assert (got.temp_bytes, got.output_bytes) == (plain.temp_bytes, plain.output_bytes)
+    keyed = fg.Loss(lambda w, batch, key: jnp.mean(batch["x"] @ w), takes_key=True)
+    with pytest.raises(TypeError, match=r"takes key=.*loss.bind\(model_state, key\)"):
+        memory_report(keyed, W, {"x": X}, grad=True)
