@@ -333,7 +333,14 @@ def _mlp(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
     def test_accuracy(params):
         return accuracy(mlp_apply(params, data.x_test, activation=args.activation), data.y_test)
 
-    return _Model(f"MLP {' -> '.join(map(str, sizes))} ({args.activation})", loss_fn,
+    description = f"MLP {' -> '.join(map(str, sizes))} ({args.activation})"
+    if remat is not None:
+        from funcgrad.memory.checkpointing import segment_sizes
+        segments = segment_sizes(len(sizes) - 1, remat)
+        description += (f", remat segments {list(segments)} (the last kept)" if len(segments) > 1
+                        else f", --remat {remat}: one segment of {len(sizes) - 1} layers, which "
+                             "is kept: no remat (more layers, or a smaller K)")
+    return _Model(description, loss_fn,
                   params, {}, test_accuracy, {"sizes": list(sizes)})
 
 

@@ -78,6 +78,8 @@ def test_remat_flag_trains_the_same_values(tmp_path, capsys):
         assert status == 0
         runs[name] = json.loads((tmp_path / name / "metrics.json").read_text())
     assert runs["remat"]["config"]["remat"] == 2 and runs["plain"]["config"]["remat"] is None
+    # 4 layers in segments of 2: the first rematerialised, the last kept.
+    assert "remat segments [2, 2] (the last kept)" in capsys.readouterr().out
     np.testing.assert_allclose(runs["remat"]["steps"]["loss"], runs["plain"]["steps"]["loss"],
                                rtol=1e-4)
 
