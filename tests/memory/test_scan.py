@@ -51,8 +51,8 @@ def _rel_err(a, b):
 # T = 16 = 4 * 4 (exact); 17 (prime: factors 5, 4; 4 full segments of 4, then 1 step);
 # 31 (prime; levels=3: factors 4, 3, 3: 3 segments of 9, then 4 steps as 1 segment of 3 + 1).
 @pytest.mark.parametrize("steps,levels,reverse", [
-    (16, 2, False), (17, 2, True), (31, 3, False), (31, "log", True), (17, "log", False),
-], ids=["T16-levels2", "T17-levels2-reverse", "T31-levels3", "T31-log-reverse", "T17-log"])
+    (16, 2, False), (17, 2, True), (31, 3, False), (31, "log", True),
+], ids=["T16-levels2", "T17-levels2-reverse", "T31-levels3", "T31-log-reverse"])
 def test_grads_and_values_equal_lax_scan_float64(steps, levels, reverse):
     # The second method is lax.scan itself. Each step runs the same operations in the same
     # order; only the sums accumulating the weight's cotangent over steps are associated
