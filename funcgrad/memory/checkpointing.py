@@ -188,6 +188,8 @@ def _cond_remat(fn, policy, args):
     # Values fn closes over that are being traced become explicit inputs, so that the
     # custom_vjp differentiates them too.
     converted, consts = jax.closure_convert(checkpointed, *args)
+    if _batched_or_forward(consts):  # a closed-over value is vmapped or jvp-traced
+        return jax.checkpoint(fn, policy=policy)(*args)
     n = len(args)
 
     @jax.custom_vjp
@@ -196,9 +198,8 @@ def _cond_remat(fn, policy, args):
 
     def fwd(consts, *args):
         out, vjp_fn = jax.vjp(converted, *args, *consts)  # residuals: the vjp's saved values
-        # The predicate comes from the inputs, first argument first (a layer's params), so
-        # that under jax.vmap over examples it stays unbatched and the cond stays a cond
-        # (a batched predicate would turn it into a select that runs both branches).
+        # The predicate comes from the inputs (first argument first: a layer's params), one
+        # element read in the forward pass.
         return out, (vjp_fn, _runtime_true(args, consts))
 
     def bwd(res, cotangent):

@@ -240,12 +240,17 @@ def test_under_vmap_it_is_jax_checkpoint_and_outside_vmap_it_saves():
     def outside(w, x):
         return jnp.sum(remat(jax.vmap(layer, in_axes=(None, 0)))(w, layer(w, x)))
 
+    def closing_over(w, x):  # the batched example is closed over, not passed
+        return jnp.sum(jax.vmap(lambda xi: jnp.sum(remat(lambda w: layer(w, layer(w, xi)))(w)))(x))
+
     assert _bytes(inside, w, x) <= _bytes(plain, w, x) + 4096  # not per-example gradients
+    assert _bytes(closing_over, w, x) <= _bytes(plain, w, x) + 4096
     text = jax.jit(jax.grad(outside)).lower(w, x).as_text()
     assert text.count("stablehlo.case") + text.count("stablehlo.if") == 1  # the cond remat
     want = jax.grad(plain)(w, x)
     _assert_same_grads(jax.grad(inside)(w, x), want)
     _assert_same_grads(jax.grad(outside)(w, x), want)
+    _assert_same_grads(jax.grad(closing_over)(w, x), want)
     # Forward mode works too (jax.checkpoint under jax.jvp).
     tangent = jnp.ones_like(w)
     _assert_same_grads(jax.jvp(lambda w: inside(w, x), (w,), (tangent,))[1],
