@@ -383,6 +383,13 @@ def plan_remat(layer: Callable | Sequence[Callable], params: Sequence[Any], x: A
             return head(h)
         return jax.grad(loss)
 
+    out = jax.eval_shape(lambda p, x: head(remat_sequential(layer, p, x, segments=n)),
+                         params, x)
+    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
+            and jnp.issubdtype(out.dtype, jnp.floating)):
+        raise ValueError(f"plan_remat: head must return a real scalar loss, got "
+                         f"{jax.tree.map(lambda o: f'{o.dtype}{list(o.shape)}', out)}; for "
+                         "(loss, aux) pass head=lambda h: my_head(h)[0].")
     baseline = _compiled_bytes(grad_of(None), params, x)
     candidates = [((), baseline, 0.0)]
     plans = {}

@@ -256,10 +256,12 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
     check_array_args("memory_report", jax.tree.map(  # shapes-only stand-ins are fine here
         lambda x: 0.0 if isinstance(x, jax.ShapeDtypeStruct) else x, args), names)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums or any(not isinstance(i, int) or not -len(args) <= i < len(args) for i in nums):
+    if not nums or any(isinstance(i, bool) or not isinstance(i, int)
+                       or not -len(args) <= i < len(args) for i in nums) or len(
+                           {i % len(args) for i in nums}) != len(nums):
         raise ValueError(f"memory_report: argnums={argnums!r} does not name arguments of the "
-                         f"{len(args)} given; pass indices in range({len(args)}), e.g. "
-                         "argnums=0 for the parameters.")
+                         f"{len(args)} given; pass distinct int indices in "
+                         f"range({len(args)}), e.g. argnums=0 for the parameters.")
     nums = tuple(i % len(args) for i in nums)
     jitted = hasattr(fn, "lower")
     want_res = grad if residuals is None else residuals

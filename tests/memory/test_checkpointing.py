@@ -184,6 +184,8 @@ def test_an_impossible_budget_says_what_is_reachable():
     (lambda: remat(_layer, mechanism="magic"), r"mechanism must be one of"),
     (lambda: remat_sequential([_layer] * 3, _params(2), X), r"3 layer functions for 2"),
     (lambda: plan_remat(_layer, _params(1), X, 0.5), r"a stack of 1 layer\(s\) cannot be cut"),
+    (lambda: plan_remat(_layer, _params(2), X, 0.5, head=lambda h: (jnp.mean(h), h)),
+     r"head must return a real scalar loss.*my_head\(h\)\[0\]"),
 ])
 def test_bad_input_is_refused_clearly(call, match):
     with pytest.raises(ValueError, match=match):

@@ -146,6 +146,9 @@ def test_bad_input_says_what_to_do():
         memory_report(lambda w, mode: jnp.sum(w), W, "sq")
     with pytest.raises(ValueError, match="argnums=5"):
         memory_report(one_layer, W, X, grad=True, argnums=5)
+    for bad in (True, (0, 0)):  # a bool is not an index; an argument named twice
+        with pytest.raises(ValueError, match="pass distinct int indices"):
+            memory_report(one_layer, W, X, grad=True, argnums=bad)
     with pytest.raises(TypeError, match="must be a callable"):
         memory_report("loss", W, X)
 
