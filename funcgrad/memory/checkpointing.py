@@ -136,8 +136,7 @@ def remat(fn: Callable | None = None, *, policy: Any = None, mechanism: str = "a
     if not callable(fn):
         raise TypeError(f"remat needs a callable, got {type(fn).__name__}.")
     chosen_policy = _policy(policy)
-    if mechanism not in MECHANISMS:
-        _mechanism(mechanism)
+    _mechanism(mechanism)  # validates it now, at the user's line
 
     static = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
 
@@ -335,7 +334,8 @@ class RematPlan:
 
 
 def _compiled_bytes(fn, *args) -> int:
-    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    from funcgrad.memory.report import _compiled  # the report's compile-and-analyse step
+    m = _compiled(jax.jit(fn), args)
     return int(m.temp_size_in_bytes + m.output_size_in_bytes)
 
 

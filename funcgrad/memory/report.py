@@ -521,12 +521,9 @@ def _type(shape, dtype: str) -> str:
 
 
 def _bytes(n: int, signed: bool = False) -> str:
+    from funcgrad.debug._graph_draw import _bytes as draw_bytes  # fg.trace's units
     sign = ("+" if n >= 0 else "-") if signed else ("-" if n < 0 else "")
-    n = abs(n)
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{sign}{n / size:.1f} {unit}"
-    return f"{sign}{n} B"
+    return sign + draw_bytes(abs(n))
 
 
 def _dtype(x):
