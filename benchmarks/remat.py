@@ -4,8 +4,8 @@
 1. The 16-layer tanh MLP, width 512, batch 2048, ``jit(grad(0.5 * mean(h**2)))``: ``temp +
    output`` of ``memory_analysis()``, and the median step time (ratios against no remat, in
    this process), for no remat, ``jax.checkpoint`` per layer and per 4-layer segment (the
-   naive use), and ``fg`` remat_sequential (sqrt n = 4 segments of 4, last kept; and sizes
-   6, 5, 4, 1). Each of no remat and fg's sqrt plan is also run in a fresh process, whose peak
+   naive use), and ``fg`` remat_sequential (sqrt n = 4 segments of 4, last kept; sizes
+   6, 5, 4, 1; two levels, each half cut into 3, 3, 2; "log", halved down to single layers). Each of no remat and fg's sqrt plan is also run in a fresh process, whose peak
    RSS above the RSS before the call confirms the compiled figure (it adds a constant of
    about 16-19 MiB here: the runtime's own first-call allocations).
 2. Budget: `plan_remat` for b in {0.25, 0.5, 0.75}.
@@ -83,6 +83,8 @@ VARIANTS = {
     "jax.checkpoint per 4 layers": functools.partial(naive, k=4),
     "fg remat_sequential sqrt (4x4)": functools.partial(ours, segments="sqrt"),
     "fg remat_sequential (6,5,4,1)": functools.partial(ours, segments=(6, 5, 4, 1)),
+    "fg two levels ((3,3,2),(3,3,2))": functools.partial(ours, segments=((3, 3, 2), (3, 3, 2))),
+    "fg remat_sequential log (halving)": functools.partial(ours, segments="log"),
 }
 
 
@@ -172,7 +174,8 @@ def main():
               f"{r['ms']:8.1f} {r['time_ratio']:7.2f}")
     out["mlp"] = rows
     rss = {}
-    for name in ("no remat", "jax.checkpoint per 4 layers", "fg remat_sequential sqrt (4x4)"):
+    for name in ("no remat", "jax.checkpoint per 4 layers", "fg remat_sequential sqrt (4x4)",
+                 "fg remat_sequential log (halving)"):
         proc = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True,
                               text=True, check=True)
         rss[name] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_above_rss_kib"] / 1024

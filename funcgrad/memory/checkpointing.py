@@ -216,7 +216,7 @@ def _cond_remat(fn, policy, args):
 # --- a stack of layers in segments -------------------------------------------------------
 
 def segment_sizes(n: int, segments: Any) -> tuple[int, ...]:
-    """The sizes of the segments `n` layers are cut into.
+    """The sizes of the segments `n` layers are cut into (one level; see `segment_plan`).
 
     `segments`: "sqrt" (segments of ceil(sqrt n) layers: Chen et al. 2016), an int k (segments
     of k layers, the last one shorter), or explicit sizes summing to n.
@@ -225,13 +225,13 @@ def segment_sizes(n: int, segments: Any) -> tuple[int, ...]:
         raise ValueError("remat_sequential needs at least one layer, got none.")
     if isinstance(segments, str):
         if segments != "sqrt":
-            raise ValueError(f"remat_sequential: segments must be 'sqrt', an int or a tuple of "
-                             f"sizes, got {segments!r}.")
+            raise ValueError(f"remat_sequential: segments must be 'sqrt', 'log', an int or a "
+                             f"tuple of sizes, got {segments!r}.")
         k = math.ceil(math.sqrt(n))
     elif isinstance(segments, (bool, float)) or not (
             isinstance(segments, int) or isinstance(segments, Sequence)):
-        raise TypeError(f"remat_sequential: segments must be 'sqrt', an int or a tuple of "
-                        f"sizes, got {segments!r}.")
+        raise TypeError(f"remat_sequential: segments must be 'sqrt', 'log', an int or a tuple "
+                        f"of sizes, got {segments!r}.")
     elif isinstance(segments, int):
         k = segments
         if not 1 <= k <= n:
@@ -246,23 +246,87 @@ def segment_sizes(n: int, segments: Any) -> tuple[int, ...]:
     return (k,) * (n // k) + ((n % k,) if n % k else ())
 
 
+def _layers_in(entry: Any) -> int:
+    return entry if isinstance(entry, int) else sum(_layers_in(e) for e in entry)
+
+
+def _bisection(n: int) -> tuple:
+    # Halve recursively down to single layers: O(log n) segment inputs held at once, each
+    # layer recomputed at most log2(n) times (Chen et al. 2016, section 4's recursion).
+    if n == 1:
+        return (1,)
+    first = (n + 1) // 2
+    return tuple(_bisection(m) if m > 1 else 1 for m in (first, n - first))
+
+
+def segment_plan(n: int, segments: Any) -> tuple:
+    """The (possibly nested) segmentation of `n` layers that `remat_sequential` runs.
+
+    `segments`: "sqrt", an int k or flat sizes (one level, as `segment_sizes`); "log" (halved
+    recursively down to single layers: memory O(log n) activations, each layer recomputed up
+    to log2 n times); or a nested tuple whose entries are sizes (a segment of that many layers)
+    or tuples (a segment cut again by that tuple), e.g. ``((3, 2, 1), (2, 1), 1)`` for 10
+    layers.
+    Returns: a tuple of ints and tuples whose layer counts sum to n.
+    Raises: ValueError / TypeError as `segment_sizes`, or for a nested tuple not summing to n."""
+    if isinstance(segments, str) and segments == "log":
+        if n < 1:
+            raise ValueError("remat_sequential needs at least one layer, got none.")
+        return _bisection(n)
+    if (isinstance(segments, Sequence) and not isinstance(segments, str)
+            and any(isinstance(e, Sequence) for e in segments)):
+        def check(entry):
+            if isinstance(entry, Sequence) and not isinstance(entry, str):
+                if not entry:
+                    raise ValueError("remat_sequential: an empty nested segment; every tuple in "
+                                     "segments needs at least one size.")
+                return tuple(check(e) for e in entry)
+            if isinstance(entry, bool) or not isinstance(entry, int) or entry < 1:
+                raise ValueError(f"remat_sequential: nested segment sizes must be positive "
+                                 f"ints or tuples of them, got {entry!r}.")
+            return int(entry)
+        plan = check(segments)
+        if _layers_in(plan) != n:
+            raise ValueError(f"remat_sequential: the nested segments {plan} cover "
+                             f"{_layers_in(plan)} layers, not the {n} of the stack.")
+        return plan
+    return segment_sizes(n, segments)
+
+
+def recompute_fraction(plan: tuple, keep_last: bool = True) -> float:
+    """Layers recomputed in the backward pass per layer of the forward pass, for a plan of
+    `segment_plan`: each layer is recomputed once per rematerialised segment containing it
+    (0.75: three quarters of the layers run twice; 2.0: every layer runs three times)."""
+    def extra(entries):
+        total = 0
+        for j, e in enumerate(entries):
+            if not (keep_last and j == len(entries) - 1):
+                total += _layers_in(e)
+            if not isinstance(e, int):
+                total += extra(e)
+        return total
+    return extra(plan) / _layers_in(plan)
+
+
 def remat_sequential(layer: Callable | Sequence[Callable], params: Sequence[Any], x: Any, *,
                      segments: Any = "sqrt", policy: Any = None, keep_last: bool = True,
                      mechanism: str = "auto") -> Any:
     """Applies ``h = layer_i(params[i], h)`` for i = 0..n-1, rematerialised in segments.
 
     The backward pass keeps each segment's input and recomputes the segment's activations
-    when its turn comes (one extra forward pass of every layer outside the last segment).
+    when its turn comes (one extra forward pass of every layer outside the last segment). A
+    nested segment is cut again inside its recomputation, so fewer activations are live at
+    once for more recomputation ("log": O(log n) activations, Chen et al. 2016).
 
     Args:
       layer: ``layer(p, h) -> h``, one function for every layer or a sequence of n.
       params: a sequence of n per-layer param pytrees.
       x: the stack's input (any pytree of arrays the layers take).
-      segments: see `segment_sizes` ("sqrt", an int k, or explicit sizes).
+      segments: see `segment_plan` ("sqrt", "log", an int k, sizes, or nested sizes).
       policy, mechanism: as in `remat`.
-      keep_last: the last segment is not rematerialised: its activations are needed first in
-        the backward pass, so recomputing them would cost time and save nothing (PyTorch's
-        ``checkpoint_sequential`` does the same).
+      keep_last: the last segment (at every level) is not rematerialised: its activations are
+        needed first in the backward pass, so recomputing them would cost time and save
+        nothing (PyTorch's ``checkpoint_sequential`` does the same).
     Returns:
       the last layer's output.
     Raises:
@@ -279,19 +343,26 @@ def remat_sequential(layer: Callable | Sequence[Callable], params: Sequence[Any]
     if len(layers) != n:
         raise ValueError(f"remat_sequential: {len(layers)} layer functions for {n} param "
                          "entries; pass one function, or one per entry of params.")
-    sizes = segment_sizes(n, segments)
-    h, start = x, 0
-    for j, size in enumerate(sizes):
+    plan = segment_plan(n, segments)
+    return _run_plan(plan, layers, params, x, policy, keep_last, mechanism)
+
+
+def _run_plan(plan, layers, params, h, policy, keep_last, mechanism):
+    start = 0
+    for j, entry in enumerate(plan):
+        size = _layers_in(entry)
         fns = layers[start:start + size]
 
-        def segment(ps, h, fns=fns):
-            for f, p in zip(fns, ps):
-                h = f(p, h)
-            return h
+        def segment(ps, h, fns=fns, entry=entry):
+            if isinstance(entry, int):
+                for f, p in zip(fns, ps):
+                    h = f(p, h)
+                return h
+            return _run_plan(entry, fns, list(ps), h, policy, keep_last, mechanism)
 
         ps = params[start:start + size]
         start += size
-        if keep_last and j == len(sizes) - 1:  # one segment kept: no remat at all
+        if keep_last and j == len(plan) - 1:  # one segment kept: no remat at this level
             h = segment(ps, h)
         else:
             h = remat(segment, policy=policy, mechanism=mechanism)(ps, h)
@@ -305,13 +376,14 @@ class RematPlan:
     """The segmentation `plan_remat` chose.
 
     Attributes:
-      segments: the segment sizes to pass to `remat_sequential` (``()``: no remat needed).
+      segments: the (possibly nested) segments to pass to `remat_sequential` (``()``: no
+        remat needed).
       keep_last: whether the last segment is left plain.
       bytes: compiled ``temp + output`` bytes of the gradient with this plan.
       baseline_bytes: the same without remat.
       budget: the fraction asked for.
       recompute: layers recomputed in the backward pass, as a fraction of the forward pass
-        (0.75: three quarters of the layers run twice).
+        (0.75: three quarters of the layers run twice; above 1 with nested segments).
       candidates: every plan compiled, as (segments, bytes, recompute); ``()`` is no remat.
     """
     segments: tuple[int, ...]
@@ -339,16 +411,33 @@ def _compiled_bytes(fn, *args) -> int:
     return int(m.temp_size_in_bytes + m.output_size_in_bytes)
 
 
+def _candidate_plans(n: int):
+    # One level: uniform segments of k = n-1..1 layers (one segment of n kept plain would be
+    # no remat). Two levels: each of those segments cut again into sqrt-sized ones. Then the
+    # recursive halving ("log"). plan_remat compiles them in order of recomputation.
+    for k in range(n - 1, 0, -1):
+        outer = segment_sizes(n, k)
+        yield outer
+        inner = tuple(segment_sizes(m, "sqrt") if m >= 3 else m for m in outer)
+        if inner != outer:
+            yield inner
+    if n >= 2:
+        yield _bisection(n)
+
+
 def plan_remat(layer: Callable | Sequence[Callable], params: Sequence[Any], x: Any,
                budget: float, *, head: Callable | None = None, policy: Any = None) -> RematPlan:
     """Chooses segments for `remat_sequential` so that the compiled gradient fits a budget.
 
     Compiles ``jax.grad`` of ``head(remat_sequential(layer, params, x, segments=s))`` with
-    respect to `params` for no remat and for every uniform segment size s = n..1 (last segment
-    kept), reads ``temp + output`` from XLA's ``memory_analysis()``, and returns the plan with
-    the least recomputation whose bytes are at most ``budget x`` the no-remat bytes (ties: the
+    respect to `params` for no remat and for candidate plans s: every uniform segment size
+    k = n-1..1 (last segment kept), the same segments each cut again into sqrt-sized ones
+    (two levels), and the recursive halving ("log"); reads ``temp + output`` from XLA's
+    ``memory_analysis()``, and returns the plan with the least recomputation
+    (`recompute_fraction`) whose bytes are at most ``budget x`` the no-remat bytes (ties: the
     fewer bytes). Plans are compiled in order of recomputation, stopping at the first level
-    that fits.
+    that fits. What cannot be cut: the gradient output itself (the size of the params) and,
+    at the last layer's backward step, its input activation and the output's cotangent.
 
     Args:
       layer, params, x: as in `remat_sequential`.
@@ -393,23 +482,23 @@ def plan_remat(layer: Callable | Sequence[Callable], params: Sequence[Any], x: A
     baseline = _compiled_bytes(grad_of(None), params, x)
     candidates = [((), baseline, 0.0)]
     plans = {}
-    for k in range(n - 1, 0, -1):  # one segment of n kept plain would be no remat
-        sizes = segment_sizes(n, k)
-        plans.setdefault(sizes, (n - sizes[-1]) / n)
+    for plan in _candidate_plans(n):
+        plans.setdefault(plan, recompute_fraction(plan))
     # Least recomputation first; stop at the first recompute level where a plan fits.
     fitting = [c for c in candidates if c[1] <= budget * baseline]
     for level in sorted(set(plans.values())):
         if fitting:
             break
-        for sizes in (s for s, r in plans.items() if r == level):
-            candidates.append((sizes, _compiled_bytes(grad_of(sizes), params, x), level))
+        for plan in (s for s, r in plans.items() if r == level):
+            candidates.append((plan, _compiled_bytes(grad_of(plan), params, x), level))
         fitting = [c for c in candidates if c[1] <= budget * baseline]
     if not fitting:
         best = min(candidates, key=lambda c: c[1])
         raise ValueError(
             f"plan_remat: no segmentation fits {budget:g} x the no-remat {baseline / 2**20:.1f} "
-            f"MiB; the smallest is {best[1] / baseline:.2f}x (segments {list(best[0])}). "
-            "Raise the budget, or cut memory elsewhere (smaller batch, accumulation).")
+            f"MiB; the smallest is {best[1] / baseline:.2f}x (segments {list(best[0])}, "
+            f"recomputing {recompute_fraction(best[0]) if best[0] else 0:.0%} of the forward "
+            "pass). Raise the budget, or cut memory elsewhere (smaller batch, accumulation).")
     segments, nbytes, recompute = min(fitting, key=lambda c: (c[2], c[1]))
     return RematPlan(segments, True, nbytes, baseline, float(budget), recompute,
                      tuple(candidates))

@@ -97,8 +97,10 @@ class MemoryReport:
         of the whole program (its ``temp`` is the size of one arena that every temporary lives
         in, already overlapped by liveness); aliased outputs reuse argument buffers and count
         once. It is an upper bound of what the program allocates (an input no longer needed is
-        not freed early); measured against fresh-process peak RSS in
-        ``benchmarks/memory_report.py``."""
+        not freed early). On CPU the peak RSS differs by 10-30% (it counts the pages a call
+        touches, plus workspaces of library fusions that no compiled analysis sees:
+        ``benchmarks/memory_report.py`` and the README's Benchmarks); on GPU the allocator's
+        ``memory_stats()`` counts what is assigned."""
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
     @property
