@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import signal
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -18,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad._library_objects import check_params
-from funcgrad.train.accumulate import group_microbatches
-from funcgrad.train.data import batches, rows
-from funcgrad.train.monitor import monitor_alerts
-from funcgrad.train.step import TrainState, step_was_skipped
+from funcgrad.train._chunks import ChunkRunner, epoch_order, owned_copy, to_device
+from funcgrad.train.data import rows
+from funcgrad.train.microbatches import group_microbatches, stack_microbatches
+from funcgrad.train.monitor import UNKNOWN_AXIS_NOTE, MonitorMetrics, monitor_alerts
+from funcgrad.train.sources import as_source, split_for_accumulation, take_rows
+from funcgrad.train.step import TrainState
 
 PyTree = Any
 
@@ -46,6 +51,8 @@ class NonFiniteReport(NamedTuple):
       update: when the loss and the norm are finite but the optimizer's update or the new
         params were not (the step's guard skipped it), which leaves and how to fix it (from
         the step's ``explain_skipped_update``); "" otherwise.
+      examples: with array data, the indices (rows of the dataset) of that step's examples,
+        in batch order; None for a loader's batch.
     """
     step: int
     epoch: int
@@ -55,6 +62,7 @@ class NonFiniteReport(NamedTuple):
     anomaly: Any = None
     batches: int = 1
     update: str = ""
+    examples: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         where = (f"batch {self.batch}" if self.batches == 1 else
@@ -69,8 +77,13 @@ class NonFiniteReport(NamedTuple):
                     "softmax_cross_entropy) rather than the learning rate.")
         else:
             hint = f"Try a lower learning rate, clip_norm, or check the inputs of {these}."
+        rows = ""
+        if self.examples is not None:
+            rows = (f"; its examples (rows of the data): "
+                    f"{', '.join(map(str, self.examples[:8]))}"
+                    + (f", ... ({len(self.examples)} in all)" if len(self.examples) > 8 else ""))
         text = (f"non-finite value at step {self.step} (epoch {self.epoch}, {where}): "
-                f"loss={self.loss}, grad_norm={self.grad_norm}. Training stopped; the returned "
+                f"loss={self.loss}, grad_norm={self.grad_norm}{rows}. Training stopped; the returned "
                 "state is the last one with finite loss and gradients (this step was not "
                 f"applied). {hint}")
         return text if self.anomaly is None else f"{text}\n{self.anomaly}"
@@ -78,7 +91,9 @@ class NonFiniteReport(NamedTuple):
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for metrics.json): the fields, with the anomaly report as a dict."""
         return self._asdict() | {"anomaly": None if self.anomaly is None
-                                 else self.anomaly.to_dict()}
+                                 else self.anomaly.to_dict(),
+                                 "examples": None if self.examples is None
+                                 else [int(i) for i in self.examples]}
 
 
 @dataclasses.dataclass
@@ -103,6 +118,9 @@ class History:
       layer_names, step_layer_norm: with a monitored step (``make_train_step(monitor=)``),
         the layers (``params[0]``, ...) and, per applied step, each layer's gradient norm.
       alerts: the monitor's `funcgrad.train.monitor.Alert`s, in step order.
+      skipped_batches: with ``fit(..., on_nonfinite="skip")``, one dict per non-finite step
+        that was skipped and trained past: "step", "epoch", "batch", "loss", "grad_norm",
+        "examples" (the rows of array data, else None).
     """
     epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
     step_loss: list[float] = dataclasses.field(default_factory=list)
@@ -113,6 +131,7 @@ class History:
     layer_names: tuple[str, ...] = ()
     step_layer_norm: list[list[float]] = dataclasses.field(default_factory=list)
     alerts: list = dataclasses.field(default_factory=list)
+    skipped_batches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         steps = {"step": list(range(len(self.step_loss))), "loss": self.step_loss,
@@ -124,7 +143,24 @@ class History:
                                    for j, name in enumerate(self.layer_names)}
         return {"epochs": self.epochs, "steps": steps,
                 "skipped_steps": self.skipped_steps, "dropped_examples": self.dropped_examples,
+                "skipped_batches": self.skipped_batches,
                 "alerts": [dataclasses.asdict(a) | {"text": str(a)} for a in self.alerts]}
+
+    def _state(self) -> dict[str, Any]:
+        """Everything, as JSON-able data, for a checkpoint (`_from_state` reads it back)."""
+        return {f.name: ([dataclasses.asdict(a) for a in self.alerts] if f.name == "alerts"
+                         else list(self.layer_names) if f.name == "layer_names"
+                         else getattr(self, f.name))
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def _from_state(cls, data: Mapping[str, Any]) -> History:
+        from funcgrad.train.monitor import Alert
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["alerts"] = [Alert(**a) for a in kwargs.get("alerts", [])]
+        kwargs["layer_names"] = tuple(kwargs.get("layer_names", ()))
+        return cls(**kwargs)
 
 
 class FitResult(NamedTuple):
@@ -134,106 +170,512 @@ class FitResult(NamedTuple):
       state: the `TrainState` after the last applied step.
       history: the `History` of the run.
       nonfinite: a `NonFiniteReport` if training stopped on a non-finite value, else None.
+      interrupted: True when Ctrl-C (SIGINT) stopped the run: `state` and `history` are
+        those of the last completed chunk of steps (and were checkpointed with
+        ``checkpoint_dir``).
     """
     state: TrainState
     history: History
     nonfinite: NonFiniteReport | None
+    interrupted: bool = False
 
 
 #: How many monitor alerts `fit` passes to its `log`; all are kept in `History.alerts`.
 MAX_LOGGED_ALERTS = 20
 
 
-def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
-        batch_size: int, seed: int = 0, evaluate: Callable[[PyTree], Mapping[str, float]] | None = None,
-        progress: bool = True, log: Callable[[str], None] | None = None) -> FitResult:
-    """Trains for `epochs` passes over ``(x, y)`` with a progress bar, stopping on a non-finite.
+def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epochs: int,
+        batch_size: int | None = None, seed: int = 0, evaluate: Any = None,
+        progress: bool = True, log: Callable[[str], None] | None = None,
+        chunk: int | None = None, on_nonfinite: str = "stop",
+        checkpoint_dir: str | os.PathLike | None = None, every: int = 1,
+        resume: bool = False) -> FitResult:
+    """Trains for `epochs` passes over `data`, at device speed where it can, keeping every
+    result: a non-finite step is never applied, Ctrl-C returns what was done.
 
-    Each epoch visits the examples in a seeded order (`funcgrad.train.data.batches` with
-    ``(seed, epoch)``), calls ``step(state, {"x": ..., "y": ...})`` and records the loss and
-    the global gradient norm. A step made with ``accumulate=K`` gets each K consecutive batches
-    of `batch_size` as one call (`funcgrad.train.accumulate.group_microbatches`; the epoch's last,
-    shorter group too, handled by the step's `tail` policy). After the epoch,
-    ``evaluate(state.params)`` (if given) adds its numbers (e.g. test accuracy) to the epoch's
-    row under ``"eval/<name>"`` (so an evaluation "loss" is ``"eval/loss"``, beside the
-    training "loss", never over it), and `log` gets a one-line summary.
+    **Data.** Either arrays with a leading example axis, in any pytree: ``fit(step, state,
+    {"image": (n, 8, 8), "label": (n,)}, epochs=, batch_size=)`` calls ``step(state, batch)``
+    with batches of the same structure; ``fit(step, state, x, y, ...)`` is the same with
+    ``data = {"x": x, "y": y}``. Or a *loader*: any iterable of batch pytrees (a list of
+    batches, a generator, a grain or torch ``DataLoader`` yielding NumPy arrays), or a function
+    ``epoch -> iterable`` (epoch 0-based); each batch is passed to the step as it comes.
+    A dict, tuple or array is a dataset; a list is a sequence of batches.
 
-    Numbering: epochs are counted from 1 in everything fit shows or records (log lines, the
-    progress bar, ``History.epochs[i]["epoch"]``, `NonFiniteReport`, metrics.json), as PyTorch
-    and Keras print them; steps and batches are 0-based indices (``step`` k is the one applied
-    when ``TrainState.step == k``).
+    **Speed.** With array data and a step from `funcgrad.make_train_step` (jitted), the data
+    is put on the device once, each epoch's order is drawn there (`funcgrad.train._chunks.
+    epoch_order`; `funcgrad.train.data.batches` yields the same order on the host), and one
+    jitted call runs `chunk` steps inside ``lax.scan`` (default: all the full batches of an
+    epoch, at most 1,024), reading the per-step loss, norm and monitor values back once per
+    chunk. A loader's batches are stacked `chunk` at a time (default 64) and sent in one
+    transfer when their shapes agree. The epoch's last, smaller batch (or partial group with
+    accumulation) runs as one more call. Everything the step does runs inside the chunk:
+    clipping, the guard, accumulation, loss scaling, the monitor, masks, model state, keys.
+    A hand-written step, or one made with ``jit=False``, is called once per batch.
 
-    Guard: if a step was skipped (`step_was_skipped`: its ``metrics["skipped"]``, or a
-    non-finite loss or gradient norm), training stops at once and the state from *before*
-    that step is returned (JAX arrays are immutable, so keeping it
-    costs no copy); the result carries a `NonFiniteReport` and a ``RuntimeWarning`` with the
-    same text is issued. If that earlier state's params are themselves non-finite (an update
-    that overflowed while its loss and gradient were finite), the state from the end of the
-    last epoch whose params were all finite is returned instead (params are checked once per
-    epoch, not per step, to keep the loop free of extra reductions).
+    **Non-finite steps.** A step whose loss, gradient norm or update is NaN/inf (the step's
+    guard skipped it) stops the chunk at that step: later steps of the chunk are not applied,
+    and fit returns the state from before it with a `NonFiniteReport` naming the step, the
+    epoch, the batch and (array data) its example indices, and a ``RuntimeWarning`` with the
+    same text. A routine loss-scale overflow (the scale backs off) is counted in
+    ``History.skipped_steps`` and training goes on. ``on_nonfinite="skip"`` goes on past
+    non-finite batches too, recording each in ``History.skipped_batches`` (the step's guard
+    left params and optimizer state untouched). A step made with ``nonfinite="raise"``
+    raises ``FloatingPointError`` instead.
+
+    **Numbering.** Epochs count from 1 in everything fit shows or records (log lines, the
+    progress bar, ``History.epochs[i]["epoch"]``, `NonFiniteReport`, metrics.json); steps and
+    batches are 0-based indices (step k is the one applied when ``TrainState.step == k``).
+
+    **Checkpoints.** With `checkpoint_dir`, the whole state (params, optimizer state, model
+    state, key, loss scale, monitor state, step) and the run's position and history are saved
+    with orbax-checkpoint (`funcgrad.train.checkpoint`) every `every` epochs, when the run
+    stops on a non-finite step (the last finite state), on Ctrl-C and at the end. ``resume=
+    True`` continues from the newest checkpoint there (its epoch and batch), so training 10
+    epochs equals training 5, stopping and resuming for 5 more, bit for bit.
+
+    **Ctrl-C.** The first SIGINT stops the run after the current chunk and returns a
+    `FitResult` with ``interrupted=True`` (a second one interrupts at once).
 
     Args:
-      step: a step from `make_train_step`.
-      state: the starting `TrainState`.
-      x, y: training inputs ``(n, ...)`` and targets ``(n, ...)``, NumPy or JAX arrays, or
-        pytrees of them for several inputs (``x = {"image": (n, 8, 8), "meta": (n, 3)}``:
-        each batch's ``"x"`` has that structure); rows are counted on the leaves, which must
-        all have the same n. Nested Python lists are converted with ``np.asarray``.
-      epochs: number of passes, a positive int.
-      batch_size: examples per step, a positive int (the last batch of an epoch may be smaller).
-      seed: seed of the batch order.
-      evaluate: ``evaluate(params) -> {name: number}``, called once per epoch; stored as
-        ``"eval/<name>"``. When the state has a model state (a loss declared with
-        ``has_state=True``, `funcgrad.train.loss`), ``evaluate(params, model_state)``: BatchNorm's
-        running statistics are then used at evaluation time.
-      progress: show a tqdm progress bar on stderr.
-      log: called with each epoch's summary line (e.g. `print`), and with each alert of a
-        monitored step (``make_train_step(monitor=)``; the first `MAX_LOGGED_ALERTS`, all are
-        kept in the history); None for silence.
+      step: a step from `make_train_step` (or any ``(state, batch) -> (TrainState,
+        metrics)`` whose metrics hold "loss" and "grad_norm").
+      state: the starting `TrainState` (not modified: fit works on a copy).
+      data, y: see Data.
+      epochs: number of passes, a positive int (the total, counting resumed epochs).
+      batch_size: examples per step for array data (the last batch of an epoch may be
+        smaller); not used with a loader.
+      seed: seed of the example order (array data).
+      evaluate: ``evaluate(params) -> {name: number}`` (``evaluate(params, model_state)``
+        for a state with a model state), called once per epoch and stored as ``"eval/<name>"``;
+        or an evaluation split, a pytree of arrays like the training data: its mean loss under
+        the step's loss function is stored as ``"eval/loss"``.
+      progress: a tqdm progress bar on stderr.
+      log: called with each epoch's summary line (e.g. `print`) and each monitor alert (the
+        first `MAX_LOGGED_ALERTS`; all are kept in the history); None for silence.
+      chunk: steps per dispatch (see Speed); 1 calls the step once per batch.
+      on_nonfinite: "stop" (default) or "skip" (see Non-finite steps).
+      checkpoint_dir, every, resume: see Checkpoints.
     Returns:
       a `FitResult`.
     Raises:
-      ValueError: if `epochs` or `batch_size` is not a positive int, `x` is empty, the
-        leaves of `x` and `y` have different numbers of rows (named by their paths), or an
-        accumulating step with ``tail="drop"`` would drop every group (fewer batches per
-        epoch than `accumulate`).
-      FloatingPointError: at a skipped step, when `step` was made with ``nonfinite="raise"``;
-        the message is the `NonFiniteReport`.
-      TypeError: if `step`, `evaluate` or `log` is not callable (e.g. the string "print");
-        if the first call of `step` returns something other than ``(TrainState, metrics)``
-        (e.g. `step` is the loss function) or metrics without "loss" and "grad_norm" (a
-        hand-written step); if `evaluate` returns no mapping of names to single numbers.
-        An exception raised by that first call of a step not made by `make_train_step` gets
-        a note saying what `fit` expects.
+      ValueError: a non-positive `epochs`, `batch_size` or `chunk`; array data without
+        `batch_size`; leaves with different numbers of rows (named by their paths); empty
+        data; a loader batch whose structure or row counts differ from the first (named); an
+        iterator (used up after one pass) with more than one epoch; an accumulating step with
+        ``tail="drop"`` that would drop every group; ``resume`` without `checkpoint_dir`.
+      FloatingPointError: at a non-finite step, when `step` was made with ``nonfinite="raise"``.
+      TypeError: if `step`, `evaluate` or `log` is of the wrong kind, or the first call of
+        `step` returns something other than ``(TrainState, metrics)`` with "loss" and
+        "grad_norm".
     Warns:
-      UserWarning: when an accumulating step's group (``accumulate * batch_size`` examples)
-        is larger than `x`: every update is then one full pass, one per epoch.
+      UserWarning: when an accumulating step's group is larger than the data.
     """
     from tqdm.auto import tqdm
 
-    if not isinstance(epochs, (int, np.integer)) or epochs < 1:
+    if not isinstance(epochs, (int, np.integer)) or isinstance(epochs, bool) or epochs < 1:
         raise ValueError(f"fit: epochs must be a positive int, got {epochs!r}.")
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"fit: batch_size must be a positive int, got {batch_size!r}.")
-    _check_callables(step, evaluate, log)
+    if on_nonfinite not in ("stop", "skip"):
+        raise ValueError(f"fit: on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}.")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer))
+                              or chunk < 1):
+        raise ValueError(f"fit: chunk must be a positive int (steps per dispatch), got {chunk!r}.")
+    if not isinstance(every, (int, np.integer)) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"fit: every must be a positive int (epochs between checkpoints), "
+                         f"got {every!r}.")
+    if resume and checkpoint_dir is None:
+        raise ValueError("fit: resume=True needs checkpoint_dir=, the folder to resume from.")
+    _check_callables(step, evaluate if callable(evaluate) or evaluate is None
+                     or isinstance(evaluate, str) else None, log)
     if isinstance(state, TrainState):
         check_params("fit", state.params)  # an equinox / nnx object: the fix to train it
-    # Python lists, as from a CSV reader, become arrays; a dict (several inputs) stays a pytree.
-    x = np.asarray(x) if isinstance(x, (list, tuple)) else x
-    y = np.asarray(y) if isinstance(y, (list, tuple)) else y
-    try:
-        n = rows(x, "x")
-        if rows(y, "y") != n:
-            raise ValueError(f"x has {n} rows but y has {rows(y, 'y')}; they must match (one "
-                             "row per example).")
-    except ValueError as error:
-        raise ValueError(f"fit: {error}") from None
-    if n == 0:
-        raise ValueError("fit: x is empty; there is nothing to train on.")
-    history = History()
+    source = as_source(data, y, batch_size=batch_size, epochs=epochs)
     accumulate = getattr(step, "accumulate", None) or 1
+    tail_policy = getattr(step, "tail", None)
+    if source.n is not None:
+        _check_accumulation(source.n, batch_size, accumulate, tail_policy)
+    evaluator = _evaluator(evaluate, step, batch_size)
+    raw = getattr(step, "unjitted", None)
+    chunked = raw is not None and chunk != 1
+    history = History()
+    start_epoch, start_in_epoch, run_step, epoch_first = 1, 0, 0, 0
+    if resume:
+        restored = _restore(checkpoint_dir, state)
+        if restored is not None:
+            state, history, position = restored
+            start_epoch = position["epoch"] + 1
+            start_in_epoch, run_step = position["step_in_epoch"], position["run_step"]
+            epoch_first = position.get("epoch_first", len(history.step_loss))
+            if start_in_epoch == 0:
+                epoch_first = len(history.step_loss)
+    if chunked:
+        state = owned_copy(state)  # the chunks donate their state: the caller's stays valid
+    run = _Run(step=step, raw=raw, source=source, history=history, log=log,
+               accumulate=accumulate, chunk=chunk, skip_bad=on_nonfinite == "skip",
+               seed=seed, chunked=chunked)
+    total = epochs * source.steps_per_epoch(accumulate) if source.n is not None else None
+    bar = tqdm(total=total, disable=not progress, unit="step", leave=False)
+    run.bar = bar
+    run.say = lambda line: _say(log, tqdm, line)
+    run.state, run.run_step = state, run_step
+    position = {"epoch": start_epoch - 1, "step_in_epoch": start_in_epoch, "run_step": run_step,
+                "epoch_first": epoch_first, "seed": seed}
+    bar.update(run_step if total is not None else 0)
+    stopper = _InterruptFlag()
+    report, interrupted = None, False
+    try:
+        with stopper:
+            for epoch in range(start_epoch, epochs + 1):  # numbered from 1 wherever shown
+                first_skip = len(history.skipped_steps)
+                skip_in_epoch = start_in_epoch if epoch == start_epoch else 0
+                if skip_in_epoch == 0:
+                    epoch_first = len(history.step_loss)
+                position.update(epoch=epoch - 1, step_in_epoch=skip_in_epoch,
+                                epoch_first=epoch_first)
+                report = run.epoch(epoch, skip_in_epoch, stopper, position)
+                if report is not None or stopper.raised:
+                    interrupted = stopper.raised and report is None
+                    break
+                row = _epoch_row(history, epoch, run.run_step, epoch_first, first_skip,
+                                 run.state)
+                if evaluator is not None:
+                    row.update(_evaluated(evaluator(run.state)))
+                history.epochs.append(row)
+                run.verify()
+                run.say(format_epoch(row))
+                position.update(epoch=epoch, step_in_epoch=0, run_step=run.run_step,
+                                epoch_first=len(history.step_loss))
+                if checkpoint_dir is not None and (epoch % every == 0 or epoch == epochs):
+                    _save(checkpoint_dir, run.state, position, history)
+    finally:
+        bar.close()
+    if (report is not None or interrupted) and checkpoint_dir is not None:
+        _save(checkpoint_dir, run.state, position, history)
+    if report is not None:
+        if getattr(step, "nonfinite", None) == "raise":
+            raise FloatingPointError(str(report))
+        warnings.warn(str(report), RuntimeWarning, stacklevel=2)
+    if interrupted and log is not None:
+        log(f"interrupted: stopped after step {run.run_step}; the state and history so far are "
+            "kept" + (f" (checkpointed in {checkpoint_dir})" if checkpoint_dir else ""))
+    return FitResult(run.state, history, report, interrupted)
+
+
+#: Most steps one chunk runs by default: array data (all the full batches of an epoch, up to
+#: this), and a loader's batches stacked per transfer.
+MAX_CHUNK, LOADER_CHUNK = 1024, 64
+
+
+class _InterruptFlag:
+    """A SIGINT handler for the run: the first Ctrl-C sets `raised` (the run stops after the
+    current chunk, keeping its results); the second raises KeyboardInterrupt at once. Only in
+    the main thread (elsewhere signals cannot be caught: Ctrl-C behaves as usual)."""
+
+    def __init__(self):
+        self.raised, self._previous = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            try:
+                self._previous = signal.signal(signal.SIGINT, self._handle)
+            except ValueError:  # pragma: no cover - e.g. an embedded interpreter
+                self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        if self.raised:
+            raise KeyboardInterrupt
+        self.raised = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+class _Run:
+    """One `fit` run's loop state: the current train state, step count, history, and how to
+    run an epoch (chunks of steps on the device, or one call per batch)."""
+
+    def __init__(self, *, step, raw, source, history, log, accumulate, chunk, skip_bad, seed,
+                 chunked):
+        self.step, self.source, self.history, self.log = step, source, history, log
+        self.accumulate, self.chunk, self.skip_bad, self.seed = accumulate, chunk, skip_bad, seed
+        self.runner = (ChunkRunner(raw, accumulate=getattr(step, "accumulate", None),
+                                   skip_bad=skip_bad) if chunked else None)
+        self.data = (to_device(source.tree) if chunked and source.tree is not None else None)
+        self.first_call, self.previous_report = True, None
+        self.state = self.verified = None
+        self.run_step, self.bar, self.say = 0, None, None
+
+    # --- epochs -------------------------------------------------------------------------
+    def epoch(self, epoch: int, skip: int, stopper, position) -> NonFiniteReport | None:
+        if self.verified is None:
+            self.verified = self.state
+        if self.source.tree is not None:
+            return self._array_epoch(epoch, skip, stopper, position)
+        return self._loader_epoch(epoch, skip, stopper, position)
+
+    def _array_epoch(self, epoch, skip, stopper, position):
+        n, k = self.source.n, self.accumulate
+        size = self.source.batch_size * k
+        order = epoch_order(self.seed, epoch - 1, n)
+        host_order = None
+        full = n // size
+        done = skip
+        if self.runner is not None and done < full:
+            length = self.chunk or min(full, MAX_CHUNK)
+            while done < full:
+                active = min(length, full - done)
+                state, _, ys = self.runner.gathered(self.state, self.data, order,
+                                                    jnp.int32(done), jnp.int32(active),
+                                                    jnp.zeros((), bool), length=length,
+                                                    size=size)
+                self.state = state
+                start = done
+
+                def locate(i, start=start):
+                    nonlocal host_order
+                    if host_order is None:
+                        host_order = np.asarray(order)
+                    rows_ = host_order[(start + i) * size:(start + i + 1) * size]
+                    batch = take_rows(self.source.tree, rows_)
+                    call = (split_for_accumulation(batch, k) if k > 1 else batch,)
+                    return (start + i) * k, k, tuple(int(r) for r in rows_), call
+
+                report, steps = self._record(jax.device_get(ys), active, epoch, locate)
+                done += steps
+                position.update(step_in_epoch=done, run_step=self.run_step)
+                if report is not None or stopper.raised:
+                    return report
+        # One call per step: the epoch's tail (or every step, without chunks).
+        if done * size < n:
+            host_order = np.asarray(order) if host_order is None else host_order
+        while done * size < n:
+            rows_ = host_order[done * size:(done + 1) * size]
+            batch = take_rows(self.source.tree, rows_)
+            if k > 1:
+                micro = [take_rows(batch, np.arange(j, min(j + self.source.batch_size,
+                                                           len(rows_))))
+                         for j in range(0, len(rows_), self.source.batch_size)]
+                call = (stack_microbatches(micro, size=self.source.batch_size),)
+            else:
+                call = (batch,)
+            report = self._call(call, epoch, done * k, len(call[0].mask) if k > 1 else 1,
+                                tuple(int(r) for r in rows_))
+            done += 1
+            position.update(step_in_epoch=done, run_step=self.run_step)
+            if report is not None or stopper.raised:
+                return report
+        return None
+
+    def _loader_epoch(self, epoch, skip, stopper, position):
+        k = self.accumulate
+        batches = self.source.iterate(epoch - 1)
+        for _ in range(skip * k):  # resumed mid-epoch: the batches already trained on
+            next(batches, None)
+        done = skip
+        if k > 1:
+            for group in group_microbatches(batches, k):
+                report = self._call((group,), epoch, done * k, len(group.mask), None)
+                done += 1
+                position.update(step_in_epoch=done, run_step=self.run_step)
+                if report is not None or stopper.raised:
+                    return report
+            return None
+        length = self.chunk or LOADER_CHUNK
+        pending: list = []
+
+        def flush():
+            nonlocal done
+            if not pending:
+                return None
+            if self.runner is None or len(pending) == 1:
+                report = self._call((pending[0],), epoch, done, 1, None)
+                steps = 0 if report is not None else 1
+            else:
+                stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *pending)
+                state, _, ys = self.runner.stacked(self.state, stacked, jnp.zeros((), bool))
+                self.state = state
+                start, calls = done, list(pending)
+                report, steps = self._record(
+                    jax.device_get(ys), len(pending), epoch,
+                    lambda i: (start + i, 1, None, (calls[i],)))
+            done += steps if report is None else steps
+            pending.clear()
+            position.update(step_in_epoch=done, run_step=self.run_step)
+            return report
+
+        shape_of = lambda b: jax.tree.map(np.shape, b)
+        for batch in batches:
+            if pending and (shape_of(batch) != shape_of(pending[0]) or len(pending) >= length):
+                report = flush()
+                if report is not None or stopper.raised:
+                    return report
+            pending.append(batch)
+        return flush()
+
+    # --- one call of the step (tails, loaders with accumulation, hand-written steps) ------
+    def _call(self, call, epoch, batch_index, batches, examples):
+        old = self.state
+        new_state, metrics = _called(self.step, old, call, first=self.first_call)
+        self.first_call = False
+        if self.accumulate > 1:  # one group per call: metrics of 1 update, or 0 if dropped
+            self.history.dropped_examples += int(metrics.pop("dropped_examples"))
+            metrics.pop("examples")
+            if metrics["loss"].shape[0] == 0:
+                self.state = new_state
+                self.bar.update(1)
+                return None
+            metrics = {k: v if k == "anomaly" else jax.tree.map(lambda a: a[0], v)
+                       for k, v in metrics.items()}
+        ys = _host_row(metrics, new_state)
+        bad = bool(ys["bad"][0])
+        if not bad or self.skip_bad:
+            self.state = new_state
+        locate = lambda i: (batch_index, batches, examples, call)
+        report, _ = self._record(ys, 1, epoch, locate, anomaly=metrics.get("anomaly"))
+        if report is not None and not _all_finite(self.state.params):
+            # The step before applied an update that overflowed the params although its own
+            # loss and gradient were finite (a step without the guard): back to the last
+            # epoch end whose params were finite.
+            self.state = self.verified
+        return report
+
+    def verify(self) -> None:
+        """At an epoch's end: remember the state if its params are finite (a step without
+        `make_train_step`'s guard may have applied an overflowing update)."""
+        if self.runner is None and _all_finite(self.state.params):
+            self.verified = self.state
+
+    # --- what the host does with the steps' metrics --------------------------------------
+    def _record(self, ys, count, epoch, locate, anomaly=None):
+        """Adds `count` steps' metrics (NumPy, leading axis >= count) to the history; returns
+        (the `NonFiniteReport` of the step that stopped the run or None, steps taken)."""
+        h = self.history
+        ran = np.asarray(ys["ran"][:count], bool)
+        bad = np.asarray(ys["bad"][:count], bool) & ran
+        routine = np.asarray(ys["routine"][:count], bool) & ran
+        rows_ = np.flatnonzero(ran)
+        stop = None
+        if not self.skip_bad and bad.any():
+            stop = int(np.flatnonzero(bad)[0])
+            rows_ = rows_[rows_ <= stop]
+        if "monitor_values" in ys and len(rows_):
+            self._alerts(ys, rows_[~routine[rows_]])
+        taken = rows_[rows_ != stop] if stop is not None else rows_
+        steps = self.run_step + np.arange(len(taken))
+        h.skipped_steps.extend(steps[routine[taken]].tolist())
+        applied = taken[~routine[taken] & ~bad[taken]]
+        h.step_loss.extend(np.asarray(ys["loss"])[applied].astype(float).tolist())
+        h.step_grad_norm.extend(np.asarray(ys["grad_norm"])[applied].astype(float).tolist())
+        if "learning_rate" in ys:
+            h.step_learning_rate.extend(
+                np.asarray(ys["learning_rate"])[applied].astype(float).tolist())
+        if "monitor_values" in ys and len(applied):
+            m = MonitorMetrics(np.asarray(ys["monitor_values"])[applied], (), self._layout(ys))
+            h.layer_names = m.layout.layer_names
+            h.step_layer_norm.extend(np.asarray(m.layer_norm).tolist())
+        if self.skip_bad:
+            for i, run_step in zip(taken, steps):
+                if bad[i]:
+                    batch_index, _, examples, _ = locate(int(i))
+                    h.skipped_batches.append({
+                        "step": int(run_step), "epoch": epoch, "batch": batch_index,
+                        "loss": float(ys["loss"][i]), "grad_norm": float(ys["grad_norm"][i]),
+                        "examples": None if examples is None else list(examples)})
+                    if self.say is not None:
+                        self.say(f"skipped a non-finite step {int(run_step)} (epoch {epoch}, "
+                                 f"batch {batch_index}): loss={float(ys['loss'][i])}")
+        self.run_step += len(taken)
+        self.bar.update(len(taken))
+        if len(h.step_loss):
+            self.bar.set_postfix(epoch=epoch, loss=f"{h.step_loss[-1]:.4f}", refresh=False)
+        if stop is None:
+            return None, len(taken)
+        loss, norm = float(ys["loss"][stop]), float(ys["grad_norm"][stop])
+        batch_index, batches, examples, call = locate(stop)
+        update = ""
+        if (math.isfinite(loss) and math.isfinite(norm)
+                and hasattr(self.step, "explain_skipped_update")):
+            update = self.step.explain_skipped_update(self.state, *call)  # which leaf, why
+        if anomaly is None and getattr(self.step, "detect_anomaly", False):
+            # The chunk ran the plain step: the located run is the step with its anomaly
+            # detection, once, on this step's state and batch.
+            anomaly = _called(self.step, self.state, call, first=False)[1].get("anomaly")
+        return NonFiniteReport(self.run_step, epoch, batch_index, loss, norm, anomaly,
+                               batches, update, examples), len(taken)
+
+    def _layout(self, ys):
+        return self.runner.monitor_layout if self.runner is not None and \
+            self.runner.monitor_layout is not None else ys["monitor_layout"]
+
+    def _alerts(self, ys, rows_) -> None:
+        """The monitor's alerts of the steps `rows_`, in order: the flags of all of them at
+        once (NumPy), then `monitor_alerts` on the few steps that raise one."""
+        if not len(rows_):
+            return
+        layout = self._layout(ys)
+        values = np.asarray(ys["monitor_values"])[rows_]
+        dead = tuple(np.asarray(d)[rows_] for d in ys["monitor_dead"])
+        m = MonitorMetrics(values, dead, layout)
+        flagged = np.asarray(m.nonfinite) | np.asarray(m.explosion)
+        if len(layout.layer_names):
+            flagged = flagged | np.asarray(m.vanishing).any(-1)
+        if dead:
+            frac = np.asarray(m.dead_fraction)
+            limit = np.array([1.0 if UNKNOWN_AXIS_NOTE in name else layout.dead_threshold
+                              for name in layout.relu_names])
+            before = (np.asarray(self.previous_report.dead_fraction)[None]
+                      if self.previous_report is not None else np.full((1, len(limit)), -1.0))
+            prev = np.concatenate([before, frac[:-1]])
+            flagged = flagged | ((frac >= limit) & ~(prev >= limit)).any(-1)
+        row = lambda j: MonitorMetrics(values[j], tuple(d[j] for d in dead), layout)
+        for j in np.flatnonzero(flagged):
+            previous = row(j - 1) if j > 0 else self.previous_report
+            for alert in monitor_alerts(row(j), previous=previous):
+                self.history.alerts.append(alert)
+                if len(self.history.alerts) <= MAX_LOGGED_ALERTS:
+                    self.say(f"monitor: {alert}")
+                elif len(self.history.alerts) == MAX_LOGGED_ALERTS + 1:
+                    self.say(f"monitor: more than {MAX_LOGGED_ALERTS} alerts; the rest are "
+                             "in the history, not printed")
+        self.previous_report = row(len(rows_) - 1)
+
+
+def _host_row(metrics: Mapping[str, Any], new_state: Any) -> dict[str, Any]:
+    """One call's metrics in the chunks' layout (NumPy, leading axis 1)."""
+    scaled = getattr(new_state, "loss_scale", None) is not None and "loss_scale" in metrics
+    got = jax.device_get({
+        "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+        "skipped": metrics.get("skipped"), "learning_rate": metrics.get("learning_rate"),
+        "loss_scale": metrics["loss_scale"] if scaled else None,
+        "scale_after": new_state.loss_scale.scale if scaled else None})
+    loss, norm = float(got["loss"]), float(got["grad_norm"])
+    skipped = (bool(got["skipped"]) if got["skipped"] is not None
+               else not (math.isfinite(loss) and math.isfinite(norm)))
+    routine = bool(scaled and skipped and math.isfinite(loss)
+                   and got["scale_after"] < got["loss_scale"])
+    ys = {"loss": np.array([loss]), "grad_norm": np.array([norm]), "ran": np.array([True]),
+          "bad": np.array([skipped and not routine]), "routine": np.array([routine])}
+    if got["learning_rate"] is not None:
+        ys["learning_rate"] = np.array([float(got["learning_rate"])])
+    monitored = metrics.get("monitor")
+    if monitored is not None and monitored.values is not None:
+        ys["monitor_values"] = np.asarray(monitored.values)[None]
+        ys["monitor_dead"] = tuple(np.asarray(d)[None] for d in monitored.dead)
+        ys["monitor_layout"] = monitored.layout
+    return ys
+
+
+def _say(log, tqdm, line: str) -> None:
+    if log is not None:
+        with tqdm.external_write_mode():  # keeps the bar intact around the log line
+            log(line)
+
+
+def _check_accumulation(n: int, batch_size: int, accumulate: int, tail: str | None) -> None:
     n_batches = math.ceil(n / batch_size)
-    if accumulate > 1 and getattr(step, "tail", None) == "drop" and n_batches < accumulate:
+    if accumulate > 1 and tail == "drop" and n_batches < accumulate:
         raise ValueError(
             f"fit: {n} examples in batches of {batch_size} make {n_batches} micro-batch"
             f"{'es' if n_batches > 1 else ''} per epoch, fewer than one group of "
@@ -247,109 +689,78 @@ def fit(step: Callable, state: TrainState, x: PyTree, y: PyTree, *, epochs: int,
             f"one group of {n_batches} micro-batch{'es' if n_batches > 1 else ''}, so training "
             f"makes one update per epoch over all {n} examples (a full-batch step). For more "
             f"updates use accumulate <= {max(1, n_batches // 2)} or a smaller batch_size.",
-            UserWarning, stacklevel=2)
-    steps_per_epoch = math.ceil(n_batches / accumulate)
-    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, unit="step", leave=False)
+            UserWarning, stacklevel=3)
 
-    def say(line):
-        if log is not None:
-            with tqdm.external_write_mode():  # keeps the bar intact around the log line
-                log(line)
 
-    verified = state  # last state whose params were checked finite (at each epoch's end)
-    run_step = 0
-    previous_report = None  # the last step's MonitorMetrics: dead-ReLU alerts on crossings
+def _epoch_row(history: History, epoch: int, run_step: int, first: int, first_skip: int,
+               state: Any) -> dict[str, float]:
+    applied = len(history.step_loss) > first
+    row = {"epoch": epoch, "steps": run_step,
+           "loss": float(np.mean(history.step_loss[first:])) if applied else math.nan,
+           "grad_norm": (float(np.mean(history.step_grad_norm[first:])) if applied
+                         else math.nan)}
+    if applied and len(history.step_learning_rate) == len(history.step_loss):
+        row["learning_rate"] = history.step_learning_rate[-1]  # the epoch's last update
+    if getattr(state, "loss_scale", None) is not None:
+        row["skipped"] = len(history.skipped_steps) - first_skip
+        row["loss_scale"] = float(state.loss_scale.scale)
+    return row
+
+
+def _evaluator(evaluate: Any, step: Callable, batch_size: int | None):
+    """``evaluator(state) -> {name: number}`` for `evaluate` (a function, or an evaluation
+    split whose mean loss under the step's loss is "loss"), or None."""
+    if evaluate is None:
+        return None
+    if callable(evaluate):
+        return lambda state: (evaluate(state.params) if getattr(state, "model_state", None)
+                              is None else evaluate(state.params, state.model_state))
+    loss = getattr(step, "loss", None)
+    if loss is None or loss.has_state or loss.takes_key:
+        raise TypeError(
+            "fit: evaluate is an evaluation split, whose loss fit computes with the step's loss "
+            "function; that needs a step from make_train_step whose loss takes no model state "
+            "and no key (dropout and BatchNorm must run in evaluation mode: pass a function "
+            "evaluate(params, model_state) -> {'loss': ..., 'accuracy': ...} instead).")
+    tree = evaluate
     try:
-        for epoch in range(1, epochs + 1):  # numbered from 1 wherever a user sees them
-            first, first_skip = len(history.step_loss), len(history.skipped_steps)
-            micro = batches(x, y, batch_size=batch_size, seed=seed, epoch=epoch - 1)
-            calls = (((b,) for b in micro) if accumulate == 1
-                     else ((g,) for g in group_microbatches(micro, accumulate, size=batch_size)))
-            for i, call in enumerate(calls):
-                new_state, metrics = _called(step, state, call, first=run_step == 0)
-                if accumulate > 1:  # one group per call: metrics of 1 update, or 0 if dropped
-                    history.dropped_examples += int(metrics.pop("dropped_examples"))
-                    metrics.pop("examples")
-                    if metrics["loss"].shape[0] == 0:
-                        state = new_state
-                        bar.update(1)
-                        continue
-                    metrics = {k: v if k == "anomaly" else jax.tree.map(lambda a: a[0], v)
-                               for k, v in metrics.items()}
-                scaled = getattr(new_state, "loss_scale", None) is not None
-                loss, grad_norm, skipped, used, backed_off, monitored, rate = jax.device_get(
-                    (metrics["loss"], metrics["grad_norm"], metrics.get("skipped", 0),
-                     metrics.get("loss_scale", 0.0), new_state.loss_scale.scale if scaled else 0.0,
-                     metrics.get("monitor"), metrics.get("learning_rate")))
-                loss, grad_norm = float(loss), float(grad_norm)
-                if skipped and scaled and math.isfinite(loss) and backed_off < used:
-                    # A loss-scale overflow: params and optimizer state kept, scale lowered;
-                    # routine, counted. (A skip that cannot lower the scale, at its floor, or a
-                    # non-finite loss, which the scale does not touch, is an anomaly below.)
-                    state = new_state
-                    history.skipped_steps.append(run_step)
-                    run_step += 1
-                    bar.update(1)
-                    continue
-                if monitored is not None:  # after routine loss-scale skips: no alert for those
-                    for alert in monitor_alerts(monitored, previous=previous_report):
-                        history.alerts.append(alert)
-                        if len(history.alerts) <= MAX_LOGGED_ALERTS:
-                            say(f"monitor: {alert}")
-                        elif len(history.alerts) == MAX_LOGGED_ALERTS + 1:
-                            say(f"monitor: more than {MAX_LOGGED_ALERTS} alerts; the rest are "
-                                "in the history, not printed")
-                    previous_report = monitored
-                bad = (bool(skipped) if "skipped" in metrics
-                       else step_was_skipped({"loss": loss, "grad_norm": grad_norm}))
-                if bad:
-                    taken = 1 if accumulate == 1 else int(jax.tree.leaves(call[0])[0].shape[0])
-                    update = ""
-                    if (math.isfinite(loss) and math.isfinite(grad_norm)
-                            and hasattr(step, "explain_skipped_update")):
-                        update = step.explain_skipped_update(state, *call)  # which leaf, why
-                    report = NonFiniteReport(run_step, epoch, i * accumulate, loss, grad_norm,
-                                             metrics.get("anomaly"), taken, update)
-                    if getattr(step, "nonfinite", None) == "raise":
-                        raise FloatingPointError(str(report))
-                    if not _all_finite(state.params):
-                        # The step before applied an update that overflowed the params although
-                        # its own loss and gradient were finite: go back to the epoch's start.
-                        state = verified
-                    warnings.warn(str(report), RuntimeWarning, stacklevel=2)
-                    return FitResult(state, history, report)
-                state = new_state
-                history.step_loss.append(loss)
-                history.step_grad_norm.append(grad_norm)
-                if rate is not None:  # a schedule's rate, as this update applied it
-                    history.step_learning_rate.append(float(rate))
-                if monitored is not None:
-                    history.layer_names = monitored.layer_names
-                    history.step_layer_norm.append(np.asarray(monitored.layer_norm).tolist())
-                run_step += 1
-                bar.update(1)
-                bar.set_postfix(epoch=epoch, loss=f"{history.step_loss[-1]:.4f}", refresh=False)
-            applied = len(history.step_loss) > first
-            row = {"epoch": epoch, "steps": run_step,
-                   "loss": float(np.mean(history.step_loss[first:])) if applied else math.nan,
-                   "grad_norm": (float(np.mean(history.step_grad_norm[first:])) if applied
-                                 else math.nan)}
-            if applied and len(history.step_learning_rate) == len(history.step_loss):
-                row["learning_rate"] = history.step_learning_rate[-1]  # the epoch's last update
-            if getattr(state, "loss_scale", None) is not None:
-                row["skipped"] = len(history.skipped_steps) - first_skip
-                row["loss_scale"] = float(state.loss_scale.scale)
-            if evaluate is not None:
-                scores = (evaluate(state.params) if getattr(state, "model_state", None) is None
-                          else evaluate(state.params, state.model_state))
-                row.update(_evaluated(scores))
-            history.epochs.append(row)
-            if _all_finite(state.params):
-                verified = state
-            say(format_epoch(row))
-    finally:
-        bar.close()
-    return FitResult(state, history, None)
+        n = rows(tree, "evaluate")
+    except ValueError as error:
+        raise ValueError(f"fit: {error}") from None
+    size = batch_size or n
+
+    @jax.jit
+    def batch_loss(params, batch):
+        value = loss.fn(params, batch)
+        value = value[0] if loss.has_aux else value
+        return jnp.sum(value) if jnp.ndim(value) else value * _rows_of(batch)
+
+    def evaluator(state):
+        total = 0.0
+        for start in range(0, n, size):
+            part = jax.tree.map(lambda a: a[start:start + size], tree)
+            total += float(batch_loss(state.params, part))
+        return {"loss": total / n}
+    return evaluator
+
+
+def _rows_of(batch) -> int:
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
+def _save(directory, state, position, history) -> None:
+    from funcgrad.train.checkpoint import save_checkpoint
+    save_checkpoint(directory, state, position=dict(position), history=history._state())
+
+
+def _restore(directory, like):
+    """(state, history, position) of the newest checkpoint in `directory`, or None when the
+    folder holds none (a first run with resume=True starts from `like`)."""
+    from funcgrad.train.checkpoint import latest_checkpoint_step, restore_checkpoint
+    if not os.path.isdir(directory) or latest_checkpoint_step(directory) is None:
+        return None
+    restored = restore_checkpoint(directory, like)
+    return restored.state, History._from_state(restored.history or {}), restored.position
 
 
 @jax.jit

@@ -364,8 +364,10 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
       `step_was_skipped` reads "skipped". With a learning-rate schedule that the optimizer
       state holds (`make_optimizer` with a schedule, or ``optax.inject_hyperparams``), metrics
       gain ``"learning_rate": ()``, the rate of this update (`applied_learning_rate`).
-      The step has attributes ``nonfinite`` (the policy), ``accumulate`` and
-      ``explain_skipped_update`` (see above).
+      The step has attributes ``nonfinite`` (the policy), ``accumulate``,
+      ``explain_skipped_update`` (see above) and ``unjitted``, the same step before
+      ``jax.jit`` (None with ``jit=False``), which `fit` runs many steps at a time inside
+      ``lax.scan``.
     Raises:
       TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
         ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``); at the first call, if a
@@ -484,6 +486,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         return _explain_skipped_update(state, metrics)
 
     out.explain_skipped_update = explain_skipped_update
+    out.unjitted = step if jit else None  # fit runs it inside lax.scan (funcgrad.train._chunks)
+    out.detect_anomaly = detect_anomaly
     out.nonfinite = nonfinite
     out.accumulate = accumulate
     out.tail = tail if accumulate is not None else None

@@ -241,22 +241,21 @@ def test_epochs_are_numbered_from_1_wherever_a_user_sees_them(monkeypatch):
     result = _quadratic_run(epochs=2, log=lines.append)
     assert [row["epoch"] for row in result.history.epochs] == [1, 2]
     assert [line.split()[:2] for line in lines] == [["epoch", "1"], ["epoch", "2"]]
-    assert postfixes == [1, 1, 2, 2]  # the bar is off (progress=False) but fed the same way
-    # A NaN in the first row of the second pass: reported as epoch 2 (step 2, its batch 0 or 1).
-    x = np.zeros((4, 1))
+    # The bar is off (progress=False) but fed the same way: once per chunk of steps (here one
+    # chunk of both batches per epoch).
+    assert postfixes == [1, 2]
+    # A NaN in the first batch of the second pass (a loader: epoch -> batches): reported as
+    # epoch 2, step 2 (two steps applied in epoch 1), batch 0.
     tx = optax.sgd(0.1)
     step = fg.make_train_step(lambda p, b: jnp.sum(p["p"] ** 2) / 2 + jnp.sum(b["x"]), tx)
     state = fg.init_train_state({"p": jnp.ones(2)}, tx)
-    calls = []
 
-    def evaluate(params):  # after epoch 1 the data goes bad: epoch 2's first step meets a NaN
-        calls.append(1)
-        x[:] = np.nan
-        return {}
+    def loader(epoch):
+        bad = np.nan if epoch == 1 else 0.0
+        return [{"x": np.full((2, 1), bad)}, {"x": np.zeros((2, 1))}]
 
     with pytest.warns(RuntimeWarning, match=r"non-finite value at step 2 \(epoch 2, batch 0\)"):
-        result = fg.fit(step, state, x, np.zeros(4), epochs=2, batch_size=2, progress=False,
-                        evaluate=evaluate)
+        result = fg.fit(step, state, loader, epochs=2, progress=False)
     assert result.nonfinite.epoch == 2 and result.nonfinite.to_dict()["epoch"] == 2
 
 
