@@ -215,8 +215,8 @@ def _check_like(meta: dict, like: TrainState, step: int, where: str) -> list[dic
             kind = lambda e: (f"a typed PRNG key ({e['key_impl']}) with key data " if e["key_impl"]
                               else "") + f"{e['dtype']} of shape {tuple(e['shape'])}"
             raise ValueError(
-                f"{where}: {s['path']} was saved as {kind(s)}, but like has {kind(w)}. Restoring "
-                f"does not convert: {_LIKE_HINT}")
+                f"{where}: {s['path']} was saved as {kind(s)}, but like has {kind(w)}; restoring "
+                f"does not convert dtypes or shapes. {_LIKE_HINT}")
     return saved
 
 
@@ -279,11 +279,12 @@ def restore_checkpoint(directory: str | os.PathLike, like: TrainState, *,
     step = steps[-1] if step is None else int(step)
     path = os.path.join(directory, str(step))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = meta["meta"]
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        meta = checkpointer.restore(
+            path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        found = meta.get("format") if isinstance(meta, dict) else None
+        if found != FORMAT:
             raise ValueError(f"{where}: {path} is not a funcgrad checkpoint of format {FORMAT} "
-                             f"(its format entry is {meta.get('format') if isinstance(meta, dict) else None!r}).")
+                             f"(its format entry is {found!r}); save_checkpoint writes them.")
         _check_like(meta, like, step, where)
         leaves, treedef = jax.tree.flatten(like)
         targets = {f"leaf{i}": _target(leaf) for i, leaf in enumerate(leaves) if np.size(leaf)}

@@ -187,6 +187,16 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
         restore_checkpoint(tmp_path, like)
 
 
+def test_a_checkpoint_written_by_something_else_is_refused(tmp_path):
+    import orbax.checkpoint as ocp
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp_path, options=options, item_names=("state", "meta")) as m:
+        m.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(2)}),
+                                          meta=ocp.args.JsonSave({"epoch": 1})))
+    with pytest.raises(ValueError, match=r"not a funcgrad checkpoint .*format entry is None"):
+        restore_checkpoint(tmp_path, _tiny_state(0.0, 0))
+
+
 def test_a_like_of_another_structure_names_the_first_differing_leaf(tmp_path):
     params = {"p": jnp.ones((2,), jnp.float32)}
     state = fg.init_train_state(params, "sgd", monitor=fg.grad_monitor())
@@ -268,3 +278,22 @@ def _module_level(tree):
         yield node
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             stack.extend(ast.iter_child_nodes(node))
+
+
+def test_numpy_python_and_empty_leaves_come_back_as_the_kind_like_holds(tmp_path):
+    # A model state may hold numpy arrays and Python numbers (a counter); orbax cannot store
+    # an array of size 0, so its dtype and shape are checked and the leaf is like's.
+    model_state = {"seen": 7, "rate": 0.25, "hist": np.arange(3, dtype=np.int32),
+                   "empty": jnp.zeros((0, 2), jnp.float32)}
+    state = fg.init_train_state({"p": jnp.ones((2,), jnp.float32)}, "sgd",
+                                model_state=model_state)
+    save_checkpoint(tmp_path, state)
+    like = fg.init_train_state({"p": jnp.zeros((2,), jnp.float32)}, "sgd", model_state={
+        "seen": 0, "rate": 0.0, "hist": np.zeros(3, np.int32), "empty": jnp.zeros((0, 2))})
+    r = restore_checkpoint(tmp_path, like).state
+    assert r.model_state["seen"] == 7 and type(r.model_state["seen"]) is int
+    assert r.model_state["rate"] == 0.25 and type(r.model_state["rate"]) is float
+    assert type(r.model_state["hist"]) is np.ndarray
+    np.testing.assert_array_equal(r.model_state["hist"], [0, 1, 2])
+    assert r.model_state["empty"].shape == (0, 2)
+    np.testing.assert_array_equal(r.params["p"], [1.0, 1.0])
