@@ -78,8 +78,10 @@ def _is_key(leaf: Any) -> bool:
 
 def _describe(path: tuple, leaf: Any) -> dict:
     """A leaf's entry in the checkpoint's JSON (a typed key: its key data's dtype and shape)."""
-    data = jax.random.key_data(leaf) if _is_key(leaf) else np.asarray(leaf) \
-        if not hasattr(leaf, "dtype") else leaf
+    if _is_key(leaf):
+        data = jax.random.key_data(leaf)
+    else:  # an array, or a Python number of a model state
+        data = leaf if hasattr(leaf, "dtype") else np.asarray(leaf)
     return {"path": "state" + keystr(path), "dtype": str(data.dtype),
             "shape": list(np.shape(data)),
             "key_impl": str(jax.random.key_impl(leaf)) if _is_key(leaf) else None}
@@ -112,8 +114,9 @@ def _to_json(value: Any, where: str) -> Any:
         return {k: _to_json(v, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    raise TypeError(f"save_checkpoint: {where} is a {type(value).__name__}, which has no JSON "
-                    "form; give numbers, strings, bools, None, lists and dicts.")
+    raise TypeError(f"save_checkpoint: {where} has type {type(value).__name__}, which has no "
+                    "JSON form; give numbers, strings, bools, None, lists and dicts (a "
+                    "dataclass: dataclasses.asdict(it)).")
 
 
 def save_checkpoint(directory: str | os.PathLike, state: TrainState, *,
