@@ -119,7 +119,9 @@ def batches(x: Any, y: Any, *, batch_size: int, seed: int = 0, epoch: int = 0,
         inputs takes e.g. ``x = {"image": (n, 8, 8), "meta": (n, 3)}``; each batch then holds
         the same structure with b rows per leaf). Rows are counted on the leaves.
       batch_size: examples per batch, a positive int.
-      seed, epoch: together they seed the permutation (NumPy's default generator); `epoch`
+      seed, epoch: together they seed the permutation (``jax.random.permutation`` of
+        ``fold_in(key(seed), epoch)``: the order `funcgrad.train.fit` draws on the device for
+        array data, so a loader made of these batches trains exactly as the arrays); `epoch`
         is an index here (0 for the first pass; `funcgrad.train.fit` numbers epochs from 1 in what
         it shows and passes ``epoch - 1``).
       shuffle: if False, batches are taken in order.
@@ -138,7 +140,11 @@ def batches(x: Any, y: Any, *, batch_size: int, seed: int = 0, epoch: int = 0,
     for name, value in (("seed", seed), ("epoch", epoch)):
         if not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"batches: {name} must be an int >= 0, got {value!r}.")
-    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    if shuffle:  # the order fit draws on the device for array data (threefry, any backend)
+        from funcgrad.train._chunks import epoch_order
+        order = np.asarray(epoch_order(int(seed), int(epoch), n))
+    else:
+        order = np.arange(n)
     stop = n - n % batch_size if drop_last else n
     take = lambda tree, idx: jax.tree.map(lambda leaf: leaf[idx], tree)
     return ({"x": take(x, idx), "y": take(y, idx)}

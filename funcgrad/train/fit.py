@@ -325,6 +325,9 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     try:
         with stopper:
             for epoch in range(start_epoch, epochs + 1):  # numbered from 1 wherever shown
+                if stopper.raised:  # Ctrl-C during the evaluation or the checkpoint
+                    interrupted = True
+                    break
                 first_skip = len(history.skipped_steps)
                 skip_in_epoch = start_in_epoch if epoch == start_epoch else 0
                 if skip_in_epoch == 0:
@@ -749,7 +752,9 @@ def _rows_of(batch) -> int:
 
 
 def _save(directory, state, position, history) -> None:
-    from funcgrad.train.checkpoint import save_checkpoint
+    from funcgrad.train.checkpoint import latest_checkpoint_step, save_checkpoint
+    if os.path.isdir(directory) and latest_checkpoint_step(directory) == int(state.step):
+        return  # this state is saved already (an epoch's end, then a stop before any step)
     save_checkpoint(directory, state, position=dict(position), history=history._state())
 
 
