@@ -403,8 +403,7 @@ class _Run:
                  chunked):
         self.step, self.source, self.history, self.log = step, source, history, log
         self.accumulate, self.chunk, self.skip_bad, self.seed = accumulate, chunk, skip_bad, seed
-        self.runner = (ChunkRunner(raw, accumulate=getattr(step, "accumulate", None),
-                                   skip_bad=skip_bad) if chunked else None)
+        self.runner = _runner(step, raw, skip_bad) if chunked else None
         self.data = (to_device(source.tree) if chunked and source.tree is not None else None)
         self.first_call, self.previous_report = True, None
         self.state = self.verified = None
@@ -429,10 +428,9 @@ class _Run:
             length = self.chunk or min(full, MAX_CHUNK)
             while done < full:
                 active = min(length, full - done)
-                state, _, ys = self.runner.gathered(self.state, self.data, order,
-                                                    jnp.int32(done), jnp.int32(active),
-                                                    jnp.zeros((), bool), length=length,
-                                                    size=size)
+                state, ran, ys = self.runner.gathered(self.state, self.data, order,
+                                                      jnp.int32(done), jnp.int32(active),
+                                                      length=length, size=size)
                 self.state = state
                 start = done
 
@@ -445,7 +443,8 @@ class _Run:
                     call = (split_for_accumulation(batch, k) if k > 1 else batch,)
                     return (start + i) * k, k, tuple(int(r) for r in rows_), call
 
-                report, steps = self._record(jax.device_get(ys), active, epoch, locate)
+                report, steps = self._record(_with_ran(jax.device_get((ran, ys))), active,
+                                             epoch, locate)
                 done += steps
                 position.update(step_in_epoch=done, run_step=self.run_step)
                 if report is not None or stopper.raised:
@@ -497,11 +496,11 @@ class _Run:
                 steps = 0 if report is not None else 1
             else:
                 stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *pending)
-                state, _, ys = self.runner.stacked(self.state, stacked, jnp.zeros((), bool))
+                state, ran, ys = self.runner.stacked(self.state, stacked)
                 self.state = state
                 start, calls = done, list(pending)
                 report, steps = self._record(
-                    jax.device_get(ys), len(pending), epoch,
+                    _with_ran(jax.device_get((ran, ys))), len(pending), epoch,
                     lambda i: (start + i, 1, None, (calls[i],)))
             done += steps if report is None else steps
             pending.clear()
@@ -643,6 +642,23 @@ class _Run:
                     self.say(f"monitor: more than {MAX_LOGGED_ALERTS} alerts; the rest are "
                              "in the history, not printed")
         self.previous_report = row(len(rows_) - 1)
+
+
+def _runner(step: Callable, raw: Callable, skip_bad: bool) -> ChunkRunner:
+    """The step's `ChunkRunner`, kept on the step so that later fits reuse its compiled
+    chunks."""
+    runners = step.__dict__.setdefault("_fit_runners", {})
+    if skip_bad not in runners:
+        runners[skip_bad] = ChunkRunner(raw, accumulate=getattr(step, "accumulate", None),
+                                        skip_bad=skip_bad)
+    return runners[skip_bad]
+
+
+def _with_ran(got) -> dict[str, Any]:
+    """A chunk's ``(count, rows)`` as rows with "ran" (the first `count` steps ran)."""
+    count, rows_ = got
+    length = len(rows_["loss"])
+    return dict(rows_, ran=np.arange(length) < int(count))
 
 
 def _host_row(metrics: Mapping[str, Any], new_state: Any) -> dict[str, Any]:
