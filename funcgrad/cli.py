@@ -131,6 +131,16 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="before training, print the memory of the compiled step (XLA's "
                         "argument/output/temporary bytes, the estimated peak) and write it into "
                         "metrics.json under \"memory\" (one extra compilation)")
+    t.add_argument("--resume", metavar="DIR", default=None,
+                   help="continue the run saved in DIR (a previous --out folder; its "
+                        "checkpoints/ subfolder) up to --epochs in all, with the same model "
+                        "flags; --out defaults to DIR")
+    t.add_argument("--checkpoint-every", type=_positive(int), default=None, metavar="N",
+                   help="also checkpoint every N epochs (default: a checkpoint at the end, on "
+                        "Ctrl-C and at a non-finite stop, in OUT/checkpoints)")
+    t.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
+                   help="at a step whose loss, gradient or update is NaN/inf: stop with a "
+                        "report (default), or skip the batch, count it and go on")
     parser.train_parser = t  # flag errors found after parsing use its "funcgrad train" prefix
     return parser
 
@@ -145,6 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.optimizer}); drop it or add --optimizer momentum")
     if args.command == "train":
         _model_flags(parser.train_parser, args)
+    if args.command == "train" and args.resume is not None:
+        if not os.path.isdir(os.path.join(args.resume, "checkpoints")):
+            parser.train_parser.error(
+                f"argument --resume: {args.resume} holds no checkpoints/ folder; pass the --out "
+                "folder of an earlier funcgrad train run")
+        if "--out" not in (argv if argv is not None else sys.argv[1:]):
+            args.out = args.resume
     if args.command == "train" and os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                                   "pass a folder path (it is created if missing)")
@@ -251,12 +268,12 @@ def _train(args: argparse.Namespace) -> int:
                                  **model.state_kwargs)
         memory = _memory_report(step, state, data, args.batch_size, accumulate) \
             if args.memory_report else None
-        result = fit(step, state,
-                     data.x_train,
-                     data.y_train, epochs=args.epochs,
-                     batch_size=args.batch_size, seed=args.seed,
-                     evaluate=lambda *p: {"test_accuracy": model.test_accuracy(*p)},
-                     progress=not args.no_progress and sys.stderr.isatty(), log=print)
+        result = _fit_keeping_everything(
+            fit, args, step, state, data.x_train, data.y_train, epochs=args.epochs,
+            batch_size=args.batch_size, seed=args.seed,
+            evaluate=lambda *p: {"test_accuracy": model.test_accuracy(*p)},
+            progress=not args.no_progress and sys.stderr.isatty(), log=print,
+            on_nonfinite=args.on_nonfinite, every=args.checkpoint_every or args.epochs)
     history = result.history
     metrics_path = os.path.join(args.out, "metrics.json")
     with open(metrics_path, "w") as f:
@@ -276,10 +293,46 @@ def _train(args: argparse.Namespace) -> int:
         print(f"gradient monitor: {len(history.alerts)} alert(s)")
     print(f"final test accuracy {final:.4f}; wrote {metrics_path} and {plot_path} "
           f"({time.perf_counter() - start:.1f} s)")
+    if history.skipped_batches:
+        print(f"{len(history.skipped_batches)} non-finite batch(es) skipped (listed in "
+              "metrics.json under skipped_batches)")
+    if result.interrupted:
+        print(f"funcgrad: interrupted after step {int(result.state.step)}; kept "
+              f"{metrics_path}, {plot_path} and a checkpoint in "
+              f"{os.path.join(args.out, 'checkpoints')} (continue with --resume {args.out})",
+              file=sys.stderr)
+        return 130
     if result.nonfinite is not None:
         print(f"funcgrad: error: {result.nonfinite}", file=sys.stderr)
         return 1
     return 0
+
+
+def _fit_keeping_everything(fit, args, step, state, x, y, **kwargs):
+    """`fit` with checkpoints in OUT/checkpoints (resumed from --resume DIR); a crash inside
+    it still writes metrics.json with the history so far before the error propagates."""
+    checkpoints = os.path.join(args.out, "checkpoints")
+    if args.resume is not None and os.path.abspath(args.resume) != os.path.abspath(args.out):
+        import shutil
+        if os.path.exists(checkpoints):
+            raise ValueError(f"--out {args.out} already holds checkpoints; resume into the "
+                             f"run's own folder (--resume {args.resume} without --out) or a new "
+                             "folder")
+        shutil.copytree(os.path.join(args.resume, "checkpoints"), checkpoints)
+    try:
+        return fit(step, state, x, y, checkpoint_dir=checkpoints, resume=args.resume is not None,
+                   **kwargs)
+    except Exception as error:
+        partial = getattr(error, "fit_result", None)
+        if partial is not None:
+            with open(os.path.join(args.out, "metrics.json"), "w") as f:
+                json.dump(_strict_json({
+                    "config": {k: v for k, v in vars(args).items() if k != "command"},
+                    **partial.history.to_dict(), "error": f"{type(error).__name__}: {error}"}),
+                    f, indent=1)
+            error.add_note(f"funcgrad train: the history so far is in "
+                           f"{os.path.join(args.out, 'metrics.json')}")
+        raise
 
 
 def _memory_report(step, state, data, batch_size: int, accumulate: int | None) -> dict:

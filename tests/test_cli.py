@@ -301,3 +301,63 @@ def test_memory_report_is_printed_and_written(tmp_path, capsys):
     assert memory["peak_bytes"] == (memory["argument_bytes"] + memory["output_bytes"]
                                     + memory["temp_bytes"] - memory["alias_bytes"])
     assert f"{memory['peak_bytes']:,}" in printed
+
+
+def test_ctrl_c_keeps_the_run_and_resume_finishes_it_as_one_run_would(tmp_path, capsys,
+                                                                     monkeypatch):
+    # Ctrl-C while epoch 2 is evaluated: exit status 130 with metrics.json (2 epochs), the plot
+    # and a checkpoint. Then --resume DIR --epochs 3 trains epoch 3 only, and its history and
+    # final accuracy equal those of one uninterrupted 3-epoch run (same flags).
+    import os
+    import signal
+
+    import funcgrad.cli as cli
+    real_mlp = cli._mlp
+    calls = []
+
+    def mlp_with_ctrl_c(args, data, accumulate):
+        model = real_mlp(args, data, accumulate)
+
+        def test_accuracy(*p):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            return model.test_accuracy(*p)
+        return model._replace(test_accuracy=test_accuracy)
+
+    common = ["--batch-size", "128", "--hidden", "16", "--no-progress", "--no-monitor"]
+    out = tmp_path / "run"
+    monkeypatch.setattr(cli, "_mlp", mlp_with_ctrl_c)
+    assert main(["train", "--epochs", "3", "--out", str(out), *common]) == 130
+    assert "interrupted after step 24" in capsys.readouterr().err  # 12 steps an epoch
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["epochs"]) == 2 and (out / "training.png").exists()
+    assert sorted(os.listdir(out / "checkpoints")) == ["24"]
+    monkeypatch.setattr(cli, "_mlp", real_mlp)
+    assert main(["train", "--epochs", "3", "--resume", str(out), *common]) == 0
+    resumed = json.loads((out / "metrics.json").read_text())
+    assert main(["train", "--epochs", "3", "--out", str(tmp_path / "straight"), *common]) == 0
+    straight = json.loads((tmp_path / "straight" / "metrics.json").read_text())
+    assert resumed["epochs"] == straight["epochs"] and len(resumed["epochs"]) == 3
+    assert resumed["steps"]["loss"] == straight["steps"]["loss"]
+
+
+def test_skip_nonfinite_batches_goes_on(tmp_path, capsys):
+    # SGD with lr 1e6 blows up: with --on-nonfinite skip every non-finite step is skipped
+    # (params untouched), counted and listed, and the run completes its epoch with status 0.
+    status = main(["train", "--optimizer", "sgd", "--lr", "1e6", "--epochs", "1",
+                   "--on-nonfinite", "skip", "--out", str(tmp_path), "--no-progress",
+                   "--no-monitor"])
+    assert status == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    skipped = metrics["skipped_batches"]
+    assert skipped and all(s["epoch"] == 1 for s in skipped)
+    assert len(metrics["steps"]["loss"]) + len(skipped) == 45  # ceil(1437 / 32) steps
+    assert f"{len(skipped)} non-finite batch(es) skipped" in capsys.readouterr().out
+
+
+def test_resume_needs_a_run_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--resume", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "holds no checkpoints/ folder" in capsys.readouterr().err

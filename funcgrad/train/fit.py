@@ -267,6 +267,9 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
       TypeError: if `step`, `evaluate` or `log` is of the wrong kind, or the first call of
         `step` returns something other than ``(TrainState, metrics)`` with "loss" and
         "grad_norm".
+      Any exception of the step, the loader or `evaluate` propagates with the run so far as
+      its ``fit_result`` attribute (a `FitResult`), after a checkpoint of the last state when
+      `checkpoint_dir` is given.
     Warns:
       UserWarning: when an accumulating step's group is larger than the data.
     """
@@ -349,6 +352,21 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                                 epoch_first=len(history.step_loss))
                 if checkpoint_dir is not None and (epoch % every == 0 or epoch == epochs):
                     _save(checkpoint_dir, run.state, position, history)
+    except Exception as error:
+        # A crash (an exception in the step, the loader or evaluate, XLA out of memory) keeps
+        # what was done: the result so far rides on the exception, and the last state is
+        # checkpointed when it is still alive (a chunk that failed may have consumed it).
+        error.fit_result = FitResult(run.state, history, None, False)
+        alive = not any(getattr(leaf, "is_deleted", lambda: False)()
+                        for leaf in jax.tree.leaves(run.state))
+        if checkpoint_dir is not None and alive:
+            try:
+                _save(checkpoint_dir, run.state, position, history)
+                error.add_note(f"funcgrad.fit: the last state (step {int(run.state.step)}) "
+                               f"is checkpointed in {checkpoint_dir}.")
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
+        raise
     finally:
         bar.close()
     if (report is not None or interrupted) and checkpoint_dir is not None:
