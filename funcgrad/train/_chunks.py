@@ -9,7 +9,8 @@ so the host reads them once per chunk:
 * `ChunkRunner.gathered`: the data lives on the device; step i of the chunk takes the rows
   ``order[(start + i) * size : (start + i + 1) * size]`` of every leaf (``size`` = batch size,
   times K with accumulation: K micro-batches of one update); the order is a permutation drawn
-  on the device (`epoch_order`).
+  on the device in the same call (`epoch_order`), and the epoch's last, smaller batch (or
+  partial group) is one more step of the last chunk: one dispatch per epoch.
 * `ChunkRunner.stacked`: the batches come from a loader, stacked on the host into
   ``(T, batch, ...)`` and sent in one transfer.
 
@@ -42,12 +43,12 @@ def epoch_order(seed: int, epoch: int, n: int) -> jax.Array:
     """The example order of one epoch: a permutation of ``range(n)``, int32, drawn on the
     default device from ``fold_in(key(seed), epoch)`` (threefry: the same on every backend).
     `funcgrad.train.data.batches` yields the same order from the host."""
-    return _order(jax.random.fold_in(jax.random.key(seed), epoch), n)
+    return _order(jax.random.key(seed), np.int32(epoch), n)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _order(key: jax.Array, n: int) -> jax.Array:
-    return jax.random.permutation(key, n).astype(jnp.int32)
+@functools.partial(jax.jit, static_argnums=2)
+def _order(key: jax.Array, epoch: jax.Array, n: int) -> jax.Array:
+    return jax.random.permutation(jax.random.fold_in(key, epoch), n).astype(jnp.int32)
 
 
 class ChunkRunner:
@@ -69,8 +70,8 @@ class ChunkRunner:
     def __init__(self, step: Callable, *, accumulate: int | None, skip_bad: bool):
         self.step, self.accumulate, self.skip_bad = step, accumulate, skip_bad
         self.monitor_layout = None  # set while tracing a monitored step
-        self.gathered = jax.jit(self._gathered, static_argnames=("length", "size"),
-                                donate_argnums=0)
+        self.gathered = jax.jit(self._gathered, donate_argnums=0, static_argnames=(
+            "length", "size", "tail", "batch_size"))
         self.stacked = jax.jit(self._stacked, donate_argnums=0)
 
     # --- one step inside the loop --------------------------------------------------------
@@ -102,21 +103,19 @@ class ChunkRunner:
         out.update(bad=skipped & ~routine, routine=routine)
         return new_state, out
 
-    def _loop(self, state, batch_at, count):
+    def _loop(self, state, batch_at, count, length, tail=None):
         """Steps i = 0 .. count - 1 on ``batch_at(i)``, stopping after a bad one (unless
         skip_bad): a ``lax.while_loop`` that writes each step's metrics into its row of
-        preallocated arrays, so a halted or short chunk computes nothing more."""
-        shapes = jax.eval_shape(self._compute, state, batch_at(jnp.int32(0)))[1]
-        length = batch_at.rows
-        rows = jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), shapes)
+        preallocated arrays (`length` rows, one more with a `tail`), so a halted or short
+        chunk computes nothing more. `tail`, a batch of another shape (an epoch's last, smaller
+        one), is one more step after the loop unless it halted, its row the next one."""
+        first = tail if batch_at is None else batch_at(jnp.int32(0))
+        shapes = jax.eval_shape(self._compute, state, first)[1]
+        rows = jax.tree.map(lambda s: jnp.zeros((length + (tail is not None), *s.shape),
+                                                s.dtype), shapes)
 
-        def cond(carry):
-            i, _, halted, _ = carry
-            return (i < count) & ~halted
-
-        def body(carry):
-            i, state, halted, rows = carry
-            new_state, out = self._compute(state, batch_at(i))
+        def step(i, state, halted, rows, batch):
+            new_state, out = self._compute(state, batch)
             if not self.skip_bad:
                 # A bad step was skipped by the step's own guard (params, optimizer and model
                 # state untouched); the counters it moved go back too: the state from before.
@@ -130,8 +129,14 @@ class ChunkRunner:
             rows = jax.tree.map(lambda r, v: r.at[i].set(v), rows, out)
             return i + 1, new_state, halted, rows
 
-        i, state, halted, rows = jax.lax.while_loop(
-            cond, body, (jnp.int32(0), state, jnp.zeros((), bool), rows))
+        carry = (jnp.int32(0), state, jnp.zeros((), bool), rows)
+        if batch_at is not None:  # None: fewer examples than one step takes, the tail alone
+            carry = jax.lax.while_loop(lambda c: (c[0] < count) & ~c[2],
+                                       lambda c: step(*c, batch_at(c[0])), carry)
+        i, state, halted, rows = carry
+        if tail is not None:
+            i, state, halted, rows = jax.lax.cond(
+                halted, lambda c: c, lambda c: step(*c, tail), (i, state, halted, rows))
         return state, i, rows
 
     def _batch_of(self, data, idx):
@@ -142,18 +147,37 @@ class ChunkRunner:
         return jax.tree.map(lambda leaf: leaf.reshape(k, leaf.shape[0] // k, *leaf.shape[1:]),
                             batch)
 
-    def _gathered(self, state, data, order, start, count, *, length, size):
+    def _tail_of(self, data, idx, batch_size):
+        """The epoch's last rows as one batch, or (accumulating) as the padded micro-batches
+        of a partial group with the mask of their real rows."""
+        batch = jax.tree.map(lambda leaf: jnp.take(leaf, idx, axis=0), data)
+        if self.accumulate is None:
+            return batch
+        from funcgrad.train.microbatches import Microbatches
+        r = idx.shape[0]
+        m = -(-r // batch_size)
+        pad = m * batch_size - r
+        stacked = jax.tree.map(
+            lambda leaf: jnp.concatenate([leaf, jnp.zeros((pad, *leaf.shape[1:]), leaf.dtype)])
+            .reshape(m, batch_size, *leaf.shape[1:]), batch)
+        mask = (jnp.arange(m * batch_size) < r).reshape(m, batch_size)
+        return Microbatches(stacked, mask)
+
+    def _gathered(self, state, data, key, epoch, start, count, *, length, size, tail,
+                  batch_size):
+        n = jax.tree.leaves(data)[0].shape[0]
+        order = _order(key, epoch, n)
+
         def batch_at(i):
             return self._batch_of(data, jax.lax.dynamic_slice(order, ((start + i) * size,),
                                                               (size,)))
-        batch_at.rows = length
-        return self._loop(state, batch_at, count)
+        last = self._tail_of(data, order[n - tail:], batch_size) if tail else None
+        return self._loop(state, batch_at if size <= n else None, count, length, last)
 
     def _stacked(self, state, batches):
-        def batch_at(i):
-            return jax.tree.map(lambda leaf: leaf[i], batches)
-        batch_at.rows = jax.tree.leaves(batches)[0].shape[0]
-        return self._loop(state, batch_at, jnp.int32(batch_at.rows))
+        length = jax.tree.leaves(batches)[0].shape[0]
+        return self._loop(state, lambda i: jax.tree.map(lambda leaf: leaf[i], batches),
+                          jnp.int32(length), length)
 
 
 def owned_copy(tree: PyTree) -> PyTree:

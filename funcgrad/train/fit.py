@@ -423,6 +423,7 @@ class _Run:
         self.accumulate, self.chunk, self.skip_bad, self.seed = accumulate, chunk, skip_bad, seed
         self.runner = _runner(step, raw, skip_bad) if chunked else None
         self.data = (to_device(source.tree) if chunked and source.tree is not None else None)
+        self.key = jax.random.key(seed)  # the order's base key, on the device once
         self.first_call, self.previous_report = True, None
         self.state = self.verified = None
         self.run_step, self.bar, self.say = 0, None, None
@@ -436,50 +437,63 @@ class _Run:
         return self._loader_epoch(epoch, skip, stopper, position)
 
     def _array_epoch(self, epoch, skip, stopper, position):
-        n, k = self.source.n, self.accumulate
-        size = self.source.batch_size * k
-        order = epoch_order(self.seed, epoch - 1, n)
+        n, k, b = self.source.n, self.accumulate, self.source.batch_size
+        size = b * k
+        full, tail = n // size, n % size
         host_order = None
-        full = n // size
+
+        def order():  # the host's copy of the epoch's order: for reports and calls
+            nonlocal host_order
+            if host_order is None:
+                host_order = np.asarray(epoch_order(self.seed, epoch - 1, n))
+            return host_order
+
+        def call_of(rows_):
+            batch = take_rows(self.source.tree, rows_)
+            if k == 1:
+                return (batch,)
+            if len(rows_) == size:
+                return (split_for_accumulation(batch, k),)
+            micro = [take_rows(batch, np.arange(j, min(j + b, len(rows_))))
+                     for j in range(0, len(rows_), b)]
+            return (stack_microbatches(micro, size=b),)
+
         done = skip
-        if self.runner is not None and done < full:
-            length = self.chunk or min(full, MAX_CHUNK)
-            while done < full:
+        if self.runner is not None:
+            dropped = 0
+            if k > 1 and tail and getattr(self.step, "tail", None) == "drop":
+                tail, dropped = 0, tail  # a partial group is dropped, not run
+            length = self.chunk or max(1, min(full, MAX_CHUNK))
+            while done < full or (done == full and tail):
                 active = min(length, full - done)
-                state, ran, ys = self.runner.gathered(self.state, self.data, order,
-                                                      jnp.int32(done), jnp.int32(active),
-                                                      length=length, size=size)
+                last_tail = tail if done + active == full else 0
+                state, ran, ys = self.runner.gathered(
+                    self.state, self.data, self.key, np.int32(epoch - 1), np.int32(done),
+                    np.int32(active), length=length, size=size, tail=last_tail, batch_size=b)
                 self.state = state
                 start = done
 
-                def locate(i, start=start):
-                    nonlocal host_order
-                    if host_order is None:
-                        host_order = np.asarray(order)
-                    rows_ = host_order[(start + i) * size:(start + i + 1) * size]
-                    batch = take_rows(self.source.tree, rows_)
-                    call = (split_for_accumulation(batch, k) if k > 1 else batch,)
-                    return (start + i) * k, k, tuple(int(r) for r in rows_), call
+                def locate(i, start=start, active=active):
+                    if i < active:
+                        rows_ = order()[(start + i) * size:(start + i + 1) * size]
+                        return (start + i) * k, k, tuple(int(r) for r in rows_), call_of(rows_)
+                    rows_ = order()[n - tail:]
+                    return full * k, -(-len(rows_) // b), tuple(int(r) for r in rows_), \
+                        call_of(rows_)
 
-                report, steps = self._record(_with_ran(jax.device_get((ran, ys))), active,
-                                             epoch, locate)
+                report, steps = self._record(_with_ran(jax.device_get((ran, ys))),
+                                             active + (1 if last_tail else 0), epoch, locate)
                 done += steps
                 position.update(step_in_epoch=done, run_step=self.run_step)
-                if report is not None or stopper.raised:
+                if done == full and report is None:
+                    self.history.dropped_examples += dropped
+                if report is not None or stopper.raised or last_tail:
                     return report
-        # One call per step: the epoch's tail (or every step, without chunks).
-        if done * size < n:
-            host_order = np.asarray(order) if host_order is None else host_order
+            return None
+        # One call per step (a step that is not jitted or not made by make_train_step).
         while done * size < n:
-            rows_ = host_order[done * size:(done + 1) * size]
-            batch = take_rows(self.source.tree, rows_)
-            if k > 1:
-                micro = [take_rows(batch, np.arange(j, min(j + self.source.batch_size,
-                                                           len(rows_))))
-                         for j in range(0, len(rows_), self.source.batch_size)]
-                call = (stack_microbatches(micro, size=self.source.batch_size),)
-            else:
-                call = (batch,)
+            rows_ = order()[done * size:(done + 1) * size]
+            call = call_of(rows_)
             report = self._call(call, epoch, done * k, len(call[0].mask) if k > 1 else 1,
                                 tuple(int(r) for r in rows_))
             done += 1
