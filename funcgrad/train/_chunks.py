@@ -55,9 +55,12 @@ class ChunkRunner:
     """Runs chunks of a train step under ``lax.scan`` (see the module docstring).
 
     Args:
-      step: the un-jitted train step (``make_train_step(...).unjitted``).
+      step: the un-jitted train step (``make_train_step(...).unjitted``, or ``.unguarded``).
       accumulate: K of an accumulating step (its batches are ``(K, batch, ...)``), or None.
       skip_bad: go on past a non-finite step instead of halting.
+      unguarded: `step` is ``make_train_step(...).unguarded``: it applies even a non-finite
+        update, so the chunk keeps (does not donate) its starting state, and a chunk with a
+        bad step must be re-run from it with the guarded step.
     A call returns ``(state, count, rows)``: the state after the chunk (before its bad step,
     if one halted it), how many steps ran (the bad one included), and per step, one row of
     each: "bad" (its guard skipped it for a non-finite value), "routine" (a loss-scale
@@ -67,12 +70,17 @@ class ChunkRunner:
     Rows from `count` on are zeros.
     """
 
-    def __init__(self, step: Callable, *, accumulate: int | None, skip_bad: bool):
+    def __init__(self, step: Callable, *, accumulate: int | None, skip_bad: bool,
+                 unguarded: bool = False):
         self.step, self.accumulate, self.skip_bad = step, accumulate, skip_bad
+        self.unguarded = unguarded
         self.monitor_layout = None  # set while tracing a monitored step
-        self.gathered = jax.jit(self._gathered, donate_argnums=0, static_argnames=(
+        # A guarded chunk donates the state it starts from; an unguarded one keeps it (fit
+        # re-runs the chunk from it, guarded, when a step was bad).
+        donate = () if unguarded else 0
+        self.gathered = jax.jit(self._gathered, donate_argnums=donate, static_argnames=(
             "length", "size", "tail", "batch_size"))
-        self.stacked = jax.jit(self._stacked, donate_argnums=0)
+        self.stacked = jax.jit(self._stacked, donate_argnums=donate)
 
     # --- one step inside the loop --------------------------------------------------------
     def _compute(self, state, batch):
@@ -116,7 +124,9 @@ class ChunkRunner:
 
         def step(i, state, halted, rows, batch):
             new_state, out = self._compute(state, batch)
-            if not self.skip_bad:
+            if self.unguarded:
+                halted = out["bad"]  # the state is garbage now: fit re-runs the chunk guarded
+            elif not self.skip_bad:
                 # A bad step was skipped by the step's own guard (params, optimizer and model
                 # state untouched); the counters it moved go back too: the state from before.
                 halted = out["bad"]

@@ -191,7 +191,7 @@ def optimizer_stage(optimizer: optax.GradientTransformation,
     return stage
 
 
-def guard_stage(*, zero: bool, locate: bool) -> Stage:
+def guard_stage(*, zero: bool, locate: bool, optimistic: bool = False) -> Stage:
     """Applies the update only when it is finite: loss, global norm (unless ``zero``), every
     trained leaf's new value and every floating leaf of the new model state. A skipped update
     leaves params, optimizer state and model state as they were.
@@ -225,8 +225,9 @@ def guard_stage(*, zero: bool, locate: bool) -> Stage:
         new = (u.new_params, u.opt_state, u.model_state)
         if u.model_state is None:
             old, new = old[:2] + (None,), new[:2] + (None,)
-        u.new_params, u.opt_state, u.model_state = jax.tree.map(
-            lambda n, o: jnp.where(u.ok, n, o), new, old)
+        if not optimistic:
+            u.new_params, u.opt_state, u.model_state = jax.tree.map(
+                lambda n, o: jnp.where(u.ok, n, o), new, old)
         # "skipped" depends on the whole guard: the one output that tells a skip (a step
         # skipped for its update has a finite loss and norm).
         u.metrics["skipped"] = (~u.ok).astype(jnp.int32)

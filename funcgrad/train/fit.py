@@ -189,7 +189,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
         progress: bool = True, log: Callable[[str], None] | None = None,
         chunk: int | None = None, on_nonfinite: str = "stop",
         checkpoint_dir: str | os.PathLike | None = None, every: int = 1,
-        resume: bool = False) -> FitResult:
+        resume: bool = False, optimistic: bool = True) -> FitResult:
     """Trains for `epochs` passes over `data`, at device speed where it can, keeping every
     result: a non-finite step is never applied, Ctrl-C returns what was done.
 
@@ -255,6 +255,12 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
       chunk: steps per dispatch (see Speed); 1 calls the step once per batch.
       on_nonfinite: "stop" (default) or "skip" (see Non-finite steps).
       checkpoint_dir, every, resume: see Checkpoints.
+      optimistic: run each chunk first with the step's ``unguarded`` form (the guard's test
+        without its per-leaf selects, which wait for the global reductions: 1.2x on a
+        1.1M-parameter MLP), keeping the chunk's starting state; a chunk in which a step was
+        skipped is run again from that state with the guarded step, so no non-finite update
+        is ever applied. Not with a loss scale or ``on_nonfinite="skip"``. False: the guarded
+        step only, which donates the state (half the state's memory during a chunk).
     Returns:
       a `FitResult`.
     Raises:
@@ -314,7 +320,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
         state = owned_copy(state)  # the chunks donate their state: the caller's stays valid
     run = _Run(step=step, raw=raw, source=source, history=history, log=log,
                accumulate=accumulate, chunk=chunk, skip_bad=on_nonfinite == "skip",
-               seed=seed, chunked=chunked)
+               seed=seed, chunked=chunked, optimistic=optimistic)
     total = epochs * source.steps_per_epoch(accumulate) if source.n is not None else None
     bar = tqdm(total=total, disable=not progress, unit="step", leave=False)
     run.bar = bar
@@ -418,10 +424,15 @@ class _Run:
     run an epoch (chunks of steps on the device, or one call per batch)."""
 
     def __init__(self, *, step, raw, source, history, log, accumulate, chunk, skip_bad, seed,
-                 chunked):
+                 chunked, optimistic):
         self.step, self.source, self.history, self.log = step, source, history, log
         self.accumulate, self.chunk, self.skip_bad, self.seed = accumulate, chunk, skip_bad, seed
         self.runner = _runner(step, raw, skip_bad) if chunked else None
+        # Unguarded chunks first (no per-step selects), re-run guarded when one had a bad step.
+        unguarded = getattr(step, "unguarded", None)
+        self.fast = (_runner(step, unguarded, skip_bad, unguarded=True)
+                     if chunked and optimistic and not skip_bad and unguarded is not None
+                     else None)
         self.data = (to_device(source.tree) if chunked and source.tree is not None else None)
         self.key = jax.random.key(seed)  # the order's base key, on the device once
         self.first_call, self.previous_report = True, None
@@ -467,10 +478,13 @@ class _Run:
             while done < full or (done == full and tail):
                 active = min(length, full - done)
                 last_tail = tail if done + active == full else 0
-                state, ran, ys = self.runner.gathered(
-                    self.state, self.data, self.key, np.int32(epoch - 1), np.int32(done),
-                    np.int32(active), length=length, size=size, tail=last_tail, batch_size=b)
-                self.state = state
+                def call(runner, state, done=done, active=active, last_tail=last_tail):
+                    return runner.gathered(
+                        state, self.data, self.key, np.int32(epoch - 1), np.int32(done),
+                        np.int32(active), length=length, size=size, tail=last_tail,
+                        batch_size=b)
+                call.state = self.state
+                self.state, got = _chunk(self.fast, self.runner, call)
                 start = done
 
                 def locate(i, start=start, active=active):
@@ -481,8 +495,8 @@ class _Run:
                     return full * k, -(-len(rows_) // b), tuple(int(r) for r in rows_), \
                         call_of(rows_)
 
-                report, steps = self._record(_with_ran(jax.device_get((ran, ys))),
-                                             active + (1 if last_tail else 0), epoch, locate)
+                report, steps = self._record(_with_ran(got), active + (1 if last_tail else 0),
+                                             epoch, locate)
                 done += steps
                 position.update(step_in_epoch=done, run_step=self.run_step)
                 if done == full and report is None:
@@ -528,11 +542,12 @@ class _Run:
                 steps = 0 if report is not None else 1
             else:
                 stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *pending)
-                state, ran, ys = self.runner.stacked(self.state, stacked)
-                self.state = state
+                call = lambda runner, state: runner.stacked(state, stacked)
+                call.state = self.state
+                self.state, got = _chunk(self.fast, self.runner, call)
                 start, calls = done, list(pending)
                 report, steps = self._record(
-                    _with_ran(jax.device_get((ran, ys))), len(pending), epoch,
+                    _with_ran(got), len(pending), epoch,
                     lambda i: (start + i, 1, None, (calls[i],)))
             done += steps if report is None else steps
             pending.clear()
@@ -640,8 +655,10 @@ class _Run:
                                batches, update, examples), len(taken)
 
     def _layout(self, ys):
-        return self.runner.monitor_layout if self.runner is not None and \
-            self.runner.monitor_layout is not None else ys["monitor_layout"]
+        for runner in (self.fast, self.runner):
+            if runner is not None and runner.monitor_layout is not None:
+                return runner.monitor_layout
+        return ys["monitor_layout"]
 
     def _alerts(self, ys, rows_) -> None:
         """The monitor's alerts of the steps `rows_`, in order: the flags of all of them at
@@ -676,14 +693,31 @@ class _Run:
         self.previous_report = row(len(rows_) - 1)
 
 
-def _runner(step: Callable, raw: Callable, skip_bad: bool) -> ChunkRunner:
+def _runner(step: Callable, raw: Callable, skip_bad: bool,
+            unguarded: bool = False) -> ChunkRunner:
     """The step's `ChunkRunner`, kept on the step so that later fits reuse its compiled
     chunks."""
     runners = step.__dict__.setdefault("_fit_runners", {})
-    if skip_bad not in runners:
-        runners[skip_bad] = ChunkRunner(raw, accumulate=getattr(step, "accumulate", None),
-                                        skip_bad=skip_bad)
-    return runners[skip_bad]
+    if (skip_bad, unguarded) not in runners:
+        runners[skip_bad, unguarded] = ChunkRunner(
+            raw, accumulate=getattr(step, "accumulate", None), skip_bad=skip_bad,
+            unguarded=unguarded)
+    return runners[skip_bad, unguarded]
+
+
+def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable):
+    """``run(runner, state) -> (state, count, rows)`` unguarded first when `fast` is given;
+    when a step of it was bad, again from the same starting state with the guarded runner
+    (which stops there, with the state from before it). Returns the host's (count, rows) too."""
+    state = run.state
+    if fast is not None:
+        new_state, ran, rows_ = fast_call = run(fast, state)
+        got = jax.device_get((ran, rows_))
+        if not np.asarray(got[1]["bad"])[:int(got[0])].any():
+            return new_state, got
+        del fast_call, new_state  # garbage: a non-finite update was applied
+    new_state, ran, rows_ = run(guarded, state)
+    return new_state, jax.device_get((ran, rows_))
 
 
 def _with_ran(got) -> dict[str, Any]:

@@ -365,9 +365,10 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
       state holds (`make_optimizer` with a schedule, or ``optax.inject_hyperparams``), metrics
       gain ``"learning_rate": ()``, the rate of this update (`applied_learning_rate`).
       The step has attributes ``nonfinite`` (the policy), ``accumulate``,
-      ``explain_skipped_update`` (see above) and ``unjitted``, the same step before
-      ``jax.jit`` (None with ``jit=False``), which `fit` runs many steps at a time inside
-      ``lax.scan``.
+      ``explain_skipped_update`` (see above), ``unjitted``, the same step before
+      ``jax.jit`` (None with ``jit=False``), which `fit` runs many steps at a time, and
+      ``unguarded``, that step without the guard's selects (it still reports "skipped"; None
+      with a loss scale), which `fit` runs first and re-runs guarded when a step was skipped.
     Raises:
       TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
         ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``); at the first call, if a
@@ -416,7 +417,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
 
     def apply_update(state: TrainState, loss_value: jax.Array, grads: PyTree, *,
                      model_state: PyTree = None, aux: PyTree = None, dead: Any = None,
-                     locate: bool = False) -> tuple[TrainState, dict]:
+                     locate: bool = False, optimistic: bool = False
+                     ) -> tuple[TrainState, dict]:
         """The stages after differentiation, once per update (funcgrad.train._stages)."""
         flags = ([True] * len(jax.tree.leaves(state.params)) if trainable is None
                  else _leaf_flags(trainable, state.params, "make_train_step"))
@@ -428,7 +430,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
             norm_stage,
             clip_stage(clip_norm) if clip_norm is not None else None,
             optimizer_stage(optimizer, applied_learning_rate),
-            guard_stage(zero=nonfinite == "zero", locate=locate),
+            guard_stage(zero=nonfinite == "zero", locate=locate, optimistic=optimistic),
             loss_scale_stage(loss_scale) if loss_scale is not None else None,
         )(update)
         # Under accumulation the aux is per micro-batch (make_accumulating_step adds it).
@@ -486,7 +488,11 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         return _explain_skipped_update(state, metrics)
 
     out.explain_skipped_update = explain_skipped_update
-    out.unjitted = step if jit else None  # fit runs it inside lax.scan (funcgrad.train._chunks)
+    out.unjitted = step if jit else None  # fit runs it in chunks (funcgrad.train._chunks)
+    # The same without the guard's selects, for fit's re-checked chunks; not with a loss scale
+    # (its routine overflows would each send a chunk back to be re-run).
+    out.unguarded = (build(functools.partial(apply_update, optimistic=True))
+                     if jit and loss_scale is None else None)
     out.detect_anomaly = detect_anomaly
     out.nonfinite = nonfinite
     out.accumulate = accumulate

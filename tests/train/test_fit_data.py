@@ -57,6 +57,10 @@ def test_chunks_of_steps_equal_one_call_per_step_with_the_monitor_and_clipping()
     assert [str(a) for a in h1.alerts] == [str(a) for a in h2.alerts]
     _assert_trees(chunked.state.params, single.state.params)
     assert int(chunked.state.step) == 10
+    # The chunks run unguarded first (optimistic): the guarded chunks give the same run.
+    guarded = fg.fit(step, state, X, Y, optimistic=False, **kw)
+    np.testing.assert_allclose(guarded.history.step_loss, h1.step_loss, rtol=1e-6)
+    _assert_trees(guarded.state.params, chunked.state.params, rtol=1e-6)
     # The caller's state is untouched (the chunks donate a copy of it).
     np.testing.assert_array_equal(state.params[0]["w"], _setup()[1].params[0]["w"])
 
