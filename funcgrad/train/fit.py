@@ -316,8 +316,6 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
             epoch_first = position.get("epoch_first", len(history.step_loss))
             if start_in_epoch == 0:
                 epoch_first = len(history.step_loss)
-    if chunked:
-        state = owned_copy(state)  # the chunks donate their state: the caller's stays valid
     run = _Run(step=step, raw=raw, source=source, history=history, log=log,
                accumulate=accumulate, chunk=chunk, skip_bad=on_nonfinite == "skip",
                seed=seed, chunked=chunked, optimistic=optimistic)
@@ -436,6 +434,7 @@ class _Run:
         self.data = (to_device(source.tree) if chunked and source.tree is not None else None)
         self.key = jax.random.key(seed)  # the order's base key, on the device once
         self.first_call, self.previous_report = True, None
+        self.owned = False  # whether self.state's buffers are fit's own (may be donated)
         self.state = self.verified = None
         self.run_step, self.bar, self.say = 0, None, None
 
@@ -483,8 +482,9 @@ class _Run:
                         state, self.data, self.key, np.int32(epoch - 1), np.int32(done),
                         np.int32(active), length=length, size=size, tail=last_tail,
                         batch_size=b)
-                call.state = self.state
+                call.state, call.owned = self.state, self.owned
                 self.state, got = _chunk(self.fast, self.runner, call)
+                self.owned = True  # a chunk's output: fit's own buffers
                 start = done
 
                 def locate(i, start=start, active=active):
@@ -543,8 +543,9 @@ class _Run:
             else:
                 stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *pending)
                 call = lambda runner, state: runner.stacked(state, stacked)
-                call.state = self.state
+                call.state, call.owned = self.state, self.owned
                 self.state, got = _chunk(self.fast, self.runner, call)
+                self.owned = True
                 start, calls = done, list(pending)
                 report, steps = self._record(
                     _with_ran(got), len(pending), epoch,
@@ -716,6 +717,8 @@ def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable):
         if not np.asarray(got[1]["bad"])[:int(got[0])].any():
             return new_state, got
         del fast_call, new_state  # garbage: a non-finite update was applied
+    if not run.owned:  # the guarded chunk donates its state: never the caller's arrays
+        state = owned_copy(state)
     new_state, ran, rows_ = run(guarded, state)
     return new_state, jax.device_get((ran, rows_))
 
