@@ -227,11 +227,12 @@ def _train(args: argparse.Namespace) -> int:
     from funcgrad.train.fit import fit
     from funcgrad.train.step import init_train_state, make_optimizer, make_train_step
 
-    start = time.perf_counter()
+    clock = _Clock()
     os.makedirs(args.out, exist_ok=True)
     cache = _use_caches(args.cache_dir)
     data = load_digits(test_size=args.test_size, seed=args.seed,
                        cache_dir=cache and os.path.join(cache, "digits"))
+    clock.lap("data")
     tx = make_optimizer(args.optimizer, args.lr,
                         momentum=0.9 if args.momentum is None else args.momentum)
 
@@ -278,12 +279,14 @@ def _train(args: argparse.Namespace) -> int:
                                  **model.state_kwargs)
         memory = _memory_report(step, state, data, args.batch_size, accumulate) \
             if args.memory_report else None
+        clock.lap("setup")
         result = _fit_keeping_everything(
             fit, args, step, state, data.x_train, data.y_train, epochs=args.epochs,
             batch_size=args.batch_size, seed=args.seed,
             evaluate=lambda *p: {"test_accuracy": model.test_accuracy(*p)},
             progress=not args.no_progress and sys.stderr.isatty(), log=print,
             on_nonfinite=args.on_nonfinite, every=args.checkpoint_every or args.epochs)
+    clock.lap("train")
     history = result.history
     metrics_path = os.path.join(args.out, "metrics.json")
     with open(metrics_path, "w") as f:
@@ -292,7 +295,9 @@ def _train(args: argparse.Namespace) -> int:
             **model.shape, **history.to_dict(),
             "nonfinite": result.nonfinite.to_dict() if result.nonfinite else None,
             **({"memory": memory} if memory is not None else {})}), f, indent=1)
+    clock.lap("setup")
     plot_path = _plot(history, os.path.join(args.out, "training.png"))
+    clock.lap("plot")
     final = float(model.test_accuracy(  # the last finite state if stopped early
         result.state.params, *(() if result.state.model_state is None
                                else (result.state.model_state,))))
@@ -302,7 +307,7 @@ def _train(args: argparse.Namespace) -> int:
     if monitor is not None:
         print(f"gradient monitor: {len(history.alerts)} alert(s)")
     print(f"final test accuracy {final:.4f}; wrote {metrics_path} and {plot_path} "
-          f"({time.perf_counter() - start:.1f} s)")
+          f"({clock.summary()})")
     if history.skipped_batches:
         print(f"{len(history.skipped_batches)} non-finite batch(es) skipped (listed in "
               "metrics.json under skipped_batches)")
@@ -343,6 +348,52 @@ def _fit_keeping_everything(fit, args, step, state, x, y, **kwargs):
             error.add_note(f"funcgrad train: the history so far is in "
                            f"{os.path.join(args.out, 'metrics.json')}")
         raise
+
+
+class _Clock:
+    """Where `_train`'s seconds went, for its last line: the named stretches between calls of
+    `lap` (a name may recur), less the time JAX spent tracing, lowering and compiling (or
+    loading from its cache), which is reported as "compile": the union of those spans, as
+    JAX's monitoring records them (they nest)."""
+
+    _EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+               "/jax/core/compile/jaxpr_to_mlir_module_duration",
+               "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        import jax.monitoring
+
+        self.start = self.last = time.time()  # JAX's spans are time.time() seconds
+        self.laps: list[tuple[str, float, float]] = []
+        self.spans: list[tuple[float, float]] = []
+        jax.monitoring.register_event_time_span_listener(self._span)
+
+    def _span(self, event: str, start: float, end: float, **_) -> None:
+        if event in self._EVENTS:
+            self.spans.append((start, end))
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.laps.append((name, self.last, now))
+        self.last = now
+
+    def summary(self) -> str:
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_time_span_listener(self._span)
+        merged: list[list[float]] = []
+        for a, b in sorted(self.spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        overlap = lambda a, b: sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged)
+        parts = {"data": 0.0, "compile": sum(b - a for a, b in merged), "train": 0.0,
+                 "plot": 0.0, "setup": 0.0}
+        for name, a, b in [*self.laps, ("setup", self.last, time.time())]:
+            parts[name] += b - a - overlap(a, b)
+        total = time.time() - self.start
+        return f"{total:.1f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
 
 
 def _use_caches(flag: str | None) -> str | None:
@@ -483,6 +534,7 @@ def _plot(history, path: str) -> str:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, NullLocator
     except ImportError as e:
         raise ImportError("the training plot needs matplotlib: pip install 'funcgrad[examples]'") from e
     import numpy as np
@@ -523,6 +575,10 @@ def _plot(history, path: str) -> str:
     axes[-1].set_xlabel("step")
     for ax in axes:
         ax.grid(alpha=0.3)
+        # Decades labelled 0.01, 0.1, 1 (not mathtext's 10^-2...) and no minor ticks: half
+        # the plot's drawing time (each tick is a few artists, each label a text layout).
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.yaxis.set_minor_locator(NullLocator())
     fig.suptitle("funcgrad train: loss and gradient norms per step"
                  + (f" ({len(history.alerts)} monitor alerts, shaded)"
                     if layers and history.alerts else ""))
