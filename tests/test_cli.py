@@ -448,3 +448,22 @@ def test_the_plot_has_its_three_panels(tmp_path, monkeypatch):
         assert 0 < box.x0 < box.x1 < 1 and 0 < box.y0 < box.y1 < 1
     boxes = [ax.get_position() for ax in fig.axes]
     assert all(upper.y0 > lower.y1 for upper, lower in zip(boxes, boxes[1:]))
+
+
+def test_the_last_lines_breakdown_takes_compiling_out_of_each_stretch():
+    import jax.monitoring
+
+    from funcgrad.cli import _Clock
+    times = iter([100.0, 101.5, 103.0, 103.3])
+    clock = _Clock(now=lambda: next(times))            # starts at 100
+    for event, start, end in [("/jax/core/compile/jaxpr_trace_duration", 100.5, 101.0),
+                              ("/jax/core/compile/jaxpr_to_mlir_module_duration", 100.6, 100.8),
+                              ("/jax/core/compile/backend_compile_duration", 102.0, 102.5),
+                              ("/jax/some/other_event", 100.0, 103.0)]:
+        jax.monitoring.record_event_time_span(event, start, end, fun_name="f")
+    clock.lap("data")                                  # 101.5
+    clock.lap("train")                                 # 103.0
+    # compile: [100.5, 101] (the nested span inside it) + [102, 102.5] = 1.0 s; data: 1.5 s
+    # less the 0.5 s of compiling in it; train: 1.5 - 0.5; setup: 103.0 -> 103.3; total 3.3.
+    assert clock.summary() == ("3.3 s: data 1.00 s, compile 1.00 s, train 1.00 s, "
+                               "plot 0.00 s, setup 0.30 s")
