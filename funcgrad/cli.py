@@ -153,8 +153,29 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def console_main() -> None:
+    """The ``funcgrad`` console script and ``python -m funcgrad``: `main` on ``sys.argv``, then
+    the exit handlers (atexit) and a flush of stdout and stderr, then ``os._exit``.
+
+    That skips only the interpreter's own teardown -- freeing every module, array and
+    compiled XLA program one by one, which the OS does at once anyway: 0.45-0.5 s of a
+    ~4 s ``funcgrad train`` on 2026-12-02 here (a process that has imported jax, optax and
+    matplotlib). Everything the run writes is closed before `main` returns.
+    """
+    status = main()
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (funcgrad train | head) or stream
+            pass
+    os._exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``funcgrad`` console script and ``python -m funcgrad``; returns the exit status."""
+    """What ``funcgrad`` does with `argv` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "train" and args.momentum is not None and args.optimizer != "momentum":

@@ -467,3 +467,29 @@ def test_the_last_lines_breakdown_takes_compiling_out_of_each_stretch():
     # less the 0.5 s of compiling in it; train: 1.5 - 0.5; setup: 103.0 -> 103.3; total 3.3.
     assert clock.summary() == ("3.3 s: data 1.00 s, compile 1.00 s, train 1.00 s, "
                                "plot 0.00 s, setup 0.30 s")
+
+
+def test_the_console_entry_runs_exit_handlers_flushes_and_exits_with_mains_status(
+        tmp_path, monkeypatch, capsys):
+    import atexit
+    import os
+
+    from funcgrad import cli
+    calls = []
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(status):
+        calls.append(("exit", status))
+        raise Exited
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(sys, "argv", ["funcgrad", "train", "--out", str(blocker / "run")])
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: calls.append(("atexit",)))
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with pytest.raises(Exited):
+        cli.console_main()
+    assert calls == [("atexit",), ("exit", 1)]  # main's status: 1, the unwritable --out
+    assert capsys.readouterr().err.startswith("funcgrad: error:")
