@@ -7,11 +7,12 @@ training.png), timed from before the process starts until it has exited. One col
 first, with an empty cache folder (FUNCGRAD_CACHE_DIR set to a new temporary folder, so the
 command line is the default one): it fills the caches (the digits split, JAX's compiled
 programs) and warms the disk; then --runs warm runs. Reported per run: wall seconds, the
-child's peak RSS (os.wait4's rusage of that child alone), and the CLI's own breakdown from its
-last line (data, compile = JAX's tracing, lowering and compiling or loading from the cache,
-train = fit less its compiling, plot); "startup" is the wall time before `_train` starts:
-the interpreter and the imports. The machine's load average is recorded: this is a 2-core
-machine shared with other jobs, and a loaded core shows in every column.
+child's CPU seconds (user + system, all its threads) and peak RSS (os.wait4's rusage of that
+child alone), and the CLI's own breakdown from its last line (data, compile = JAX's tracing,
+lowering and compiling or loading from the cache, train = fit less its compiling, plot);
+"startup" is the wall time outside `_train`: the interpreter, the imports and the exit. The
+machine's load average is recorded: this is a 2-core machine shared with other jobs, and a
+loaded core shows in every column.
 
     $ python benchmarks/train_cli.py [--runs 5] [--out benchmarks/results/train_cli.json]
 """
@@ -43,7 +44,8 @@ def _run(out: str, env: dict) -> dict:
         text = log.read()
     if proc.returncode != 0:
         raise SystemExit(f"funcgrad train exited {proc.returncode}:\n{text}")
-    row = {"wall_s": wall, "peak_rss_mib": usage.ru_maxrss / 1024}  # Linux: KiB
+    row = {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+           "peak_rss_mib": usage.ru_maxrss / 1024}  # Linux: KiB
     found = _BREAKDOWN.search(text.strip().splitlines()[-1])
     if found:
         row["in_train_s"] = float(found["total"])
@@ -68,7 +70,7 @@ def main() -> None:
         warm = [_run(os.path.join(tmp, "run"), env) for _ in range(args.runs)]
         load_after = os.getloadavg()
 
-    columns = [c for c in ("wall_s", "startup_s", "data_s", "compile_s", "train_s", "plot_s",
+    columns = [c for c in ("wall_s", "cpu_s", "startup_s", "data_s", "compile_s", "train_s", "plot_s",
                            "peak_rss_mib") if c in cold]
     print(f"funcgrad train --out DIR (defaults), {args.runs} warm runs after one cold; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
