@@ -24,7 +24,7 @@ def test_every_public_name_is_its_modules_object():
     tree = ast.parse(Path(fg.__file__).read_text())
     (block,) = [n for n in tree.body if isinstance(n, ast.If)]
     expected = {a.asname: n.module for n in block.body for a in n.names}
-    assert set(fg.__all__) == set(expected) and len(expected) == 75
+    assert set(fg.__all__) == set(expected) and len(expected) >= 75  # 75 on 2026-12-02
     for name, module in expected.items():
         if module == "funcgrad":
             assert getattr(fg, name) is importlib.import_module(f"funcgrad.{name}")
