@@ -31,12 +31,14 @@ LIMIT_S = 3.0
 _BREAKDOWN = re.compile(r"\((?P<total>[\d.]+) s: (?P<parts>[^)]*)\)\s*$")
 
 
-def _run(out: str, env: dict) -> dict:
-    """One `funcgrad train --out OUT` in a fresh process: wall s, peak RSS MiB, breakdown."""
+def _run(out: str, env: dict, cwd: str) -> dict:
+    """One `funcgrad train --out OUT` in a fresh process: wall s, peak RSS MiB, breakdown.
+    It runs in `cwd`, not here: ``python -m`` puts its working folder first on sys.path, so
+    from the repository root it would import this checkout whatever PYTHONPATH says."""
     with tempfile.TemporaryFile("w+") as log:
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "funcgrad", "train", "--out", out],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -65,14 +67,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="funcgrad-bench-") as tmp:
         env = {**os.environ, "FUNCGRAD_CACHE_DIR": os.path.join(tmp, "cache")}
         env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the run's own cache, as for a user
+        where = subprocess.run([sys.executable, "-c", "import funcgrad; print(funcgrad.__file__)"],
+                               env=env, cwd=tmp, capture_output=True, text=True, check=True)
+        funcgrad_file = where.stdout.strip()
         load_before = os.getloadavg()
-        cold = _run(os.path.join(tmp, "run"), env)
-        warm = [_run(os.path.join(tmp, "run"), env) for _ in range(args.runs)]
+        cold = _run(os.path.join(tmp, "run"), env, tmp)
+        warm = [_run(os.path.join(tmp, "run"), env, tmp) for _ in range(args.runs)]
         load_after = os.getloadavg()
 
     columns = [c for c in ("wall_s", "cpu_s", "startup_s", "data_s", "compile_s", "train_s", "plot_s",
                            "peak_rss_mib") if c in cold]
-    print(f"funcgrad train --out DIR (defaults), {args.runs} warm runs after one cold; "
+    print(f"funcgrad train --out DIR (defaults; {funcgrad_file}), {args.runs} warm runs "
+          "after one cold; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(f"{'run':>8} " + " ".join(f"{c:>12}" for c in columns))
     for name, row in [("cold", cold), *((f"warm {i + 1}", r) for i, r in enumerate(warm))]:
@@ -89,7 +95,8 @@ def main() -> None:
     from importlib import metadata
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"command": "python -m funcgrad train --out DIR", "limit_s": LIMIT_S,
+        json.dump({"command": "python -m funcgrad train --out DIR", "funcgrad": funcgrad_file,
+                   "limit_s": LIMIT_S,
                    "versions": {p: metadata.version(p) for p in
                                 ("jax", "jaxlib", "ml_dtypes", "numpy", "scikit-learn",
                                  "matplotlib")},
