@@ -121,8 +121,9 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="folder for what a later run can reuse: the digits split (digits/) and "
                         "JAX's compiled programs (jax/, unless JAX_COMPILATION_CACHE_DIR or "
-                        "jax.config already names a JAX cache); a warm run starts in about a "
-                        "second instead of ten. One that cannot be written means no cache "
+                        "jax.config already names a JAX cache), so a later run skips "
+                        "scikit-learn's import and XLA's compiling. One that cannot be written "
+                        "means no cache "
                         "(default: $FUNCGRAD_CACHE_DIR, else $XDG_CACHE_HOME/funcgrad, else "
                         "~/.cache/funcgrad)")
     t.add_argument("--no-progress", action="store_true",
