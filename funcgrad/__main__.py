@@ -1,6 +1,4 @@
 """``python -m funcgrad``: the same as the ``funcgrad`` console script."""
-import sys
+from funcgrad.cli import console_main
 
-from funcgrad.cli import main
-
-sys.exit(main())
+console_main()

@@ -29,6 +29,10 @@ if _CACHE_MADE_HERE:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# `funcgrad train`'s own cache (the digits split; --cache-dir) goes in there too, not in ~/.cache.
+os.environ.setdefault("FUNCGRAD_CACHE_DIR",
+                      os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "funcgrad"))
+
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads it when it starts)
 import pytest
 

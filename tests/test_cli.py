@@ -361,3 +361,135 @@ def test_resume_needs_a_run_folder(tmp_path, capsys):
         main(["train", "--resume", str(tmp_path)])
     assert exit_.value.code == 2
     assert "holds no checkpoints/ folder" in capsys.readouterr().err
+
+
+_SMALL = ["train", "--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-monitor",
+          "--no-progress"]
+
+
+def test_a_warm_run_reads_the_digits_cache_and_never_imports_sklearn_or_pyplot(
+        tmp_path, monkeypatch, capsys):
+    import jax
+    compile_dir = jax.config.jax_compilation_cache_dir  # the suite's (tests/conftest.py)
+    assert main([*_SMALL, "--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "a")]) == 0
+    (split,) = (tmp_path / "c" / "digits").iterdir()
+    for name in ("sklearn.datasets", "sklearn.model_selection", "sklearn.preprocessing",
+                 "matplotlib.pyplot"):  # importing any of them now fails
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main([*_SMALL, "--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "b")]) == 0
+    assert list((tmp_path / "c" / "digits").iterdir()) == [split]
+    first, second = (json.loads((tmp_path / run / "metrics.json").read_text()) for run in "ab")
+    assert first["steps"] == second["steps"] and first["epochs"] == second["epochs"]
+    # A JAX cache configured already (here by JAX_COMPILATION_CACHE_DIR) is kept, not moved.
+    assert jax.config.jax_compilation_cache_dir == compile_dir
+    assert not any((tmp_path / "c" / "jax").iterdir())
+
+
+def test_jax_compilation_cache_goes_under_the_cache_folder_when_none_is_set(
+        tmp_path, monkeypatch, capsys):
+    import jax
+
+    from funcgrad.cli import _use_caches
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    before = (jax.config.jax_compilation_cache_dir,
+              jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", None)  # as in a fresh `funcgrad train`
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # JAX's default
+    try:
+        assert _use_caches(str(tmp_path / "c")) == str(tmp_path / "c")
+        after = (jax.config.jax_compilation_cache_dir,
+                 jax.config.jax_persistent_cache_min_compile_time_secs)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    assert after == (str(tmp_path / "c" / "jax"), 0.0) and (tmp_path / "c" / "jax").is_dir()
+
+
+def test_an_unusable_cache_folder_or_home_still_trains(tmp_path, monkeypatch, capsys):
+    from funcgrad.cli import _use_caches
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a folder would go")
+    out = tmp_path / "run"
+    assert main([*_SMALL, "--cache-dir", str(blocker / "cache"), "--out", str(out)]) == 0
+    assert "no cache folder" in capsys.readouterr().err and (out / "metrics.json").exists()
+    # The default folder under a home that cannot hold it (read-only, or a file): no cache.
+    for name in ("FUNCGRAD_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(blocker / "home"))
+    assert _use_caches(None) is None
+    assert f"{blocker / 'home' / '.cache' / 'funcgrad'}: " in capsys.readouterr().err
+
+
+def test_the_plot_has_its_three_panels(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from funcgrad.cli import _plot
+    from funcgrad.train.fit import History
+    figures = []
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (figures.append(fig), real_savefig(fig, *a, **k)))
+    history = History(step_loss=[2.0, 1.0, 0.5], step_grad_norm=[3.0, 2.0, 1.0],
+                      layer_names=("params[0]", "params[1]"),
+                      step_layer_norm=[[1.0, 2.0], [0.0, 1.0], [0.5, 0.5]], alerts=[])
+    path = tmp_path / "training.png"
+    _plot(history, str(path))
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == [
+        "loss (nats)", "global grad norm (pre-clip)", "layer grad norm"]
+    assert [ax.get_yscale() for ax in fig.axes] == ["log"] * 3
+    assert fig.axes[-1].get_xlabel() == "step" and fig.axes[-1].get_legend() is not None
+    assert [len(ax.lines) for ax in fig.axes] == [1, 1, 2]
+    # 7 x 8 inches at 110 dpi: 770 x 880 pixels (the PNG's IHDR width and height).
+    png = path.read_bytes()
+    assert int.from_bytes(png[16:20], "big") == 770 and int.from_bytes(png[20:24], "big") == 880
+    for ax in fig.axes:  # no panel overlaps the next or leaves the figure
+        box = ax.get_position()
+        assert 0 < box.x0 < box.x1 < 1 and 0 < box.y0 < box.y1 < 1
+    boxes = [ax.get_position() for ax in fig.axes]
+    assert all(upper.y0 > lower.y1 for upper, lower in zip(boxes, boxes[1:]))
+
+
+def test_the_last_lines_breakdown_takes_compiling_out_of_each_stretch():
+    import jax.monitoring
+
+    from funcgrad.cli import _Clock
+    times = iter([100.0, 101.5, 103.0, 103.3])
+    clock = _Clock(now=lambda: next(times))            # starts at 100
+    for event, start, end in [("/jax/core/compile/jaxpr_trace_duration", 100.5, 101.0),
+                              ("/jax/core/compile/jaxpr_to_mlir_module_duration", 100.6, 100.8),
+                              ("/jax/core/compile/backend_compile_duration", 102.0, 102.5),
+                              ("/jax/some/other_event", 100.0, 103.0)]:
+        jax.monitoring.record_event_time_span(event, start, end, fun_name="f")
+    clock.lap("data")                                  # 101.5
+    clock.lap("train")                                 # 103.0
+    # compile: [100.5, 101] (the nested span inside it) + [102, 102.5] = 1.0 s; data: 1.5 s
+    # less the 0.5 s of compiling in it; train: 1.5 - 0.5; setup: 103.0 -> 103.3; total 3.3.
+    assert clock.summary() == ("3.3 s: data 1.00 s, compile 1.00 s, train 1.00 s, "
+                               "plot 0.00 s, setup 0.30 s")
+
+
+def test_the_console_entry_runs_exit_handlers_flushes_and_exits_with_mains_status(
+        tmp_path, monkeypatch, capsys):
+    import atexit
+    import os
+
+    from funcgrad import cli
+    calls = []
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(status):
+        calls.append(("exit", status))
+        raise Exited
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(sys, "argv", ["funcgrad", "train", "--out", str(blocker / "run")])
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: calls.append(("atexit",)))
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with pytest.raises(Exited):
+        cli.console_main()
+    assert calls == [("atexit",), ("exit", 1)]  # main's status: 1, the unwritable --out
+    assert capsys.readouterr().err.startswith("funcgrad: error:")

@@ -74,3 +74,46 @@ def test_missing_scikit_learn_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # makes the import fail
     with pytest.raises(ImportError, match=r"pip install 'funcgrad\[examples\]'"):
         fg.load_digits()
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+_SKLEARN = ("sklearn.datasets", "sklearn.model_selection", "sklearn.preprocessing")
+
+
+def test_cached_split_is_sklearns_bit_for_bit_and_skips_sklearn(digits, tmp_path, monkeypatch):
+    first = fg.load_digits(seed=0, cache_dir=tmp_path)  # built by scikit-learn, then stored
+    (stored,) = tmp_path.iterdir()
+    for name in _SKLEARN:  # a second run must not import scikit-learn: any import now fails
+        monkeypatch.setitem(sys.modules, name, None)
+    again = fg.load_digits(seed=0, cache_dir=tmp_path)
+    for field in digits._fields:  # `digits` came from scikit-learn without a cache
+        assert _same_bits(getattr(first, field), getattr(digits, field)), field
+        assert _same_bits(getattr(again, field), getattr(digits, field)), field
+    assert list(tmp_path.iterdir()) == [stored]
+    with pytest.raises(ImportError):  # other settings are not in the cache: scikit-learn again
+        fg.load_digits(seed=1, cache_dir=tmp_path)
+
+
+def test_corrupted_or_foreign_cache_file_is_rebuilt(digits, tmp_path):
+    fg.load_digits(seed=1, cache_dir=tmp_path / "other")
+    (foreign,) = (tmp_path / "other").iterdir()
+    fg.load_digits(seed=0, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.npz")
+    good = path.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 1  # one bit inside x_train's data: the zip's CRC-32 catches it
+    for bad in (b"not an npz", good[: len(good) // 2], bytes(flipped), foreign.read_bytes()):
+        path.write_bytes(bad)
+        loaded = fg.load_digits(seed=0, cache_dir=tmp_path)
+        assert all(_same_bits(getattr(loaded, f), getattr(digits, f)) for f in digits._fields)
+        assert path.read_bytes() == good  # rewritten whole (np.savez is deterministic)
+
+
+def test_unwritable_cache_folder_still_loads(digits, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder would go")
+    loaded = fg.load_digits(seed=0, cache_dir=blocker / "cache")
+    assert all(_same_bits(getattr(loaded, f), getattr(digits, f)) for f in digits._fields)
