@@ -17,7 +17,7 @@ over rounds whose order is shuffled each round; ratios are medians of the within
 fit + monitor <= 1.10x fit; fit >= 0.9x the hand scan (hand / fit) at batch 256 and on the
 large MLP.
 
-    $ python benchmarks/fit.py [--repeats 15] [--epochs 2] [--out benchmarks/results/fit.json]
+    $ python benchmarks/fit.py [--repeats 15] [--epochs 10] [--out benchmarks/results/fit.json]
 """
 import argparse
 import pathlib
@@ -143,7 +143,7 @@ def case(name, sizes, batch, data, repeats, epochs, torch_ok):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--epochs", type=int, default=2, help="epochs per timed round")
+    ap.add_argument("--epochs", type=int, default=10, help="epochs per timed round (one fit call)")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "fit.json"))
     args = ap.parse_args()
     try:

@@ -117,6 +117,19 @@ class ChunkRunner:
         preallocated arrays (`length` rows, one more with a `tail`), so a halted or short
         chunk computes nothing more. `tail`, a batch of another shape (an epoch's last, smaller
         one), is one more step after the loop unless it halted, its row the next one."""
+        if self.unguarded:
+            # No halting: the state after a bad step is garbage anyway (fit re-runs the chunk
+            # guarded), so a plain scan, which traces the step once and needs no row buffers.
+            rows = None
+            if batch_at is not None:
+                state, rows = jax.lax.scan(lambda st, i: self._compute(st, batch_at(i)),
+                                           state, jnp.arange(length, dtype=jnp.int32))
+            if tail is not None:
+                state, last = self._compute(state, tail)
+                last = jax.tree.map(lambda v: v[None], last)
+                rows = last if rows is None else jax.tree.map(
+                    lambda r, v: jnp.concatenate([r, v]), rows, last)
+            return state, jnp.int32(jax.tree.leaves(rows)[0].shape[0]), rows
         first = tail if batch_at is None else batch_at(jnp.int32(0))
         shapes = jax.eval_shape(self._compute, state, first)[1]
         rows = jax.tree.map(lambda s: jnp.zeros((length + (tail is not None), *s.shape),

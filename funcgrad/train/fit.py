@@ -478,10 +478,12 @@ class _Run:
                 active = min(length, full - done)
                 last_tail = tail if done + active == full else 0
                 def call(runner, state, done=done, active=active, last_tail=last_tail):
+                    # An unguarded chunk is a scan of exactly `active` steps; a guarded one a
+                    # loop of up to `length` (one program for every chunk of the run).
                     return runner.gathered(
                         state, self.data, self.key, np.int32(epoch - 1), np.int32(done),
-                        np.int32(active), length=length, size=size, tail=last_tail,
-                        batch_size=b)
+                        np.int32(active), length=active if runner.unguarded else length,
+                        size=size, tail=last_tail, batch_size=b)
                 call.state, call.owned = self.state, self.owned
                 self.state, got = _chunk(self.fast, self.runner, call)
                 self.owned = True  # a chunk's output: fit's own buffers
