@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from funcgrad.train.loss import LossOutput as LossOutput
     from funcgrad.train.loss import as_loss as as_loss
     from funcgrad.train.fit import fit as fit
+    from funcgrad.train.checkpoint import Restored as Restored
+    from funcgrad.train.checkpoint import latest_checkpoint_step as latest_checkpoint_step
+    from funcgrad.train.checkpoint import restore_checkpoint as restore_checkpoint
+    from funcgrad.train.checkpoint import save_checkpoint as save_checkpoint
     from funcgrad.train.step import init_train_state as init_train_state
     from funcgrad.train.step import make_optimizer as make_optimizer
     from funcgrad.train.step import make_train_step as make_train_step
