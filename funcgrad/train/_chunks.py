@@ -77,10 +77,22 @@ class ChunkRunner:
         self.monitor_layout = None  # set while tracing a monitored step
         # A guarded chunk donates the state it starts from; an unguarded one keeps it (fit
         # re-runs the chunk from it, guarded, when a step was bad).
-        donate = () if unguarded else 0
-        self.gathered = jax.jit(self._gathered, donate_argnums=donate, static_argnames=(
-            "length", "size", "tail", "batch_size"))
-        self.stacked = jax.jit(self._stacked, donate_argnums=donate)
+        self._donate = () if unguarded else 0
+        self._programs: dict[tuple, Callable] = {}
+        self.stacked = jax.jit(self._stacked, donate_argnums=self._donate)
+
+    def gathered(self, state, data, key, epoch, start, count, *, length, size, tail,
+                 batch_size):
+        """The chunk of `count` steps from step `start` of `epoch` (see the module
+        docstring). One jitted program per static shape, called with positional arguments
+        only (static keyword arguments take jit's slow path: 0.4 ms a call, not 0.1)."""
+        shape = (length, size, tail, batch_size)
+        program = self._programs.get(shape)
+        if program is None:
+            program = self._programs[shape] = jax.jit(
+                functools.partial(self._gathered, length=length, size=size, tail=tail,
+                                  batch_size=batch_size), donate_argnums=self._donate)
+        return program(state, data, key, epoch, start, count)
 
     # --- one step inside the loop --------------------------------------------------------
     def _compute(self, state, batch):
