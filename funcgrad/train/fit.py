@@ -23,7 +23,7 @@ import numpy as np
 from funcgrad._library_objects import check_params
 from funcgrad.train._chunks import ChunkRunner, epoch_order, owned_copy, to_device
 from funcgrad.train.data import rows
-from funcgrad.train.microbatches import group_microbatches, stack_microbatches
+from funcgrad.train.microbatches import Microbatches, group_microbatches, stack_microbatches
 from funcgrad.train.monitor import UNKNOWN_AXIS_NOTE, MonitorMetrics, monitor_alerts
 from funcgrad.train.sources import as_source, split_for_accumulation, take_rows
 from funcgrad.train.step import TrainState
@@ -295,8 +295,11 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
         raise ValueError("fit: resume=True needs checkpoint_dir=, the folder to resume from.")
     _check_callables(step, evaluate if callable(evaluate) or evaluate is None
                      or isinstance(evaluate, str) else None, log)
-    if isinstance(state, TrainState):
-        check_params("fit", state.params)  # an equinox / nnx object: the fix to train it
+    if not isinstance(state, TrainState):
+        check_params("fit", state)  # an equinox / nnx object given as the state: the fix
+        raise TypeError(f"fit: state must be a TrainState, from funcgrad.init_train_state("
+                        f"params, optimizer), got {type(state).__name__}.")
+    check_params("fit", state.params)  # an equinox / nnx object: the fix to train it
     source = as_source(data, y, batch_size=batch_size, epochs=epochs)
     accumulate = getattr(step, "accumulate", None) or 1
     tail_policy = getattr(step, "tail", None)
@@ -307,10 +310,14 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     chunked = raw is not None and chunk != 1
     history = History()
     start_epoch, start_in_epoch, run_step, epoch_first = 1, 0, 0, 0
+    # What decides which examples the rest of an epoch visits: a resumed run must match them.
+    settings = {"seed": seed, "batch_size": source.batch_size, "examples": source.n,
+                "accumulate": accumulate}
     if resume:
         restored = _restore(checkpoint_dir, state)
         if restored is not None:
             state, history, position = restored
+            _check_resumed(position, settings, checkpoint_dir)
             start_epoch = position["epoch"] + 1
             start_in_epoch, run_step = position["step_in_epoch"], position["run_step"]
             epoch_first = position.get("epoch_first", len(history.step_loss))
@@ -325,7 +332,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     run.say = lambda line: _say(log, tqdm, line)
     run.state, run.run_step = state, run_step
     position = {"epoch": start_epoch - 1, "step_in_epoch": start_in_epoch, "run_step": run_step,
-                "epoch_first": epoch_first, "seed": seed}
+                "epoch_first": epoch_first, **settings}
     bar.update(run_step if total is not None else 0)
     stopper = _InterruptFlag()
     report, interrupted = None, False
@@ -342,7 +349,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                 position.update(epoch=epoch - 1, step_in_epoch=skip_in_epoch,
                                 epoch_first=epoch_first)
                 report = run.epoch(epoch, skip_in_epoch, stopper, position)
-                if report is not None or stopper.raised:
+                if report is not None or (stopper.raised and not run.epoch_done):
                     interrupted = stopper.raised and report is None
                     break
                 row = _epoch_row(history, epoch, run.run_step, epoch_first, first_skip,
@@ -356,8 +363,8 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                                 epoch_first=len(history.step_loss))
                 if checkpoint_dir is not None and (epoch % every == 0 or epoch == epochs):
                     _save(checkpoint_dir, run.state, position, history)
-    except Exception as error:
-        # A crash (an exception in the step, the loader or evaluate, XLA out of memory) keeps
+    except (Exception, KeyboardInterrupt) as error:
+        # A crash (or a second Ctrl-C) (an exception in the step, the loader or evaluate, XLA out of memory) keeps
         # what was done: the result so far rides on the exception, and the last state is
         # checkpointed when it is still alive (a chunk that failed may have consumed it).
         error.fit_result = FitResult(run.state, history, None, False)
@@ -440,6 +447,10 @@ class _Run:
 
     # --- epochs -------------------------------------------------------------------------
     def epoch(self, epoch: int, skip: int, stopper, position) -> NonFiniteReport | None:
+        """Runs the rest of `epoch` from step `skip`; returns the report of a non-finite stop
+        (else None). ``self.epoch_done`` says whether the epoch ran to its end (a Ctrl-C can
+        stop it earlier)."""
+        self.epoch_done = False
         if self.verified is None:
             self.verified = self.state
         if self.source.tree is not None:
@@ -504,26 +515,40 @@ class _Run:
                 if done == full and report is None:
                     self.history.dropped_examples += dropped
                 if report is not None or stopper.raised or last_tail:
+                    self.epoch_done = report is None and (last_tail or done >= full)
                     return report
+            self.epoch_done = True
             return None
         # One call per step (a step that is not jitted or not made by make_train_step).
         while done * size < n:
             rows_ = order()[done * size:(done + 1) * size]
             call = call_of(rows_)
-            report = self._call(call, epoch, done * k, len(call[0].mask) if k > 1 else 1,
-                                tuple(int(r) for r in rows_))
+            taken = (len(call[0].mask) if isinstance(call[0], Microbatches) else k) if k > 1 else 1
+            report = self._call(call, epoch, done * k, taken, tuple(int(r) for r in rows_))
             done += 1
             position.update(step_in_epoch=done, run_step=self.run_step)
             if report is not None or stopper.raised:
+                self.epoch_done = report is None and done * size >= n
                 return report
+        self.epoch_done = True
         return None
 
     def _loader_epoch(self, epoch, skip, stopper, position):
         k = self.accumulate
-        batches = self.source.iterate(epoch - 1)
+        batches = _counted(self.source.iterate(epoch - 1))
         for _ in range(skip * k):  # resumed mid-epoch: the batches already trained on
             next(batches, None)
         done = skip
+
+        def finished():
+            if batches.count == 0:
+                raise ValueError(
+                    f"fit: the loader yielded no batches in epoch {epoch}; fit needs at least "
+                    "one batch per epoch (a generator made for one epoch is used up after it: "
+                    "pass a function epoch -> iterable of batches).")
+            self.epoch_done = True
+            return None
+
         if k > 1:
             for group in group_microbatches(batches, k):
                 report = self._call((group,), epoch, done * k, len(group.mask), None)
@@ -531,7 +556,7 @@ class _Run:
                 position.update(step_in_epoch=done, run_step=self.run_step)
                 if report is not None or stopper.raised:
                     return report
-            return None
+            return finished()
         length = self.chunk or LOADER_CHUNK
         pending: list = []
 
@@ -564,7 +589,8 @@ class _Run:
                 if report is not None or stopper.raised:
                     return report
             pending.append(batch)
-        return flush()
+        report = flush()
+        return report if report is not None else finished()
 
     # --- one call of the step (tails, loaders with accumulation, hand-written steps) ------
     def _call(self, call, epoch, batch_index, batches, examples):
@@ -725,6 +751,21 @@ def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable):
     return new_state, jax.device_get((ran, rows_))
 
 
+class _counted:
+    """An iterator that counts what it yields (`count`)."""
+
+    def __init__(self, iterable):
+        self._it, self.count = iter(iterable), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self._it)
+        self.count += 1
+        return item
+
+
 def _with_ran(got) -> dict[str, Any]:
     """A chunk's ``(count, rows)`` as rows with "ran" (the first `count` steps ran)."""
     count, rows_ = got
@@ -836,6 +877,19 @@ def _evaluator(evaluate: Any, step: Callable, batch_size: int | None):
 
 def _rows_of(batch) -> int:
     return jax.tree.leaves(batch)[0].shape[0]
+
+
+def _check_resumed(position: Mapping[str, Any], settings: Mapping[str, Any], directory) -> None:
+    """ValueError when a resumed run's seed, batch size, data size or accumulation differ
+    from the checkpointed run's: the rest of its epoch would visit other examples."""
+    changed = [f"{k} {v!r} (the run had {position[k]!r})" for k, v in settings.items()
+               if k in position and position[k] != v]
+    if changed:
+        raise ValueError(
+            f"fit: resume=True from {directory} with {', '.join(changed)}: the rest of the "
+            "run would visit other examples than the run that was stopped (some twice, some "
+            "never). Resume with the run's own data and settings, or pass a new "
+            "checkpoint_dir to start over.")
 
 
 def _save(directory, state, position, history) -> None:

@@ -59,7 +59,11 @@ class Source:
         try:
             rows(batch, "batch")
         except ValueError as error:
-            raise ValueError(f"fit: {where} of the loader: {error}") from None
+            lists = any(isinstance(node, list) for node in jax.tree.leaves(
+                batch, is_leaf=lambda x: isinstance(x, list)))
+            raise ValueError(f"fit: {where} of the loader: {error}"
+                             + (" (nested Python lists are read as trees of scalars: make "
+                                "each leaf an array with np.asarray)" if lists else "")) from None
         if self._first is None:
             self._first = batch
         elif jax.tree.structure(batch) != jax.tree.structure(self._first):
@@ -106,8 +110,12 @@ def as_source(data: Any, y: PyTree = None, *, batch_size: Any, epochs: int) -> S
     if isinstance(data, list) or (not isinstance(data, (Mapping, tuple)) and not hasattr(
             data, "shape") and (isinstance(data, Iterable) or _is_function(data))):
         if batch_size is not None:
-            raise ValueError("fit: batch_size applies to array data; a loader's batches keep "
-                             "their own size. Drop batch_size=, or pass the arrays.")
+            raise ValueError(
+                "fit: batch_size applies to array data, and data here is read as a loader"
+                + (" (a list is a sequence of batches, not [x, y]: pass fit(step, state, x, y, "
+                   "batch_size=...) or a tuple (x, y) or a dict {'x': x, 'y': y})"
+                   if isinstance(data, list) else "")
+                + "; a loader's batches keep their own size: drop batch_size=.")
         if isinstance(data, Iterator) and epochs > 1:
             raise ValueError(
                 f"fit: data is an iterator ({type(data).__name__}), which is used up after one "

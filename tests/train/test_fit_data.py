@@ -214,3 +214,74 @@ def test_bad_data_is_refused_clearly(call, match):
     step, state = _setup()
     with pytest.raises(ValueError, match=match):
         call(step, state)
+
+
+def test_accumulation_one_call_per_step_and_a_ctrl_c_at_an_epochs_end():
+    # accumulate=2 with chunk=1 (one call per update): 48 rows in micro-batches of 8 make 3
+    # updates an epoch, as the chunked run does (allclose: compiled apart).
+    per_example = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+        fg.mlp_apply(p, b["x"]), b["y"])
+    params = fg.mlp_init(jax.random.key(0), (F, 16, C))
+    tx = optax.adam(1e-2)
+    step = fg.make_train_step(per_example, tx, accumulate=2)
+    state = fg.init_train_state(params, tx)
+    single = fg.fit(step, state, X, Y, epochs=1, batch_size=8, chunk=1, progress=False)
+    chunked = fg.fit(step, state, X, Y, epochs=1, batch_size=8, progress=False)
+    assert int(single.state.step) == int(chunked.state.step) == 3
+    np.testing.assert_allclose(single.history.step_loss, chunked.history.step_loss, rtol=1e-5)
+    # Ctrl-C while the last batch of epoch 1 is made: the epoch completes (its row is kept),
+    # and the run stops before epoch 2.
+    plain, state = _setup()
+    batches = list(fg.batches(X, Y, batch_size=16, seed=0, epoch=0))
+
+    def loader(epoch):
+        for i, b in enumerate(batches):
+            if epoch == 0 and i == len(batches) - 1:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield b
+
+    got = fg.fit(plain, state, loader, epochs=3, progress=False)
+    assert got.interrupted and len(got.history.epochs) == 1 and int(got.state.step) == 3
+
+
+def test_a_second_ctrl_c_still_keeps_the_run(tmp_path):
+    # Two SIGINTs: the second raises KeyboardInterrupt at once, which carries the run so far
+    # (the 6 steps of epoch 1) and leaves it checkpointed.
+    step, state = _setup()
+
+    def evaluate(params):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return {}
+
+    with pytest.raises(KeyboardInterrupt) as error:
+        fg.fit(step, state, X, Y, epochs=3, batch_size=8, progress=False, evaluate=evaluate,
+               checkpoint_dir=tmp_path)
+    assert int(error.value.fit_result.state.step) == 6
+    assert latest_checkpoint_step(tmp_path) == 6
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path):
+    step, state = _setup()
+    x = _nan_rows([40])  # stops mid-epoch, checkpointed
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        fg.fit(step, state, x, Y, epochs=2, batch_size=8, progress=False,
+               checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"seed 1 \(the run had 0\), batch_size 16 \(the run "
+                                         r"had 8\).*visit other examples"):
+        fg.fit(step, state, x, Y, epochs=2, batch_size=16, seed=1, progress=False,
+               checkpoint_dir=tmp_path, resume=True)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda s, st: fg.fit(s, st, [], epochs=1, progress=False), ValueError,
+     r"the loader yielded no batches in epoch 1"),
+    (lambda s, st: fg.fit(s, st.params, X, Y, epochs=1, batch_size=8), TypeError,
+     r"state must be a TrainState, from funcgrad.init_train_state"),
+    (lambda s, st: fg.fit(s, st, [X, Y], epochs=1, batch_size=8), ValueError,
+     r"a list is a sequence of batches, not \[x, y\]"),
+])
+def test_empty_loaders_and_misplaced_arguments_are_named(call, exc, match):
+    step, state = _setup()
+    with pytest.raises(exc, match=match):
+        call(step, state)
