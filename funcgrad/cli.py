@@ -183,15 +183,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.train_parser.error(
             f"argument --momentum: applies to --optimizer momentum only (got --optimizer "
             f"{args.optimizer}); drop it or add --optimizer momentum")
-    if args.command == "train":
-        _model_flags(parser.train_parser, args)
     if args.command == "train" and args.resume is not None:
         if not os.path.isdir(os.path.join(args.resume, "checkpoints")):
             parser.train_parser.error(
                 f"argument --resume: {args.resume} holds no checkpoints/ folder; pass the --out "
                 "folder of an earlier funcgrad train run")
-        if "--out" not in (argv if argv is not None else sys.argv[1:]):
-            args.out = args.resume
+        _resumed_settings(parser.train_parser, args,
+                          list(argv if argv is not None else sys.argv[1:]))
+    if args.command == "train":
+        _model_flags(parser.train_parser, args)
     if args.command == "train" and os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                                   "pass a folder path (it is created if missing)")
@@ -210,6 +210,56 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1
     return 2  # pragma: no cover - argparse requires a command
+
+
+#: What --resume may change about a run: how long, where, and how it reports; not what it
+#: trains (model, data, optimizer, batches), which must stay the run's own.
+_RESUME_MAY_CHANGE = {"epochs", "out", "no_progress", "cache_dir", "resume", "checkpoint_every",
+                      "memory_report", "detect_anomaly", "on_nonfinite"}
+
+
+def _resumed_settings(train_parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      argv: list[str]) -> None:
+    """--resume DIR: the run's own settings (DIR/metrics.json's config) for every flag not
+    given; a given flag that would change what the run trains is an error (exit 2), and so is
+    --epochs not beyond the epochs done. --out defaults to DIR."""
+    try:
+        with open(os.path.join(args.resume, "metrics.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        saved = {}
+    config, done = saved.get("config") or {}, len(saved.get("epochs") or [])
+    given = _given_flags(train_parser, argv[argv.index("train") + 1:] if "train" in argv
+                         else argv)
+    if "out" not in given:
+        args.out = args.resume
+    for name, value in config.items():
+        flag = "--" + name.replace("_", "-")
+        if name not in given:
+            if name not in _RESUME_MAY_CHANGE or name == "epochs":
+                setattr(args, name, value)
+        elif name not in _RESUME_MAY_CHANGE and getattr(args, name) != value:
+            train_parser.error(
+                f"argument {flag}: the run in {args.resume} trained with {flag} {value}; "
+                "--resume continues that run with its own settings (drop the flag, or start "
+                "a new run with --out)")
+    if done and args.epochs <= done:
+        train_parser.error(
+            f"argument --epochs: the run in {args.resume} has done {done} epochs; pass --epochs "
+            f"above {done} to train more (the total, counting the epochs done)")
+
+
+def _given_flags(train_parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the flags `argv` gives explicitly (defaults not counted)."""
+    defaults = {action: action.default for action in train_parser._actions}
+    try:
+        for action in defaults:
+            action.default = argparse.SUPPRESS
+        given, _ = train_parser.parse_known_args(argv)
+    finally:
+        for action, default in defaults.items():
+            action.default = default
+    return set(vars(given))
 
 
 def _model_flags(train_parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

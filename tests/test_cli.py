@@ -493,3 +493,24 @@ def test_the_console_entry_runs_exit_handlers_flushes_and_exits_with_mains_statu
         cli.console_main()
     assert calls == [("atexit",), ("exit", 1)]  # main's status: 1, the unwritable --out
     assert capsys.readouterr().err.startswith("funcgrad: error:")
+
+
+def test_resume_keeps_the_runs_settings_and_refuses_changes(tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["--no-progress", "--no-monitor"]
+    assert main(["train", "--epochs", "1", "--batch-size", "256", "--lr", "0.01", "--hidden",
+                 "8", "--out", str(out), *common]) == 0
+    # A flag that changes what the run trains: refused, naming the run's value.
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--resume", str(out), "--epochs", "2", "--lr", "0.5", *common])
+    assert exit_.value.code == 2
+    assert "trained with --lr 0.01" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--resume", str(out), "--epochs", "1", *common])
+    assert "has done 1 epochs; pass --epochs above 1" in capsys.readouterr().err
+    # Without the flags, the run's own (batch 256, lr 0.01, hidden 8) carry on: 6 steps an
+    # epoch (ceil(1437 / 256)), 12 in all.
+    assert main(["train", "--resume", str(out), "--epochs", "2", *common]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["lr"] == 0.01 and metrics["config"]["hidden"] == [8]
+    assert metrics["epochs"][-1]["steps"] == 12 and len(metrics["epochs"]) == 2
