@@ -120,6 +120,15 @@ class ChunkRunner:
             out["monitor_values"] = (new_state.monitor.values if m.values is None
                                      else m.values)
             out["monitor_dead"] = tuple(m.dead)
+            # The flags the host would derive (global and per layer), and each ReLU site's dead
+            # fraction, computed here: the host reads them instead of a dozen NumPy calls a
+            # chunk (about 5% of a batch-32 epoch).
+            watched = m.__class__(out["monitor_values"], m.dead, m.layout)
+            flag = watched.nonfinite | watched.explosion
+            if len(m.layout.layer_names):
+                flag = flag | jnp.any(watched.vanishing)
+            out["monitor_flag"] = flag
+            out["monitor_dead_fraction"] = watched.dead_fraction
         out.update(bad=skipped & ~routine, routine=routine)
         return new_state, out
 

@@ -690,36 +690,36 @@ class _Run:
         return ys["monitor_layout"]
 
     def _alerts(self, ys, rows_) -> None:
-        """The monitor's alerts of the steps `rows_`, in order: the flags of all of them at
-        once (NumPy), then `monitor_alerts` on the few steps that raise one."""
+        """The monitor's alerts of the steps `rows_`, in order: the steps that raise one are
+        found from the flags and dead fractions of all of them at once (computed in the chunk),
+        then `monitor_alerts` runs on those few."""
         if not len(rows_):
             return
         layout = self._layout(ys)
-        values = np.asarray(ys["monitor_values"])[rows_]
-        dead = tuple(np.asarray(d)[rows_] for d in ys["monitor_dead"])
-        m = MonitorMetrics(values, dead, layout)
-        flagged = np.asarray(m.nonfinite) | np.asarray(m.explosion)
-        if len(layout.layer_names):
-            flagged = flagged | np.asarray(m.vanishing).any(-1)
-        if dead:
-            frac = np.asarray(m.dead_fraction)
+        flagged = np.asarray(ys["monitor_flag"])[rows_]
+        frac = np.asarray(ys["monitor_dead_fraction"])[rows_]
+        if frac.shape[-1]:  # a dead-ReLU alert is raised on the step a site crosses its limit
             limit = np.array([1.0 if UNKNOWN_AXIS_NOTE in name else layout.dead_threshold
                               for name in layout.relu_names])
-            before = (np.asarray(self.previous_report.dead_fraction)[None]
-                      if self.previous_report is not None else np.full((1, len(limit)), -1.0))
+            before = (self.previous_report[2][None] if self.previous_report is not None
+                      else np.full((1, len(limit)), -1.0))
             prev = np.concatenate([before, frac[:-1]])
             flagged = flagged | ((frac >= limit) & ~(prev >= limit)).any(-1)
-        row = lambda j: MonitorMetrics(values[j], tuple(d[j] for d in dead), layout)
+        values = np.asarray(ys["monitor_values"])
+        dead = tuple(np.asarray(d) for d in ys["monitor_dead"])
+        row = lambda i: MonitorMetrics(values[i], tuple(d[i] for d in dead), layout)
         for j in np.flatnonzero(flagged):
-            previous = row(j - 1) if j > 0 else self.previous_report
-            for alert in monitor_alerts(row(j), previous=previous):
+            previous = (row(rows_[j - 1]) if j > 0 else None if self.previous_report is None
+                        else MonitorMetrics(*self.previous_report[:2], layout))
+            for alert in monitor_alerts(row(rows_[j]), previous=previous):
                 self.history.alerts.append(alert)
                 if len(self.history.alerts) <= MAX_LOGGED_ALERTS:
                     self.say(f"monitor: {alert}")
                 elif len(self.history.alerts) == MAX_LOGGED_ALERTS + 1:
                     self.say(f"monitor: more than {MAX_LOGGED_ALERTS} alerts; the rest are "
                              "in the history, not printed")
-        self.previous_report = row(len(rows_) - 1)
+        last = rows_[-1]  # the previous step of the next chunk: (values, dead, fractions)
+        self.previous_report = (values[last], tuple(d[last] for d in dead), frac[-1])
 
 
 def _runner(step: Callable, raw: Callable, skip_bad: bool,
@@ -795,6 +795,13 @@ def _host_row(metrics: Mapping[str, Any], new_state: Any) -> dict[str, Any]:
         ys["monitor_values"] = np.asarray(monitored.values)[None]
         ys["monitor_dead"] = tuple(np.asarray(d)[None] for d in monitored.dead)
         ys["monitor_layout"] = monitored.layout
+        m = MonitorMetrics(ys["monitor_values"][0], tuple(d[0] for d in ys["monitor_dead"]),
+                           monitored.layout)
+        flag = bool(m.nonfinite) | bool(m.explosion)
+        if len(m.layout.layer_names):
+            flag = flag or bool(np.any(m.vanishing))
+        ys["monitor_flag"] = np.array([flag])
+        ys["monitor_dead_fraction"] = np.asarray(m.dead_fraction)[None]
     return ys
 
 
