@@ -701,16 +701,16 @@ class _Run:
         if frac.shape[-1]:  # a dead-ReLU alert is raised on the step a site crosses its limit
             limit = np.array([1.0 if UNKNOWN_AXIS_NOTE in name else layout.dead_threshold
                               for name in layout.relu_names])
-            before = (self.previous_report[2][None] if self.previous_report is not None
+            before = (self.previous_report[1][None] if self.previous_report is not None
                       else np.full((1, len(limit)), -1.0))
             prev = np.concatenate([before, frac[:-1]])
             flagged = flagged | ((frac >= limit) & ~(prev >= limit)).any(-1)
         values = np.asarray(ys["monitor_values"])
-        dead = tuple(np.asarray(d) for d in ys["monitor_dead"])
-        row = lambda i: MonitorMetrics(values[i], tuple(d[i] for d in dead), layout)
+        dead = ys["monitor_dead"]  # device arrays (see _fetched): read only where needed
+        row = lambda i: MonitorMetrics(values[i], tuple(np.asarray(d[i]) for d in dead), layout)
         for j in np.flatnonzero(flagged):
             previous = (row(rows_[j - 1]) if j > 0 else None if self.previous_report is None
-                        else MonitorMetrics(*self.previous_report[:2], layout))
+                        else self.previous_report[0]())
             for alert in monitor_alerts(row(rows_[j]), previous=previous):
                 self.history.alerts.append(alert)
                 if len(self.history.alerts) <= MAX_LOGGED_ALERTS:
@@ -718,8 +718,8 @@ class _Run:
                 elif len(self.history.alerts) == MAX_LOGGED_ALERTS + 1:
                     self.say(f"monitor: more than {MAX_LOGGED_ALERTS} alerts; the rest are "
                              "in the history, not printed")
-        last = rows_[-1]  # the previous step of the next chunk: (values, dead, fractions)
-        self.previous_report = (values[last], tuple(d[last] for d in dead), frac[-1])
+        last = rows_[-1]  # the previous step of the next chunk: (its metrics, its fractions)
+        self.previous_report = (lambda: row(last), frac[-1])
 
 
 def _runner(step: Callable, raw: Callable, skip_bad: bool,
@@ -741,14 +741,22 @@ def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable):
     state = run.state
     if fast is not None:
         new_state, ran, rows_ = fast_call = run(fast, state)
-        got = jax.device_get((ran, rows_))
+        got = _fetched(ran, rows_)
         if not np.asarray(got[1]["bad"])[:int(got[0])].any():
             return new_state, got
         del fast_call, new_state  # garbage: a non-finite update was applied
     if not run.owned:  # the guarded chunk donates its state: never the caller's arrays
         state = owned_copy(state)
     new_state, ran, rows_ = run(guarded, state)
-    return new_state, jax.device_get((ran, rows_))
+    return new_state, _fetched(ran, rows_)
+
+
+def _fetched(ran, rows_) -> tuple:
+    """A chunk's count and rows on the host, but the monitor's dead-unit masks, which stay on
+    the device until a step's alert needs them (one transfer fewer per ReLU site a chunk)."""
+    lazy = {"monitor_dead": rows_["monitor_dead"]} if "monitor_dead" in rows_ else {}
+    got = jax.device_get((ran, {k: v for k, v in rows_.items() if k not in lazy}))
+    return got[0], dict(got[1], **lazy)
 
 
 class _counted:
