@@ -325,7 +325,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                 epoch_first = len(history.step_loss)
     run = _Run(step=step, raw=raw, source=source, history=history, log=log,
                accumulate=accumulate, chunk=chunk, skip_bad=on_nonfinite == "skip",
-               seed=seed, chunked=chunked, optimistic=optimistic)
+               seed=seed, chunked=chunked, optimistic=optimistic, epochs=epochs)
     total = epochs * source.steps_per_epoch(accumulate) if source.n is not None else None
     bar = tqdm(total=total, disable=not progress, unit="step", leave=False)
     run.bar = bar
@@ -429,7 +429,7 @@ class _Run:
     run an epoch (chunks of steps on the device, or one call per batch)."""
 
     def __init__(self, *, step, raw, source, history, log, accumulate, chunk, skip_bad, seed,
-                 chunked, optimistic):
+                 chunked, optimistic, epochs):
         self.step, self.source, self.history, self.log = step, source, history, log
         self.accumulate, self.chunk, self.skip_bad, self.seed = accumulate, chunk, skip_bad, seed
         self.runner = _runner(step, raw, skip_bad) if chunked else None
@@ -442,6 +442,8 @@ class _Run:
         self.key = jax.random.key(seed)  # the order's base key, on the device once
         self.first_call, self.previous_report = True, None
         self.owned = False  # whether self.state's buffers are fit's own (may be donated)
+        self.ahead = None  # (epoch, step, launched chunk, the state it started from)
+        self.epochs = epochs
         self.state = self.verified = None
         self.run_step, self.bar, self.say = 0, None, None
 
@@ -496,9 +498,26 @@ class _Run:
                         np.int32(active), length=active if runner.unguarded else length,
                         size=size, tail=last_tail, batch_size=b)
                 call.state, call.owned = self.state, self.owned
-                self.state, got = _chunk(self.fast, self.runner, call)
+                ahead, self.ahead = self.ahead, None
+                launched = (ahead[2] if ahead is not None and ahead[:2] == (epoch, done)
+                            and ahead[3] is self.state else None)
+                self.state, got = _chunk(self.fast, self.runner, call, launched)
                 self.owned = True  # a chunk's output: fit's own buffers
                 start = done
+                if (self.fast is not None and epoch < self.epochs and done + active == full
+                        and not stopper.raised and not np.asarray(got[1]["bad"]).any()):
+                    # The next epoch's first chunk goes to the device now, from this state
+                    # (an unguarded chunk does not consume it): the host's work on this one
+                    # (its rows, the evaluation, a checkpoint) overlaps it. Used only if the
+                    # next epoch starts from this very state.
+                    following = min(length, full)
+
+                    def next_call(runner, state, following=following):
+                        return runner.gathered(
+                            state, self.data, self.key, np.int32(epoch), np.int32(0),
+                            np.int32(following), length=following, size=size,
+                            tail=tail if following == full else 0, batch_size=b)
+                    self.ahead = (epoch + 1, 0, next_call(self.fast, self.state), self.state)
 
                 def locate(i, start=start, active=active):
                     if i < active:
@@ -734,13 +753,15 @@ def _runner(step: Callable, raw: Callable, skip_bad: bool,
     return runners[skip_bad, unguarded]
 
 
-def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable):
-    """``run(runner, state) -> (state, count, rows)`` unguarded first when `fast` is given;
-    when a step of it was bad, again from the same starting state with the guarded runner
-    (which stops there, with the state from before it). Returns the host's (count, rows) too."""
+def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable, launched=None):
+    """``run(runner, state) -> (state, count, rows)`` unguarded first when `fast` is given
+    (or the result of that call, `launched` ahead of time); when a step of it was bad, again
+    from the same starting state with the guarded runner (which stops there, with the state
+    from before it). Returns the host's (count, rows) too."""
     state = run.state
     if fast is not None:
-        new_state, ran, rows_ = fast_call = run(fast, state)
+        new_state, ran, rows_ = fast_call = launched if launched is not None else run(fast,
+                                                                                      state)
         got = _fetched(ran, rows_)
         if not np.asarray(got[1]["bad"])[:int(got[0])].any():
             return new_state, got
