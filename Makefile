@@ -30,6 +30,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/interop.py
 	$(BIN)/python benchmarks/memory_report.py
 	$(BIN)/python benchmarks/remat.py
+	$(BIN)/python benchmarks/fit.py
+	$(BIN)/python benchmarks/train_cli.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
