@@ -91,3 +91,9 @@ def write_results(path: str, rows: list[dict], **extra: object) -> None:
                    "device": str(jax.devices()[0]), "machine": platform.machine(),
                    **extra, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
+
+
+def have_torch() -> bool:
+    """Whether PyTorch is installed (the benchmarks then time it beside JAX)."""
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, ratio_quartiles, rounds, write_results
+from _timing import have_torch as torch_installed, medians, paired_ratio, ratio_quartiles, rounds, write_results
 
 
 def _loss_fn(params, batch):
@@ -146,11 +146,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=10, help="epochs per timed round (one fit call)")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "fit.json"))
     args = ap.parse_args()
-    try:
-        import torch  # noqa: F401
-        torch_ok = True
-    except ImportError:
-        torch_ok = False
+    torch_ok = torch_installed()
     data = fg.load_digits(seed=0)
     cases = [("64-128-10, batch 32", (64, 128, 10), 32, args.repeats),
              ("64-128-10, batch 256", (64, 128, 10), 256, args.repeats),

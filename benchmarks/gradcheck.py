@@ -25,6 +25,7 @@ import numpy as np
 from jax.test_util import check_grads as jax_check_grads
 
 import funcgrad as fg
+from _timing import have_torch as torch_installed
 
 
 def _loss(params, x, y):
@@ -156,11 +157,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/gradcheck.json")
     args = parser.parse_args()
-    try:
-        import torch  # noqa: F401
-        have_torch = True
-    except ImportError:
-        have_torch = False
+    have_torch = torch_installed()
     data = fg.load_digits(seed=0)
     x, y = data.x_train[:16], data.y_train[:16]
     rows, limits = [], []
