@@ -13,7 +13,6 @@ the graph, and the saved residuals are freed after a backward pass unless ``reta
 """
 from __future__ import annotations
 
-import builtins
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
@@ -24,18 +23,16 @@ _GRAD_ENABLED = contextvars.ContextVar("funcgrad_micro_grad_enabled", default=Tr
 
 _FREED = (
     "backward: node {op!r} was already differentiated and its residuals (the values its "
-    "backward rule needs) were freed. PyTorch does the same: a second backward through a graph "
-    "raises unless the first call passed retain_graph=True, which keeps the residuals alive. "
-    "micro follows it: call loss.backward(retain_graph=True) the first time (and mind that "
-    ".grad then accumulates: zero it between calls if you want fresh gradients), or run the "
-    "forward pass again to record a new graph.")
+    "backward rule needs) were freed. PyTorch raises too: a second backward through a graph "
+    "needs retain_graph=True on the first, which keeps the residuals. micro does the same: "
+    "call loss.backward(retain_graph=True) the first time (.grad then accumulates: zero it "
+    "between calls for fresh gradients), or run the forward pass again for a new graph.")
 
 _IN_PLACE = (
-    "backward: the input {i} of node {op!r}, shape {shape}, was changed in place after {op!r} "
-    "saved it (its version is {now}, {op!r} saved version {then}), so {op!r}'s backward rule "
-    "would use the wrong value. PyTorch raises the same error (\"one of the variables needed "
-    "for gradient computation has been modified by an inplace operation\"). Fix: change the "
-    "value after backward(), or use an out-of-place op (t = t + 1 rather than t.add_(1)).")
+    "backward: a value of shape {shape} that node {op!r} saved for its backward rule was "
+    "changed in place (version {now}, saved at version {then}), so the rule would give a wrong "
+    "gradient. PyTorch raises the same (\"modified by an inplace operation\"). Fix: change it "
+    "after backward(), or out of place (t = t + 1 rather than t.add_(1)).")
 
 
 @contextlib.contextmanager
@@ -50,17 +47,10 @@ def no_grad() -> Iterator[None]:
 
 
 class Tensor:
-    """A NumPy array with the autodiff record: parents, operation name, backward rule.
-
-    Args:
-      data: array-like; stored as a NumPy array of `dtype` (float64 by default).
-      requires_grad: whether `backward` should compute ``.grad`` for this leaf.
-      name: a label for `to_dot` and error messages.
-    Attributes:
-      data: the primal value, ``np.ndarray``.
-      grad: ``np.ndarray`` of ``data``'s shape, or None; accumulated by each ``backward()``.
-      parents, op: the inputs and the operation that produced this tensor (``()``, "leaf").
-    """
+    """A NumPy array (`data`, float64 unless `dtype` says) with its autodiff record:
+    `parents`, `op` (the operation's name, "leaf" for inputs) and a backward rule; `grad`
+    (None or an array of ``data``'s shape) accumulates over ``backward()`` calls; `name`
+    labels it in `to_dot` and errors."""
     __array_priority__ = 100  # ndarray (op) Tensor defers to Tensor's reflected operators
 
     def __init__(self, data, requires_grad: bool = False, *, dtype=np.float64, name: str = ""):
@@ -112,22 +102,15 @@ class Tensor:
         return self
 
     def backward(self, gradient=None, *, retain_graph: bool = False) -> None:
-        """Accumulates d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad.
+        """Adds d(self)/d(leaf) to ``leaf.grad`` for each leaf that requires grad.
 
-        Args:
-          gradient: the cotangent, an array of ``self.shape``; may be omitted for a scalar
-            (it is then 1.0).
-          retain_graph: keep the residuals so the graph can be differentiated again;
-            otherwise each node's backward rule is dropped after use (PyTorch's default).
-        Raises:
-          RuntimeError: if self requires no grad, a node was already freed, or a residual
-            was changed in place since the forward pass (see `Tensor.add_`).
-          ValueError: if self is not a scalar and `gradient` is missing or of another shape.
-        """
+        `gradient` is the cotangent (an array of ``self.shape``; 1.0 for a scalar if omitted).
+        Without `retain_graph` each node's rule and residuals are dropped after use (PyTorch's
+        default). Raises ValueError for a missing or misshapen cotangent, RuntimeError if
+        there is no graph, a node was freed or a residual was changed in place (`add_`)."""
         if not self.requires_grad:
             raise RuntimeError("backward: this tensor does not require grad, so there is no "
-                               "graph to differentiate: create the leaves with "
-                               "requires_grad=True, outside `no_grad`.")
+                               "graph: create leaves with requires_grad=True, outside no_grad.")
         if gradient is None:
             if self.data.size != 1:
                 raise ValueError(
@@ -192,17 +175,15 @@ class Tensor:
 def _topological_order(root: Tensor) -> list[Tensor]:
     """Nodes reachable from `root` with every node after its parents; iterative depth-first
     search (micrograd's recursive one hits Python's recursion limit near 1,000 nodes)."""
-    order, seen, stack = [], {id(root)}, [(root, False)]
+    order, visited, stack = [], set(), [(root, False)]
     while stack:
-        node, expanded = stack.pop()
-        if expanded:
+        node, parents_done = stack.pop()
+        if parents_done:
             order.append(node)
-            continue
-        stack.append((node, True))
-        for p in node.parents:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                stack.append((p, False))
+        elif id(node) not in visited:  # marked when expanded, so a node comes after all
+            visited.add(id(node))      # its parents even if it was pushed before one of them
+            stack.append((node, True))
+            stack += [(p, False) for p in node.parents if p.requires_grad]
     return order
 
 
@@ -351,9 +332,7 @@ def getitem(a, index) -> Tensor:
     """``a[index]`` for ints, slices and integer arrays; the backward pass scatter-adds
     (``np.add.at``), so an element picked twice gets both cotangents."""
     a = tensor(a)
-    index = tuple(i.data.astype(int) if isinstance(i, Tensor) else i for i in index) \
-        if isinstance(index, tuple) else (index.data.astype(int) if isinstance(index, Tensor)
-                                          else index)
+    index = index.data.astype(int) if isinstance(index, Tensor) else index
 
     def rule(g):
         da = np.zeros_like(a.data)
@@ -395,15 +374,8 @@ def log_softmax(a, axis: int = -1) -> Tensor:
 
 
 def softmax_cross_entropy(logits, labels) -> Tensor:
-    """Mean over the batch of -log softmax(logits)[label].
-
-    Args:
-      logits: Tensor of shape (batch, classes).
-      labels: integer array of shape (batch,), values in [0, classes).
-    Returns:
-      a scalar Tensor; its cotangent for logits is (softmax - one_hot(labels)) / batch
-      (article B §2.2).
-    """
+    """Mean over the batch of -log softmax(logits)[label]; logits (batch, classes), labels
+    ints (batch,). d/dlogits = (softmax - one_hot(labels)) / batch (article B §2.2)."""
     logits = tensor(logits)
     labels = np.asarray(labels.data if isinstance(labels, Tensor) else labels)
     if logits.ndim != 2 or labels.shape != logits.shape[:1] or labels.dtype.kind not in "iu":
@@ -420,84 +392,8 @@ def softmax_cross_entropy(logits, labels) -> Tensor:
     return _node(-logp[rows, labels].mean(), (logits,), "softmax_cross_entropy", rule)
 
 
-# Tools: a finite-difference check and a drawing of the graph.
+from funcgrad._micro_tools import check_grad, to_dot  # noqa: E402  (they use Tensor, no_grad)
 
-def check_grad(fn: Callable[..., Tensor], *tensors: Tensor, eps: float = 1e-6,
-               rtol: float = 1e-6, atol: float = 1e-8) -> float:
-    """Compares `backward`'s gradients of the scalar ``fn(*tensors)`` with central differences.
-
-    (f(x + eps e_i) - f(x - eps e_i)) / (2 eps) has error O(eps^2) from truncation and
-    O(1e-16 |f| / eps) from rounding in float64; eps = 1e-6 balances them near 1e-10 |f|.
-
-    Args:
-      fn: maps the tensors to a scalar Tensor.
-      tensors: float64 leaves with ``requires_grad=True``; their ``.grad`` is reset.
-    Returns:
-      the largest |analytic - numeric| / (atol + rtol |numeric|) over all elements (<= 1).
-    Raises:
-      ValueError: on the first element beyond tolerance, naming input, index and both values.
-    """
-    for t in tensors:
-        t.zero_grad()
-    fn(*tensors).backward()
-    worst = 0.0
-    for k, t in enumerate(tensors):
-        analytic = np.zeros_like(t.data) if t.grad is None else t.grad
-        for i in np.ndindex(t.shape):
-            keep = t.data[i]
-            t.data[i] = keep + eps
-            with no_grad():
-                up = fn(*tensors).item()
-            t.data[i] = keep - eps
-            with no_grad():
-                down = fn(*tensors).item()
-            t.data[i] = keep
-            numeric = (up - down) / (2 * eps)
-            ratio = abs(analytic[i] - numeric) / (atol + rtol * abs(numeric))
-            if ratio > 1:
-                raise ValueError(f"check_grad: input {k} ({t.name or 'unnamed'}) at index {i}: "
-                                 f"backward gives {analytic[i]!r}, central differences "
-                                 f"{numeric!r} (atol={atol}, rtol={rtol}).")
-            worst = builtins.max(worst, ratio)
-    return worst
-
-
-def to_dot(root: Tensor, *, rankdir: str = "BT") -> str:
-    """The graph behind `root` as Graphviz DOT text, drawn as `funcgrad.trace` draws JAX's:
-    leaves blue, operations ellipses, the output green, fan-out values and edges orange.
-
-    Returns:
-      the DOT source (a str starting with ``digraph``); needs the `graphviz` Python package.
-    """
-    import graphviz
-
-    from funcgrad.debug._graph_draw import _BLUE, _GREEN, _ORANGE, _type
-    order = _topological_order(root) if root.requires_grad else [root]
-    uses: dict[int, int] = {}
-    for node in order:
-        for p in node.parents:
-            uses[id(p)] = uses.get(id(p), 0) + 1
-    dot = graphviz.Digraph(name="micro")
-    dot.attr(rankdir=rankdir, fontname="Helvetica", fontsize="11", labelloc="t",
-             label=f"micro graph: {len(order)} tensors; blue: leaves, green: output, "
-                   "orange: fan-out (cotangents summed)")
-    dot.attr("node", fontname="Helvetica", fontsize="10")
-    for node in order:
-        label = f"{node.name or node.op}\n{_type(node.shape, str(node.data.dtype))}"
-        fan = uses.get(id(node), 0) > 1
-        attrs = dict(color=_ORANGE if fan else "black")
-        if node is root:
-            attrs.update(shape="box", style="filled,bold", fillcolor=_GREEN)
-        elif node.is_leaf:
-            attrs.update(shape="box", style="filled,rounded", fillcolor=_BLUE)
-        else:
-            attrs.update(shape="ellipse")
-        if node.grad is not None:
-            label += "\n.grad kept"
-        dot.node(str(id(node)), label + (f"\nfan-out ×{uses[id(node)]}" if fan else ""),
-                 **attrs)
-        for p in node.parents:
-            if p.requires_grad:
-                dot.edge(str(id(p)), str(id(node)),
-                         color=_ORANGE if uses.get(id(p), 0) > 1 else "black")
-    return dot.source
+__all__ = ["Tensor", "tensor", "no_grad", "add", "sub", "mul", "div", "pow", "neg", "matmul",
+           "sum", "mean", "max", "reshape", "transpose", "getitem", "exp", "log", "tanh",
+           "relu", "sigmoid", "log_softmax", "softmax_cross_entropy", "check_grad", "to_dot"]
