@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/remat.py
 	$(BIN)/python benchmarks/fit.py
 	$(BIN)/python benchmarks/train_cli.py
+	$(BIN)/python benchmarks/micro.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -109,10 +109,10 @@ def train_digits(c: Check, data, *, hidden: int = 128, epochs: int = 40, batch: 
     with micro.no_grad():
         logits = mlp_logits(params, Tensor(np.asarray(data.x_test, np.float64)))
     accuracy = float(np.mean(np.argmax(logits.data, axis=1) == data.y_test))
-    print(f"  trained {epochs} epochs of {len(x)} digits in {seconds:.1f} s: "
+    print(f"  trained {epochs} epochs of {len(x)} digits in {seconds:.1f} s (timed in "
+          f"benchmarks/micro.py, target <= 20 s): "
           f"test accuracy {accuracy:.4f} on {len(data.y_test)} digits")
     c.below("1 - test accuracy (target >= 0.97)", 1 - accuracy, 0.03)
-    c.below("training time, s (target <= 20)", seconds, 20.0)
 
 
 def main() -> None:
