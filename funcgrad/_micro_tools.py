@@ -63,6 +63,7 @@ def to_dot(root: Tensor, *, rankdir: str = "BT") -> str:
 
     from funcgrad.debug._graph_draw import _BLUE, _GREEN, _ORANGE, _type
     order = _topological_order(root) if root.requires_grad else [root]
+    ids = {id(node): f"n{i}" for i, node in enumerate(order)}  # stable names, inputs first
     uses: dict[int, int] = {}
     for node in order:
         for p in node.parents:
@@ -84,10 +85,10 @@ def to_dot(root: Tensor, *, rankdir: str = "BT") -> str:
             attrs.update(shape="ellipse")
         if node.grad is not None:
             label += "\n.grad kept"
-        dot.node(str(id(node)), label + (f"\nfan-out ×{uses[id(node)]}" if fan else ""),
+        dot.node(ids[id(node)], label + (f"\nfan-out ×{uses[id(node)]}" if fan else ""),
                  **attrs)
         for p in node.parents:
             if p.requires_grad:
-                dot.edge(str(id(p)), str(id(node)),
+                dot.edge(ids[id(p)], ids[id(node)],
                          color=_ORANGE if uses.get(id(p), 0) > 1 else "black")
     return dot.source

@@ -62,7 +62,7 @@ class Tensor:
         self.name = name
         self._rule: Callable | None = None  # cotangent -> one cotangent per parent
         self._saved: tuple[tuple[Tensor, int], ...] = ()  # (tensor, version when saved)
-        self._version = 0
+        self._version = [0]  # one cell shared by views of the same array (reshape, detach)
         self._retain = False
 
     shape = property(lambda self: self.data.shape)
@@ -87,7 +87,9 @@ class Tensor:
 
     def detach(self) -> Tensor:
         """A new leaf sharing this tensor's array, with no graph and ``requires_grad=False``."""
-        return Tensor(self.data, dtype=self.data.dtype, name=self.name)
+        out = Tensor(self.data, dtype=self.data.dtype, name=self.name)
+        out._version = self._version  # the same array: an in-place change shows in both
+        return out
 
     def add_(self, other, alpha: float = 1.0) -> Tensor:
         """In place ``data += alpha * other``; bumps the version that `backward` checks.
@@ -98,7 +100,7 @@ class Tensor:
                 "not recorded in the graph. Update parameters inside `with micro.no_grad():` "
                 "(w.add_(-lr * w.grad)), or write w = w + x to record the addition.")
         self.data += alpha * (other.data if isinstance(other, Tensor) else np.asarray(other))
-        self._version += 1
+        self._version[0] += 1
         return self
 
     def backward(self, gradient=None, *, retain_graph: bool = False) -> None:
@@ -115,9 +117,8 @@ class Tensor:
             if self.data.size != 1:
                 raise ValueError(
                     f"backward: the output has shape {self.shape}, not a scalar, so it needs a "
-                    "cotangent of that shape (the vector in the vector-Jacobian product). Pass "
-                    "t.backward(np.ones(t.shape)) to sum the outputs' gradients, or call "
-                    "t.sum().backward() (or .mean()) to differentiate a scalar.")
+                    "cotangent of that shape (the vector of the vector-Jacobian product): "
+                    "t.backward(np.ones(t.shape)), or differentiate t.sum() or t.mean().")
             gradient = np.ones_like(self.data)
         gradient = np.asarray(gradient.data if isinstance(gradient, Tensor) else gradient,
                               dtype=self.data.dtype)
@@ -136,10 +137,10 @@ class Tensor:
                 continue
             if node._rule is None:
                 raise RuntimeError(_FREED.format(op=node.op))
-            for i, (t, version) in enumerate(node._saved):
-                if t._version != version:
-                    raise RuntimeError(_IN_PLACE.format(i=i, op=node.op, shape=t.shape,
-                                                        now=t._version, then=version))
+            for t, version in node._saved:
+                if t._version[0] != version:
+                    raise RuntimeError(_IN_PLACE.format(op=node.op, shape=t.shape,
+                                                        now=t._version[0], then=version))
             for parent, pg in zip(node.parents, node._rule(g)):
                 if parent.requires_grad and pg is not None:
                     total = cotangents.get(id(parent))  # fan-out: cotangents of uses sum
@@ -197,9 +198,12 @@ def _node(data, parents: tuple, op: str, rule: Callable, saved: tuple = (),
     """The result of an operation: recorded in the graph when a parent requires grad."""
     data = np.asarray(data)
     out = Tensor(data, dtype=data.dtype if data.dtype.kind == "f" else np.float64)
+    for p in parents:  # a view (reshape, transpose, a slice) shares its base's version
+        if np.may_share_memory(out.data, p.data):
+            out._version = p._version
     if _GRAD_ENABLED.get() and any(p.requires_grad for p in parents):
         out.requires_grad, out.parents, out.op, out._rule = True, parents, op, rule
-        out._saved = tuple((t, t._version) for t in saved + ((out,) if saves_out else ()))
+        out._saved = tuple((t, t._version[0]) for t in saved + ((out,) if saves_out else ()))
     return out
 
 
@@ -393,7 +397,3 @@ def softmax_cross_entropy(logits, labels) -> Tensor:
 
 
 from funcgrad._micro_tools import check_grad, to_dot  # noqa: E402  (they use Tensor, no_grad)
-
-__all__ = ["Tensor", "tensor", "no_grad", "add", "sub", "mul", "div", "pow", "neg", "matmul",
-           "sum", "mean", "max", "reshape", "transpose", "getitem", "exp", "log", "tanh",
-           "relu", "sigmoid", "log_softmax", "softmax_cross_entropy", "check_grad", "to_dot"]

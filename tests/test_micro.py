@@ -166,8 +166,9 @@ def test_to_dot_draws_leaves_ops_and_fan_out():
     loss = h * h  # h fans out to both operands of mul
     dot = micro.to_dot(loss)
     assert dot.startswith("digraph")
-    assert '"w\nf64[]"' in dot.replace("label=", "") or "w\nf64[]" in dot
+    assert 'n0 [label="w\nf64[]"' in dot and 'fillcolor="#dbeafe"' in dot  # the leaf, blue
     assert "fan-out ×2" in dot and dot.count("->") == 3  # w->h, h->loss twice
+    assert dot.count("n1 -> n2") == 2
 
 
 # Errors that teach.
@@ -251,3 +252,19 @@ def test_equal_to_jax_grad_on_random_programs(program):
     assert abs(loss - loss_ref) <= 1e-12 * max(abs(loss_ref), 1e-3)
     assert [g.shape for g in grads] == [r.shape for r in grads_ref]
     assert max(programs.relative_errors(grads, grads_ref)) <= 1e-12, (steps, shapes)
+
+
+def test_an_in_place_change_through_a_view_or_detach_is_detected():
+    # reshape and detach share the array (as in PyTorch), so they share the version counter:
+    # changing the view changes the value mul saved, and backward must refuse.
+    x = Tensor([1.0, 2.0], requires_grad=True)
+    y = (x * x).sum()
+    with micro.no_grad():
+        x.reshape((2, 1)).add_(1.0)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        y.backward()
+    x2 = Tensor([1.0, 2.0], requires_grad=True)
+    y2 = (x2 * x2).sum()
+    x2.detach().add_(1.0)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        y2.backward()
