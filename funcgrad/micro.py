@@ -74,7 +74,6 @@ class Tensor:
         return f"Tensor({self.data!r}, requires_grad={self.requires_grad}, op={self.op!r})"
 
     item = lambda self: float(self.data)  # noqa: E731
-    numpy = lambda self: self.data  # noqa: E731
 
     def retain_grad(self) -> Tensor:
         """Keeps ``.grad`` on this non-leaf (PyTorch's ``retain_grad``); returns self."""
@@ -131,9 +130,9 @@ class Tensor:
             g = cotangents.pop(id(node), None)
             if g is None:
                 continue
-            if node.is_leaf or node._retain:
+            if not node.parents or node._retain:  # a leaf, or a non-leaf that asked
                 node.grad = g.copy() if node.grad is None else node.grad + g
-            if node.is_leaf:
+            if not node.parents:
                 continue
             if node._rule is None:
                 raise RuntimeError(_FREED.format(op=node.op))
@@ -184,7 +183,8 @@ def _topological_order(root: Tensor) -> list[Tensor]:
         elif id(node) not in visited:  # marked when expanded, so a node comes after all
             visited.add(id(node))      # its parents even if it was pushed before one of them
             stack.append((node, True))
-            stack += [(p, False) for p in node.parents if p.requires_grad]
+            stack += [(p, False) for p in node.parents
+                      if p.requires_grad and id(p) not in visited]
     return order
 
 
