@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad.train.sources import split_for_accumulation
+
 PyTree = Any
 
 
@@ -97,12 +99,10 @@ class ChunkRunner:
     # --- one step inside the loop --------------------------------------------------------
     def _compute(self, state, batch):
         """One step and its metrics in the chunks' layout (see the class docstring)."""
-        if self.accumulate is not None:
-            new_state, metrics = self.step(state, batch)
+        new_state, metrics = self.step(state, batch)
+        if self.accumulate is not None:  # one update: its metrics without the update axis
             metrics = {k: jax.tree.map(lambda a: a[0], v) for k, v in metrics.items()
                        if k not in ("aux", "examples", "dropped_examples")}
-        else:
-            new_state, metrics = self.step(state, batch)
         loss, norm = metrics["loss"], metrics["grad_norm"]
         skipped = metrics.get("skipped", ~(jnp.isfinite(loss) & jnp.isfinite(norm)))
         skipped = jnp.asarray(skipped).astype(bool)
@@ -124,10 +124,7 @@ class ChunkRunner:
             # fraction, computed here: the host reads them instead of a dozen NumPy calls a
             # chunk (about 5% of a batch-32 epoch).
             watched = m.__class__(out["monitor_values"], m.dead, m.layout)
-            flag = watched.nonfinite | watched.explosion
-            if len(m.layout.layer_names):
-                flag = flag | jnp.any(watched.vanishing)
-            out["monitor_flag"] = flag
+            out["monitor_flag"] = alert_flag(watched)
             out["monitor_dead_fraction"] = watched.dead_fraction
         out.update(bad=skipped & ~routine, routine=routine)
         return new_state, out
@@ -158,9 +155,7 @@ class ChunkRunner:
 
         def step(i, state, halted, rows, batch):
             new_state, out = self._compute(state, batch)
-            if self.unguarded:
-                halted = out["bad"]  # the state is garbage now: fit re-runs the chunk guarded
-            elif not self.skip_bad:
+            if not self.skip_bad:
                 # A bad step was skipped by the step's own guard (params, optimizer and model
                 # state untouched); the counters it moved go back too: the state from before.
                 halted = out["bad"]
@@ -185,11 +180,8 @@ class ChunkRunner:
 
     def _batch_of(self, data, idx):
         batch = jax.tree.map(lambda leaf: jnp.take(leaf, idx, axis=0), data)
-        if self.accumulate is None:
-            return batch
-        k = self.accumulate
-        return jax.tree.map(lambda leaf: leaf.reshape(k, leaf.shape[0] // k, *leaf.shape[1:]),
-                            batch)
+        return batch if self.accumulate is None else split_for_accumulation(batch,
+                                                                            self.accumulate)
 
     def _tail_of(self, data, idx, batch_size):
         """The epoch's last rows as one batch, or (accumulating) as the padded micro-batches
@@ -222,6 +214,14 @@ class ChunkRunner:
         length = jax.tree.leaves(batches)[0].shape[0]
         return self._loop(state, lambda i: jax.tree.map(lambda leaf: leaf[i], batches),
                           jnp.int32(length), length)
+
+
+def alert_flag(m) -> Any:
+    """Whether a step's `MonitorMetrics` raises a global or per-layer alert (nonfinite,
+    explosion, vanishing); NumPy or jax.numpy as its values are. Dead-ReLU alerts depend on the
+    step before and are found by `fit` from the dead fractions."""
+    flag = m.nonfinite | m.explosion
+    return flag | m.vanishing.any(-1) if len(m.layout.layer_names) else flag
 
 
 def owned_copy(tree: PyTree) -> PyTree:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad._library_objects import check_params
-from funcgrad.train._chunks import ChunkRunner, epoch_order, owned_copy, to_device
+from funcgrad.train._chunks import ChunkRunner, alert_flag, epoch_order, owned_copy, to_device
 from funcgrad.train.data import rows
 from funcgrad.train.microbatches import Microbatches, group_microbatches, stack_microbatches
 from funcgrad.train.monitor import UNKNOWN_AXIS_NOTE, MonitorMetrics, monitor_alerts
@@ -826,10 +826,7 @@ def _host_row(metrics: Mapping[str, Any], new_state: Any) -> dict[str, Any]:
         ys["monitor_layout"] = monitored.layout
         m = MonitorMetrics(ys["monitor_values"][0], tuple(d[0] for d in ys["monitor_dead"]),
                            monitored.layout)
-        flag = bool(m.nonfinite) | bool(m.explosion)
-        if len(m.layout.layer_names):
-            flag = flag or bool(np.any(m.vanishing))
-        ys["monitor_flag"] = np.array([flag])
+        ys["monitor_flag"] = np.asarray(alert_flag(m))[None]
         ys["monitor_dead_fraction"] = np.asarray(m.dead_fraction)[None]
     return ys
 
