@@ -3,20 +3,21 @@
 Used by `funcgrad.check.grads`, `funcgrad.debug.graph` and `funcgrad.debug.diagnose` to name leaves by pytree
 path (``params[0]['w']``), to say where an equation came from (``file.py:12``) and to find
 the jaxprs nested in an equation's parameters (jit, custom_jvp/vjp, scan, cond, remat, while).
+Everything here that reads JAX's internals calls `funcgrad._jax_internals`.
 """
 from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
-from jax.extend import source_info_util
 
+from funcgrad._jax_internals import (bind, closed_parts, is_literal, source_summary,  # noqa: F401
+                                     sub_jaxprs)
 from funcgrad._paths import arg_leaf_paths, keystr
 
 
@@ -60,29 +61,11 @@ def source_line(eqn: Any) -> str:
     """Where the user's code created `eqn`, as ``file.py:LINE (function)``; "" if unknown.
 
     The file is shown by its base name; JAX's own frames are skipped by JAX."""
-    try:
-        text = source_info_util.summarize(eqn.source_info)
-    except Exception:  # noqa: BLE001 - source info is best effort
-        return ""
+    text = source_summary(eqn)
     if not text or text.startswith("unknown"):
         return ""
     head, sep, rest = text.partition(":")
     return os.path.basename(head) + sep + rest if sep else text
-
-
-def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, jex_core.Jaxpr, tuple]]:
-    """The jaxprs nested in `eqn`'s parameters as ``(param name, jaxpr, consts)``.
-
-    A tuple-valued parameter (cond's ``branches``) yields one entry per element, named
-    ``branches[i]``."""
-    for key, value in eqn.params.items():
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        for i, v in enumerate(values):
-            name = f"{key}[{i}]" if isinstance(value, (tuple, list)) else key
-            if isinstance(v, jex_core.ClosedJaxpr):
-                yield name, v.jaxpr, tuple(v.consts)
-            elif isinstance(v, jex_core.Jaxpr):
-                yield name, v, ()
 
 
 def is_float(dtype: Any) -> bool:
@@ -93,20 +76,7 @@ def is_float(dtype: Any) -> bool:
         return False
 
 
-def closed_parts(sub: Any) -> tuple[jex_core.Jaxpr, tuple]:
-    """``(jaxpr, consts)`` of a ClosedJaxpr, or of an open Jaxpr with no consts."""
-    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
-
-
-def bind(eqn: Any, ins: list) -> list:
-    """Applies `eqn`'s primitive to the values `ins` as JAX would; always a list of outputs."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params)  # higher-order ones need subfuns
-    subfuns, params = bind_params if isinstance(bind_params, tuple) else ([], bind_params)
-    outs = eqn.primitive.bind(*subfuns, *ins, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def interpret(jaxpr: jex_core.Jaxpr, consts: Any, args: Any,
+def interpret(jaxpr: Any, consts: Any, args: Any,
               rule: Callable[[Any, list], list | None]) -> list:
     """Evaluates `jaxpr` equation by equation on `args` (values or tracers).
 
@@ -116,7 +86,7 @@ def interpret(jaxpr: jex_core.Jaxpr, consts: Any, args: Any,
     env: dict[Any, Any] = {}
 
     def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
+        return v.val if is_literal(v) else env[v]
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import bind, is_float, source_line, sub_jaxprs
 
 
@@ -33,7 +34,7 @@ def dropped_inputs(jaxpr, flow, diff_path) -> dict[int, dict[int, str]]:
 def _walk(jaxpr, flow, diff_path, found, where):
     for eqn in jaxpr.eqns:
         here = source_line(eqn) or where
-        if eqn.primitive.name == "custom_vjp_call" and id(eqn) not in found:
+        if ji.kind(eqn) == "custom_vjp" and id(eqn) not in found:
             drops = _probe(eqn, flow, diff_path, here)
             if drops:
                 found[id(eqn)] = drops
@@ -60,8 +61,7 @@ def _probe(eqn, flow, diff_path, where) -> dict[int, str]:
     n_in = len(ins)
     seeds = [{} for _ in range(n_in)] + [{0: diff_path} for _ in outs]
     cts = flow(closed.jaxpr, seeds)
-    call = eqn.params["call_jaxpr"]
-    sub = getattr(call, "jaxpr", call)
+    sub, _ = ji.body(eqn)
     primal = flow(sub, [{k: diff_path} for k in range(len(sub.invars))])
     used = set().union(*(set(d) for d in primal))
     offset = n_in - len(sub.invars)  # leading consts, if any
@@ -73,14 +73,13 @@ def _probe(eqn, flow, diff_path, where) -> dict[int, str]:
 
 
 def _describe(eqn, k, where) -> str:
-    call = eqn.params["call_jaxpr"]
-    info = getattr(getattr(call, "jaxpr", call), "debug_info", None)
+    info = getattr(ji.body(eqn)[0], "debug_info", None)
     src = getattr(info, "func_src_info", None) or ""  # "scale at /path/file.py:3"
     name, _, at = src.partition(" at ")
-    name = name or str(eqn.params.get("name", "")) or "a custom_vjp function"
+    name = name or str(ji.param(eqn, "name", "")) or "a custom_vjp function"
     if at:
         name += f" ({os.path.basename(at)})"
-    bwd = getattr(eqn.params.get("bwd"), "f", eqn.params.get("bwd"))
+    bwd = ji.custom_vjp(eqn).user_bwd()
     names = getattr(bwd, "input_names", None) or getattr(info, "arg_names", None) or ()
     arg = names[k] if k < len(names) and names[k] else f"its input {k} (0-based)"
     bwd = inspect.unwrap(bwd) if callable(bwd) else bwd

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad._jaxpr import bind, closed_parts, interpret, is_float, sub_jaxprs
+from funcgrad import _jax_internals as ji
+from funcgrad._jaxpr import interpret, is_float
 
 
 class Flags(NamedTuple):
@@ -52,9 +53,9 @@ def has_custom_rule(jaxpr) -> bool:
     """Whether a (closed) jaxpr calls a custom_jvp or custom_vjp function, at any depth."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("custom_jvp_call", "custom_vjp_call"):
+        if ji.kind(eqn) in ji.CUSTOM_KINDS:
             return True
-        if any(has_custom_rule(sub) for _, sub, _ in sub_jaxprs(eqn)):
+        if any(has_custom_rule(sub) for _, sub, _ in ji.sub_jaxprs(eqn)):
             return True
     return False
 
@@ -92,10 +93,6 @@ def _as(x, dtype):
 
 # --- the interpreter ------------------------------------------------------------------------
 
-_CALL_PRIMITIVES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-                    "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
-                    "remat2": "jaxpr"}
-
 #: Their dtype parameters are widened with their inputs: the output dtype follows.
 _DTYPE_PARAMS = ("new_dtype", "dtype", "preferred_element_type")
 
@@ -103,70 +100,73 @@ _DTYPE_PARAMS = ("new_dtype", "dtype", "preferred_element_type")
 def evaluate(jaxpr, consts, args, flags: Flags) -> list:
     """The outputs of `jaxpr` at `args` with the changes `flags` asks for (see the module)."""
     def rule(eqn, ins):
-        name = eqn.primitive.name
-        if name == "stop_gradient" and flags.see_through_stop_gradient:
+        kind = ji.kind(eqn)
+        if kind == "stop_gradient" and flags.see_through_stop_gradient:
             return ins
-        if name in _CALL_PRIMITIVES and _CALL_PRIMITIVES[name] in eqn.params:
-            return evaluate(*closed_parts(eqn.params[_CALL_PRIMITIVES[name]]), ins, flags)
-        if name in _LOOPS:
-            return _LOOPS[name](eqn.params, [_up(x) for x in ins] if flags.lift_precision
-                                else ins, flags)
-        if name in _CUSTOM:
-            return _CUSTOM[name](eqn, ins, flags)
+        if kind in ji.CALL_KINDS:
+            return evaluate(*ji.body(eqn), ins, flags)
+        if kind in _LOOPS:
+            return _LOOPS[kind](eqn, [_up(x) for x in ins] if flags.lift_precision else ins,
+                                flags)
+        if kind in _CUSTOM:
+            return _CUSTOM[kind](eqn, ins, flags)
         return _lifted_bind(eqn, ins) if flags.lift_precision else None
     outs = interpret(jaxpr, consts, args, rule)
     return [_up(o) for o in outs] if flags.lift_precision else outs
 
 
 def _lifted_bind(eqn, ins):
-    name = eqn.primitive.name
+    name = ji.name(eqn)
     if name == "reduce_precision":
         return [_up(ins[0])]
-    params = dict(eqn.params)
+    p = ji.params(eqn)
     if name == "bitcast_convert_type" or "callback" in name or (
-            any(sub_jaxprs(eqn)) and "update_jaxpr" not in params):
+            any(ji.sub_jaxprs(eqn)) and "update_jaxpr" not in p):
         # Bits and host code see the dtypes they were written for; an unknown higher-order
         # primitive too. Its floating outputs stay narrow: the check sees them and falls back.
-        return bind(eqn, [_as(x, v.aval.dtype) for x, v in zip(ins, eqn.invars)])
-    for key in _DTYPE_PARAMS:
-        if params.get(key) is not None and is_float(params[key]):
-            params[key] = _wide(params[key])
-    if params.get("update_jaxpr") is not None:  # scatter: its combiner, lifted
-        combiner = params["update_jaxpr"]
+        return ji.bind(eqn, [_as(x, v.aval.dtype) for x, v in zip(ins, eqn.invars)])
+    changed = {key: _wide(p[key]) for key in _DTYPE_PARAMS
+               if p.get(key) is not None and is_float(p[key])}
+    if p.get("update_jaxpr") is not None:  # scatter: its combiner, lifted
+        combiner, combiner_consts = ji.closed_parts(p["update_jaxpr"])
+        combiner_consts = p.get("update_consts", None) or combiner_consts
         scalars = [jax.ShapeDtypeStruct((), _wide(v.aval.dtype)) for v in combiner.invars]
-        lifted = jax.make_jaxpr(lambda *a: evaluate(combiner, params.get("update_consts", ()),
-                                                    list(a), Flags(lift_precision=True)))(*scalars)
-        params["update_jaxpr"], params["update_consts"] = lifted.jaxpr, tuple(lifted.consts)
-    return bind(eqn.replace(params=params), [_up(x) for x in ins])
+        lifted = jax.make_jaxpr(lambda *a: evaluate(combiner, combiner_consts, list(a),
+                                                    Flags(lift_precision=True)))(*scalars)
+        changed.update(ji.scatter_combiner(eqn, lifted))
+    return ji.bind_with(eqn, [_up(x) for x in ins], **changed)
 
 
 def _closed_fn(closed, flags):
     """A Python function evaluating a ClosedJaxpr with `flags`."""
-    jaxpr, consts = closed_parts(closed)
+    jaxpr, consts = closed
     return lambda *args: evaluate(jaxpr, consts, list(args), flags)
 
 
-def _scan(p, ins, flags):
-    nc, nk = p["num_consts"], p["num_carry"]
-    body = _closed_fn(p["jaxpr"], flags)
+def _scan(eqn, ins, flags):
+    s = ji.scan(eqn)
+    nc, nk = s.num_consts, s.num_carry
+    body = _closed_fn((s.body, s.body_consts), flags)
     consts = ins[:nc]
 
     def step(carry, xs):
         outs = body(*consts, *carry, *xs)
         return outs[:nk], outs[nk:]
     carry, ys = jax.lax.scan(step, list(ins[nc:nc + nk]), list(ins[nc + nk:]),
-                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+                             length=s.length, reverse=s.reverse, unroll=s.unroll)
     return [*carry, *ys]
 
 
-def _cond(p, ins, flags):
-    branches = [_closed_fn(b, flags) for b in p["branches"]]
+def _cond(eqn, ins, flags):
+    branches = [_closed_fn(b, flags) for b in ji.cond_branches(eqn)]
     return jax.lax.switch(ins[0], branches, *ins[1:])
 
 
-def _while(p, ins, flags):
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cond, body = _closed_fn(p["cond_jaxpr"], flags), _closed_fn(p["body_jaxpr"], flags)
+def _while(eqn, ins, flags):
+    w = ji.while_loop(eqn)
+    cn, bn = w.cond_nconsts, w.body_nconsts
+    cond = _closed_fn((w.cond, w.cond_consts), flags)
+    body = _closed_fn((w.body, w.body_consts), flags)
     cond_consts, body_consts = ins[:cn], ins[cn:cn + bn]
     return jax.lax.while_loop(lambda c: cond(*cond_consts, *c)[0],
                               lambda c: body(*body_consts, *c), list(ins[cn + bn:]))
@@ -178,22 +178,23 @@ _LOOPS = {"scan": _scan, "cond": _cond, "while": _while}
 # --- custom rules: inlined, or rebuilt lifted -----------------------------------------------
 
 def _custom_jvp(eqn, ins, flags):
-    p = eqn.params
-    call = p["call_jaxpr"]
+    call, call_consts = ji.body(eqn)
     if flags.inline_custom_rules:
-        return evaluate(call.jaxpr, call.consts, ins, flags)
+        return evaluate(call, call_consts, ins, flags)
     if not flags.lift_precision:
         return None  # bound as it is
-    rule_flags, ins, nc, consts, floats = _lifted_rule_inputs(eqn, ins)
+    rule = ji.custom_jvp(eqn)
+    rule_flags, ins, nc, consts, floats = _lifted_rule_inputs(eqn, ins, rule.num_consts)
 
     @jax.custom_jvp
     def fn(*xs):
-        return evaluate(call.jaxpr, call.consts, [*consts, *xs], rule_flags)
+        return evaluate(call, call_consts, [*consts, *xs], rule_flags)
 
     def fn_jvp(xs, ts):
         # JAX's own jvp_jaxpr_fun traces the user's rule at the original dtypes; tangents of
         # non-float inputs are symbolic zeros (the rule never sees them).
-        jaxpr, jvp_consts, out_zeros = p["jvp_jaxpr_fun"].call_wrapped(*[not f for f in floats])
+        jaxpr, jvp_consts, out_zeros = rule.jvp_jaxpr_fun.call_wrapped(*[not f for f in floats])
+        jaxpr, jvp_consts = ji.attach_consts(jaxpr, jvp_consts)
         out = evaluate(jaxpr, jvp_consts, [*xs, *(t for t, f in zip(ts, floats) if f)],
                        rule_flags)
         primals, nonzero = out[:len(out_zeros)], iter(out[len(out_zeros):])
@@ -204,12 +205,11 @@ def _custom_jvp(eqn, ins, flags):
     return list(fn(*ins[nc:]))
 
 
-def _lifted_rule_inputs(eqn, ins):
+def _lifted_rule_inputs(eqn, ins, nc):
     """What a lifted custom rule needs: its flags (lifting only: a stop_gradient inside the
     rule stays), its inputs in float64, the number of consts, the consts, and which of the
     other inputs are floating (they take tangents/cotangents)."""
     ins = [_up(x) for x in ins]
-    nc = eqn.params["num_consts"]
     floats = [is_float(v.aval.dtype) for v in eqn.invars[nc:]]
     return Flags(lift_precision=True), ins, nc, ins[:nc], floats
 
@@ -221,25 +221,24 @@ def _zero_tangent(x):
 
 
 def _custom_vjp(eqn, ins, flags):
-    p = eqn.params
-    call = p["call_jaxpr"]
+    call, call_consts = ji.body(eqn)
     if flags.inline_custom_rules:
-        return evaluate(call.jaxpr, call.consts, ins, flags)
+        return evaluate(call, call_consts, ins, flags)
     if not flags.lift_precision:
         return None  # bound as it is
-    rule_flags, ins, nc, consts, floats = _lifted_rule_inputs(eqn, ins)
+    rule = ji.custom_vjp(eqn)
+    rule_flags, ins, nc, consts, floats = _lifted_rule_inputs(eqn, ins, rule.num_consts)
 
     @jax.custom_vjp
     def fn(*xs):
-        return evaluate(call.jaxpr, call.consts, [*consts, *xs], rule_flags)
+        return evaluate(call, call_consts, [*consts, *xs], rule_flags)
 
     def fn_fwd(*xs):
-        jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*floats)
+        jaxpr, fwd_consts = ji.attach_consts(*rule.fwd_jaxpr_thunk.call_wrapped(*floats))
         out = evaluate(jaxpr, fwd_consts, list(xs), rule_flags)
         # Residuals that are inputs were pruned from fwd's outputs: `forwards` says which
         # (indices into the equation's inputs, consts first).
-        _, res_tree, forwards = p["out_trees"]()
-        n_res = res_tree.num_leaves - sum(f is not None for f in forwards)
+        n_res, forwards = rule.residual_layout()
         pruned, everything = iter(out[:n_res]), [*consts, *xs]
         return out[n_res:], [next(pruned) if f is None else everything[f] for f in forwards]
 
@@ -247,7 +246,7 @@ def _custom_vjp(eqn, ins, flags):
         # The user's bwd, traced at the float64 residuals and cotangents and evaluated
         # lifted, so a cast to bfloat16 inside it is lifted as well.
         def flat_bwd(*args):
-            return [_materialize(c) for c in p["bwd"].call_wrapped(*args)]
+            return [_materialize(c) for c in rule.call_bwd(len(floats), *args)]
         traced = jax.make_jaxpr(flat_bwd)(*res, *cts)
         out = evaluate(traced.jaxpr, traced.consts, [*res, *cts], rule_flags)
         return tuple(o if f else None for o, f in zip(out, floats))
@@ -264,4 +263,4 @@ def _materialize(ct: Any):
     return jnp.zeros(aval.shape, _wide(aval.dtype) if is_float(aval.dtype) else np.float64)
 
 
-_CUSTOM = {"custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp}
+_CUSTOM = {"custom_jvp": _custom_jvp, "custom_vjp": _custom_vjp}

@@ -13,9 +13,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from funcgrad.check import _objective as obj
+from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import sub_jaxprs
 
 
@@ -44,7 +44,7 @@ def narrowest_float(jaxpr) -> str | None:
             for _, sub, _ in sub_jaxprs(eqn):
                 walk_all(sub)
 
-    is_var = lambda v: not isinstance(v, jex_core.Literal)
+    is_var = lambda v: not ji.is_literal(v)
     used = {v for v in jaxpr.outvars if is_var(v)}  # what the outputs depend on, backwards
     for eqn in reversed(jaxpr.eqns):
         if any(v in used for v in eqn.outvars):
@@ -86,19 +86,34 @@ def lift_precision_of(prob, lift, modes, rtol_as_computed):
     lifted = prob["spec"]._replace(lift_precision=True)
     reason = _not_liftable(lifted, prob, modes)
     if reason:
-        return dict(prob, notes=[f"fn computes in {low}; its casts could not be lifted to "
-                                 f"float64 ({reason}), so it was checked as computed: "
-                                 f"{as_computed}", *notes])
+        return dict(prob, weaker=(f"checked in {low}, not float64: {reason}"), notes=[
+            f"fn computes in {low}; its casts could not be lifted to float64 ({reason}), so "
+            f"it was checked as computed (weaker than asked: "
+            f"report.raise_if_failed(strict=True) treats that as a failure): {as_computed}",
+            *notes])
     return dict(prob, spec=lifted, dtype_used="float64", lifted_from=low, notes=[
         f"fn computes in {low}; the check lifted its {low} casts to float64 (custom rules "
         "included) and used float64's eps and tolerances (lift_precision=False checks it as "
         "computed).", *notes])
 
 
+class LiftError(RuntimeError):
+    """check_grads could not build the float64 version of a narrower-precision function: a
+    fault of funcgrad's lifting interpreter, not of the checked function. Raised rather than
+    falling back to a check at the narrow dtype's tolerances, which would pass errors the
+    requested check would catch; ``lift_precision=False`` checks the function as computed."""
+
+
 def _not_liftable(lifted, prob, modes) -> str | None:
-    """Why the lifted program cannot be checked in float64 (None if it can): tracing it, or
-    tracing and lowering its derivative (where a mistyped lifted equation would show), fails,
-    or a value on the differentiated path stays narrower than float64."""
+    """Why the lifted program cannot be checked in float64 (None if it can): a value on the
+    differentiated path stays narrower than float64 (a bitcast, a host callback, a primitive
+    the lifting does not enter: by design, a weaker check the report states).
+
+    Raises:
+      LiftError: tracing the lifted program, or tracing and lowering its derivative (where a
+        mistyped lifted equation would show), fails: funcgrad's fault, never a silent
+        fallback to the narrow dtype's tolerances.
+      funcgrad.JaxInternalsError: the lifting could not read a JAX internal."""
     theta, leaves, cots = prob["theta"], prob["leaves"], prob["cotangents"]
     phi = functools.partial(obj.objective, lifted, leaves=leaves, cotangents=cots)
     if "rev" in modes or lifted.order > 1:
@@ -110,8 +125,16 @@ def _not_liftable(lifted, prob, modes) -> str | None:
         traced = jax.jit(derivative).trace(theta)
         traced.lower()  # no compilation
         jaxprs.append(traced.jaxpr)
-    except Exception as error:  # noqa: BLE001 - any failure means: check as computed
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    except ji.JaxInternalsError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the lifting's fault: said, never hidden
+        import jax as _jax
+        raise LiftError(
+            f"check_grads could not lift fn's {prob['dtype_used']} computation to float64 "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}) on jax "
+            f"{_jax.__version__}. This is a fault of funcgrad's lifting, not of fn: please "
+            "report it. To check fn at its own precision meanwhile (errors below that "
+            "precision's tolerances pass unseen), pass lift_precision=False.") from error
     for traced in jaxprs:
         left = narrowest_float(traced.jaxpr)
         if left not in (None, "float64"):

@@ -13,8 +13,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
+from funcgrad import _jax_internals as ji
 from funcgrad.check import _lift
 
 
@@ -102,16 +102,10 @@ def has_stop_gradient(jaxpr) -> bool:
     """Whether a (closed) jaxpr holds a stop_gradient, entering nested calls."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "stop_gradient":
+        if ji.kind(eqn) == "stop_gradient":
             return True
-        for sub in _param_jaxprs(eqn):
+        for _, sub, _ in ji.sub_jaxprs(eqn):
             if has_stop_gradient(sub):
                 return True
     return False
 
-
-def _param_jaxprs(eqn):
-    for value in eqn.params.values():
-        for v in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-                yield v

@@ -124,9 +124,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         path (a bfloat16 layer, an ``astype(jnp.float32)``), check the same program with those
         casts lifted to float64, custom_jvp/custom_vjp rules included (`funcgrad.check._lift`), at
         float64's eps and tolerances (``report.lifted_from`` names the dtype). Where lifting
-        cannot reach (a bitcast, a host callback), and with False, fn is checked as computed,
-        at its dtype's tolerances, and a note gives the smallest error it could see (atol +
-        rtol·|derivative|).
+        cannot reach (a bitcast, a host callback), fn is checked as computed, at its dtype's
+        tolerances: ``report.weaker`` says so and a note gives the smallest error it could
+        see (atol + rtol·|derivative|); with False, the same without `weaker` (as asked).
       block_size: directional mode only: cut each leaf into blocks of at most this many
         elements, with `num_directions` tangents restricted to each block; None (default)
         draws them over each whole leaf. A single-element error is diluted about
@@ -143,6 +143,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         the primal point (the message names the output leaf and the argument shapes), "rev"
         with a ``while_loop`` that depends on the arguments (JAX cannot reverse it), or
         ``modes=("fwd",)`` with a ``custom_vjp`` (JAX cannot forward-differentiate it).
+      funcgrad.check.LiftError: lifting fn to float64 failed inside funcgrad (never a silent
+        check at the narrow dtype instead); `funcgrad.JaxInternalsError`: a JAX internal
+        funcgrad reads is missing in the installed JAX.
       TypeError: if `fn` is not callable, or argnums is not an int or a tuple of ints;
         `funcgrad.TracedValueError` (a TypeError)
         when fn uses a traced value as a Python value (``if x > 0:``, ``range(n)``,
@@ -228,7 +231,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                            atol=cfg_tol[2], skipped=prob["skipped"], notes=notes,
                            checked_args=prob["checked_args"],
                            unchecked_args=prob["unchecked_args"],
-                           lifted_from=prob["lifted_from"])
+                           lifted_from=prob["lifted_from"], weaker=prob.get("weaker"))
 
 
 def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 50_000,

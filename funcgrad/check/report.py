@@ -306,6 +306,10 @@ class GradCheckReport:
       notes: remarks (fwd skipped for custom_vjp, lower precision, stop_gradient, ...).
       lifted_from: the dtype narrower than float64 that fn computes in and whose casts the
         check lifted to float64 (e.g. "bfloat16"; `dtype_used` is then "float64"), or None.
+      weaker: None, or why the check was weaker than asked: fn computes in a narrower float
+        and could not be lifted (a bitcast, a host callback on the differentiated path), so
+        it was checked at that float's tolerances. ``ok`` is about the rows alone;
+        ``raise_if_failed(strict=True)`` also fails a weaker check.
     """
     rows: list[LeafCheck]
     mode: str
@@ -320,6 +324,7 @@ class GradCheckReport:
     checked_args: tuple[str, ...] = ()
     unchecked_args: tuple[str, ...] = ()
     lifted_from: str | None = None
+    weaker: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -335,19 +340,25 @@ class GradCheckReport:
                 "atol": self.atol, "skipped": list(self.skipped), "notes": list(self.notes),
                 "checked_args": list(self.checked_args),
                 "unchecked_args": list(self.unchecked_args),
-                "lifted_from": self.lifted_from,
+                "lifted_from": self.lifted_from, "weaker": self.weaker,
                 "rows": [r.to_dict() for r in self.rows]}
 
-    def raise_if_failed(self) -> None:
-        """Raises AssertionError with the table if any leaf failed."""
+    def raise_if_failed(self, strict: bool = False) -> None:
+        """Raises AssertionError with the table if any leaf failed; with ``strict=True``, also
+        when the check was weaker than asked (`weaker`: checked at a narrow float's
+        tolerances because fn could not be lifted to float64)."""
         if not self.ok:
             raise AssertionError(f"gradient check failed for {len(self.failures)} leaf/leaves:\n{self}")
+        if strict and self.weaker:
+            raise AssertionError(f"gradient check was weaker than asked ({self.weaker}); "
+                                 f"strict=True treats that as a failure:\n{self}")
 
     def __str__(self) -> str:
         lifted = f" (lifted from {self.lifted_from})" if self.lifted_from else ""
         head = (f"gradient check ({self.mode}, {'+'.join(self.modes)}, order {self.order}, "
                 f"{self.dtype_used}{lifted}, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}): "
-                f"{'OK' if self.ok else 'FAILED'}")
+                f"{'OK' if self.ok else 'FAILED'}"
+                f"{' (WEAKER THAN ASKED: ' + self.weaker + ')' if self.weaker else ''}")
         cols = ("leaf", "shape", "max abs err", "max rel err", "resolution", "worst element",
                 "analytic", "numeric", "status")
         table = [cols]

@@ -21,18 +21,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
+from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import source_line
 
 # Lines of this file are never "the user's line".
 source_info_util.register_exclusion(__file__)
 
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
-_CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "custom_vjp_call_jaxpr": "fun_jaxpr"}
 
 
 # --- values and locations ------------------------------------------------------------------
@@ -64,7 +60,7 @@ def _loc(eqn, outer: _Loc) -> _Loc:
     where = source_line(eqn)
     if not where:
         return outer
-    match = _SUMMARY.match(source_info_util.summarize(eqn.source_info))
+    match = _SUMMARY.match(ji.source_summary(eqn))
     return _Loc(where, match["file"], int(match["line"])) if match else _Loc(where)
 
 
@@ -72,21 +68,8 @@ def _at(label: str, loc: _Loc) -> str:
     return f"{label} at {loc.where}" if loc.where else label
 
 
-def _in_transpose(eqn) -> bool:
-    """Whether JAX made `eqn` by transposing (its name stack reads ``transpose(jvp(...))``)."""
-    stack = getattr(getattr(eqn.source_info, "name_stack", None), "stack", ())
-    return any(type(e).__name__ == "Transform" and e.name == "transpose" for e in stack)
-
-
-def _closed(sub):
-    return (sub.jaxpr, tuple(sub.consts)) if isinstance(sub, jex_core.ClosedJaxpr) else (sub, ())
-
-
-def _bind(eqn, ins):
-    bind = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = bind if isinstance(bind, tuple) else ([], bind)
-    outs = eqn.primitive.bind(*subfuns, *ins, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+_in_transpose = ji.in_transpose
+_bind = ji.bind
 
 
 # --- origins: where a non-finite value came from ----------------------------------------------
@@ -170,12 +153,8 @@ class _Step:
 
 def _label(eqn) -> str:
     """``jit 'norm'``, ``custom_vjp_call 'my_fn'``: the primitive and the function's name."""
-    name = eqn.primitive.name
-    fn = eqn.params.get("name")
-    for key in ("call_jaxpr", "fun_jaxpr"):
-        if fn is None and key in eqn.params:
-            info = getattr(_closed(eqn.params[key])[0], "debug_info", None)
-            fn = getattr(info, "func_name", None)
+    name = ji.name(eqn)
+    fn = ji.function_name(eqn)
     return f"{name} {fn!r}" if fn else name
 
 
@@ -203,7 +182,7 @@ class _Evaluator:
         env.update(zip(jaxpr.invars, args))
 
         def read(v):
-            return _V(v.val, None, False) if isinstance(v, jex_core.Literal) else env[v]
+            return _V(v.val, None, False) if ji.is_literal(v) else env[v]
 
         tape = []
         for eqn in jaxpr.eqns:
@@ -217,28 +196,29 @@ class _Evaluator:
         return [read(v) for v in jaxpr.outvars], tape
 
     def _eqn(self, eqn, ins, frame, record):
-        name, p = eqn.primitive.name, eqn.params
+        name, kind = ji.name(eqn), ji.kind(eqn)
         step = _Step("prim", eqn, ins, [], frame)
-        if name in _CALLS and _CALLS[name] in p:
-            sub, consts = _closed(p[_CALLS[name]])
+        if kind in ji.CALL_KINDS:
+            sub, consts = ji.body(eqn)
             outs, tape = self.forward(sub, consts, ins[len(ins) - len(sub.invars):],
                                       frame.enter(_at(_label(eqn), frame.loc)), record)
             step.kind, step.sub = "call", (sub, tape)
-        elif name == "cond":
-            index = int(np.clip(int(ins[0].x), 0, len(p["branches"]) - 1))
-            sub, consts = _closed(p["branches"][index])
+        elif kind == "cond":
+            branches = ji.cond_branches(eqn)
+            index = int(np.clip(int(ins[0].x), 0, len(branches) - 1))
+            sub, consts = branches[index]
             outs, tape = self.forward(sub, consts, ins[1:],
                                       frame.enter(_at(f"cond branch {index}", frame.loc)), record)
             step.kind, step.sub = "cond", (sub, tape)
-        elif name == "scan" and p["length"] > 0:
+        elif kind == "scan" and ji.scan(eqn).length > 0:
             outs, step.sub = self._scan(eqn, ins, frame, record)
             step.kind = "scan"
         else:
             values = _bind(eqn, [v.x for v in ins])
-            if name == "while":
+            if kind == "while":
                 orgs = [v.org for v in self._while(eqn, ins, frame)]
-            elif name in _CUSTOM and _CUSTOM[name] in p:  # look inside; differentiate as a whole
-                sub, consts = _closed(p[_CUSTOM[name]])
+            elif kind in ji.CUSTOM_KINDS:  # look inside; differentiate as a whole
+                sub, consts = ji.body(eqn)
                 inner, _ = self.forward(sub, consts, ins[len(ins) - len(sub.invars):],
                                         frame.enter(_at(_label(eqn), frame.loc)), False)
                 orgs = None  # the inner evaluation's per-element origins, on the bound values
@@ -265,7 +245,7 @@ class _Evaluator:
                 # Made from a non-finite literal or constant (no origin of its own): a sentinel.
                 constant = code == _NEW and any(v.org is None and not _finite(v.x) for v in ins)
                 made[code] = self.new(
-                    "backward" if frame.own_transpose else "forward", eqn.primitive.name, frame,
+                    "backward" if frame.own_transpose else "forward", ji.name(eqn), frame,
                     [(_operand_name(var, i), v.x) for i, (var, v) in
                      enumerate(zip(eqn.invars, ins))],
                     values[k], f"output {k}", own_transpose=frame.own_transpose,
@@ -293,7 +273,7 @@ class _Evaluator:
         of infinities that all come from constants (-inf - -inf in a fully masked softmax row,
         -inf * 0 in a matmul)."""
         bad = ~np.isfinite(np.asarray(out))
-        name, shape = eqn.primitive.name, np.shape(out)
+        name, shape = ji.name(eqn), np.shape(out)
         floats = [v for v in ins if _is_float(v.x)]
         ids = None
         if name in _MOVES and n_out == 1:
@@ -330,7 +310,7 @@ class _Evaluator:
         """Reductions, sorts and scans along axes: each output element takes the best origin of
         the input elements on its line (its row for a row-wise max or sort), not of the whole
         array."""
-        p, ndim = eqn.params, np.ndim(operand.x)
+        p, ndim = ji.params(eqn), np.ndim(operand.x)
         axes = tuple(p["axes"]) if "axes" in p else (
             (p["axis"],) if "axis" in p else (p["dimension"],) if "dimension" in p else (-1,))
         axes = tuple(a % ndim for a in axes)
@@ -380,15 +360,15 @@ class _Evaluator:
             self.by_seq[loser].into = self.by_seq[winner]
 
     def _scan(self, eqn, ins, frame, record):
-        p = eqn.params
-        body, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+        s = ji.scan(eqn)
+        nc, nk, length = s.num_consts, s.num_carry, s.length
         consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
         ys, iterations = {}, []
-        for t in (reversed(range(length)) if p["reverse"] else range(length)):
+        for t in (reversed(range(length)) if s.reverse else range(length)):
             xs_t = [_V(v.x[t], v.org if not _finite(v.x[t]) else None, v.act,
                        None if v.ids is None else v.ids[t]) for v in xs]
             outs, tape = self.forward(
-                body.jaxpr, body.consts, [*consts, *carry, *xs_t],
+                s.body, s.body_consts, [*consts, *carry, *xs_t],
                 frame.enter(_at("scan", frame.loc) + f", iteration {t} (0-based) of {length}"),
                 record)
             carry, ys[t] = outs[:nk], outs[nk:]
@@ -399,20 +379,20 @@ class _Evaluator:
                       None if all(ys[t][j].ids is None for t in range(length)) else
                       np.stack([self._id_array(ys[t][j]) for t in range(length)]))
                    for j in range(len(ys[0]))]
-        return [*carry, *stacked], (body, iterations)
+        return [*carry, *stacked], (s, iterations)
 
     def _while(self, eqn, ins, frame):
         """Runs a while_loop's condition and body in Python, for the origins of its outputs."""
-        p = eqn.params
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        w = ji.while_loop(eqn)
+        cn, bn = w.cond_nconsts, w.body_nconsts
         carry = ins[cn + bn:]
         for it in itertools.count():
             here = frame.enter(_at("while_loop", frame.loc) + f", iteration {it} (0-based)")
-            (pred,), _ = self.forward(p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
+            (pred,), _ = self.forward(w.cond, w.cond_consts,
                                       [*ins[:cn], *carry], here, False)
             if not bool(pred.x):
                 return carry
-            carry, _ = self.forward(p["body_jaxpr"].jaxpr, p["body_jaxpr"].consts,
+            carry, _ = self.forward(w.body, w.body_consts,
                                     [*ins[cn:cn + bn], *carry], here, False)
 
     # backward --------------------------------------------------------------------------------
@@ -423,7 +403,7 @@ class _Evaluator:
         ct: dict[Any, _V] = {}
 
         def add(var, c: _V | None, frame: _Frame | None):
-            if c is None or isinstance(var, jex_core.Literal):
+            if c is None or ji.is_literal(var):
                 return
             if var not in ct:
                 ct[var] = c
@@ -476,7 +456,7 @@ class _Evaluator:
         operands = [(_operand_name(var, k), v.x) for k, (var, v) in enumerate(zip(eqn.invars,
                                                                                   step.ins))]
         operands += [(f"cotangent of output {j}", cts[j].x) for j in floats if cts[j] is not None]
-        name = _label(eqn) if eqn.primitive.name in _CUSTOM else eqn.primitive.name
+        name = _label(eqn) if ji.kind(eqn) in ji.CUSTOM_KINDS else ji.name(eqn)
         sources = []  # where the operands' non-finite elements came from (a NaN data row?)
         for v in step.ins:
             if v.org is not None:
@@ -494,15 +474,14 @@ class _Evaluator:
     _back_cond = _back_call
 
     def _back_scan(self, step, cts):
-        p = step.eqn.params
-        nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
-        body, iterations = step.sub
+        s, iterations = step.sub
+        nc, nk, length = s.num_consts, s.num_carry, s.length
         carry, ys = cts[:nk], cts[nk:]
         consts, xs = [None] * nc, {}
         for t, tape in reversed(iterations):
             ys_t = [None if c is None else _V(c.x[t], c.org if not _finite(c.x[t]) else None, True)
                     for c in ys]
-            got = self.backward(body.jaxpr, tape, [*carry, *ys_t])
+            got = self.backward(s.body, tape, [*carry, *ys_t])
             consts = [_sum(a, b) for a, b in zip(consts, got[:nc])]
             carry, xs[t] = got[nc:nc + nk], got[nc + nk:]
         stacked = []
@@ -530,7 +509,7 @@ _ELEMENTWISE = frozenset({
     "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "logistic", "abs", "sign",
     "floor", "ceil", "round", "max", "min", "convert_element_type", "erf", "erfc", "erf_inv",
     "lgamma", "digamma", "rem", "clamp", "nextafter", "real", "imag", "conj",
-    "reduce_precision", "stop_gradient", "add_any"})
+    "reduce_precision", "stop_gradient", "add_any", "one_minus_square"})
 #: Primitives along axes (reductions, sorts, cumulative ops, top_k): `_Evaluator._along_axes`.
 _ALONG_AXES = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "sort", "cumsum", "cumprod",
@@ -561,4 +540,4 @@ def _sum(a: _V | None, b: _V | None) -> _V | None:
 
 
 def _operand_name(var, i: int) -> str:
-    return f"operand {i} (literal)" if isinstance(var, jex_core.Literal) else f"operand {i}"
+    return f"operand {i} (literal)" if ji.is_literal(var) else f"operand {i}"

@@ -26,13 +26,9 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
-from funcgrad._jaxpr import closed_parts, sub_jaxprs
+from funcgrad import _jax_internals as ji
 
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
-          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
 _PASS = {"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "copy", "copy_p",
          "psum", "pmean"}  # ops a mean goes through (psum: the batch mean under a named vmap)
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
@@ -42,12 +38,12 @@ UNKNOWN_AXIS_NOTE = "feature axis not found from the program: units taken along 
 
 
 def _is_zero(v) -> bool:
-    return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
+    return ji.is_literal(v) and np.ndim(v.val) == 0 and float(v.val) == 0.0
 
 
 def is_max_zero(eqn) -> bool:
     """A floating ``max(x, 0)`` with a literal zero (ReLU or clamp; integer clamps excluded)."""
-    return (eqn.primitive.name == "max" and len(eqn.invars) == 2
+    return (ji.name(eqn) == "max" and len(eqn.invars) == 2
             and any(map(_is_zero, eqn.invars)) and not all(map(_is_zero, eqn.invars))
             and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating))
 
@@ -93,7 +89,7 @@ class ReluAxes:
 
     def has_relu(self, jaxpr) -> bool:
         """Whether `jaxpr` (or a jaxpr nested in it) holds a ReLU."""
-        return any(self.is_relu(eqn) or any(self.has_relu(sub) for _, sub, _ in sub_jaxprs(eqn))
+        return any(self.is_relu(eqn) or any(self.has_relu(sub) for _, sub, _ in ji.sub_jaxprs(eqn))
                    for eqn in jaxpr.eqns)
 
     # --- the walk ---------------------------------------------------------------------------
@@ -103,7 +99,7 @@ class ReluAxes:
         env.update(zip(jaxpr.invars, ins))
         producer = {}
         for eqn in jaxpr.eqns:
-            vals = [_NONE if isinstance(v, jex_core.Literal) else env.get(v, _UNKNOWN)
+            vals = [_NONE if ji.is_literal(v) else env.get(v, _UNKNOWN)
                     for v in eqn.invars]
             if is_max_zero(eqn):
                 x = eqn.invars[1] if _is_zero(eqn.invars[0]) else eqn.invars[0]
@@ -115,29 +111,30 @@ class ReluAxes:
             for var, val in zip(eqn.outvars, outs):
                 env[var] = val
                 producer[var] = eqn
-        return [_NONE if isinstance(v, jex_core.Literal) else env.get(v, _UNKNOWN)
+        return [_NONE if ji.is_literal(v) else env.get(v, _UNKNOWN)
                 for v in jaxpr.outvars]
 
     def _transfer(self, eqn, vals):
-        name, p = eqn.primitive.name, eqn.params
+        kind = ji.kind(eqn)
         data, param = any(v[1] for v in vals), any(v[2] for v in vals)
         inherit = (None, data, param)
         n_out = len(eqn.outvars)
-        if name in _CALLS and _CALLS[name] in p:
-            sub, consts = closed_parts(p[_CALLS[name]])
+        called = ji.body(eqn)
+        if called is not None:
+            sub, consts = called
             return self._walk(sub, vals[len(vals) - len(sub.invars):], [inherit] * len(consts))
-        if name == "scan":
-            nc, nk = p["num_consts"], p["num_carry"]
+        if kind == "scan":
+            s = ji.scan(eqn)
+            nc, nk = s.num_consts, s.num_carry
             xs = [(_shift(g, -1), d, q) for g, d, q in vals[nc + nk:]]
-            outs = self._walk(p["jaxpr"].jaxpr, [*vals[:nc + nk], *xs],
-                              [inherit] * len(p["jaxpr"].consts))
+            outs = self._walk(s.body, [*vals[:nc + nk], *xs], [inherit] * len(s.body_consts))
             return [*outs[:nk], *[(_shift(g, 1), d, q) for g, d, q in outs[nk:]]]
-        if name == "cond":
-            branches = [self._walk(b.jaxpr, vals[1:], [inherit] * len(b.consts))
-                        for b in p["branches"]]
+        if kind == "cond":
+            branches = [self._walk(b, vals[1:], [inherit] * len(consts))
+                        for b, consts in ji.cond_branches(eqn)]
             return [(o[0][0] if all(x[0] == o[0][0] for x in o) else None,
                      any(x[1] for x in o), any(x[2] for x in o)) for o in zip(*branches)]
-        for _, sub, consts in sub_jaxprs(eqn):  # while and others: visit, axes unknown
+        for _, sub, consts in ji.sub_jaxprs(eqn):  # while and others: visit, axes unknown
             self._walk(sub, [_UNKNOWN] * len(sub.invars), [_UNKNOWN] * len(consts))
         if n_out != 1:
             return [inherit] * n_out
@@ -148,7 +145,7 @@ def _out_axis(eqn, vals) -> tuple[int, int] | None:
     """The feature group ``(start, stop)`` of `eqn`'s output: the features lie along axes
     start..stop-1, flattened in row-major order (one axis, or several after a reshape split it,
     as GroupNorm's (groups, channels per group)); None when not known."""
-    name, p = eqn.primitive.name, eqn.params
+    name, p = ji.name(eqn), ji.params(eqn)
     out_shape = tuple(eqn.outvars[0].aval.shape)
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     if name == "conv_general_dilated":  # out_spec = (batch dim, feature dim, spatial dims...)
@@ -244,14 +241,15 @@ def _is_variance(var, producer, depth: int = 0) -> bool:
     eqn = producer.get(var)
     if eqn is None or depth > 8:
         return False
-    name = eqn.primitive.name
+    name = ji.name(eqn)
     if name in _PASS or (name in ("div", "mul") and _literal_or_param_scale(eqn)):
         return _is_variance(eqn.invars[0], producer, depth + 1)
-    if name in _CALLS and _CALLS[name] in eqn.params:
-        fname = str(eqn.params.get("name", ""))
+    called = ji.body(eqn)
+    if called is not None:
+        fname = str(ji.param(eqn, "name", ""))
         if fname.strip("_") in ("var", "variance"):
             return True
-        sub, _ = closed_parts(eqn.params[_CALLS[name]])
+        sub, _ = called
         inner = {}
         for e in sub.eqns:
             for v in e.outvars:
@@ -267,20 +265,20 @@ def _is_variance(var, producer, depth: int = 0) -> bool:
 
 def _literal_or_param_scale(eqn) -> bool:
     """``div x n`` / ``mul x (1/n)``: a mean's normalisation, the first operand the sum."""
-    return all(isinstance(v, jex_core.Literal) or tuple(v.aval.shape) == ()
+    return all(ji.is_literal(v) or tuple(v.aval.shape) == ()
                for v in eqn.invars[1:])
 
 
 def _is_square(var, producer) -> bool:
     eqn = producer.get(var)
-    while eqn is not None and eqn.primitive.name in _PASS:
+    while eqn is not None and ji.name(eqn) in _PASS:
         eqn = producer.get(eqn.invars[0])
     if eqn is None:
         return False
-    name = eqn.primitive.name
+    name = ji.name(eqn)
     if name == "mul":  # x * x, or (x - m) * (x - m') as equinox's BatchNorm writes it
         a, b = (producer.get(v) for v in eqn.invars)
         return eqn.invars[0] is eqn.invars[1] or (
-            a is not None and b is not None and a.primitive.name == b.primitive.name == "sub"
+            a is not None and b is not None and ji.name(a) == ji.name(b) == "sub"
             and a.invars[0] is b.invars[0])
-    return name == "square" or (name == "integer_pow" and eqn.params.get("y") == 2)
+    return name == "square" or (name == "integer_pow" and ji.param(eqn, "y", None) == 2)

@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
-from funcgrad._jaxpr import arg_names, closed_parts, interpret, source_line
+from funcgrad import _jax_internals as ji
+from funcgrad._jaxpr import arg_names, interpret, source_line
 from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
 from funcgrad._traced import traced_values
 
@@ -52,23 +52,19 @@ class DeadReLU:
 
 jax.tree_util.register_dataclass(DeadReLU, data_fields=["dead"], meta_fields=["names", "axes"])
 
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr"}
+_INLINE = {"jit", "call"}  # kinds (`funcgrad._jax_internals.kind`) evaluated inline
 # Bound unchanged (their derivative rules or remat policy must survive); ReLUs inside are
-# recorded by a second, gradient-free evaluation of the body, which XLA merges with the first.
-_OPAQUE = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}
+# recorded by a second, gradient-free evaluation of the body, which XLA merges with the first:
+# custom_jvp, custom_vjp and checkpoint.
 
 
 def _is_zero(v) -> bool:
-    return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
+    return ji.is_literal(v) and np.ndim(v.val) == 0 and float(v.val) == 0.0
 
 
-def _body(eqn) -> tuple[jex_core.Jaxpr, tuple] | None:
-    """``(jaxpr, consts)`` of the call `eqn` makes, if it is in `_INLINE` or `_OPAQUE`."""
-    name = eqn.primitive.name
-    key = _INLINE.get(name) or _OPAQUE.get(name)
-    return closed_parts(eqn.params[key]) if key in eqn.params else None
+def _body(eqn) -> tuple[Any, tuple] | None:
+    """``(jaxpr, consts)`` of the call `eqn` makes (jit, call, checkpoint, custom rule)."""
+    return ji.body(eqn)
 
 
 def _has_relu(jaxpr, relus: ReluAxes) -> bool:
@@ -89,7 +85,7 @@ def _eval(jaxpr, consts, args, sites: list, where: str, relus: ReluAxes) -> list
     def rule(eqn, ins):
         here = source_line(eqn) or where
         sub = _body(eqn)
-        if sub is not None and eqn.primitive.name in _INLINE and _has_relu(sub[0], relus):
+        if sub is not None and ji.kind(eqn) in _INLINE and _has_relu(sub[0], relus):
             return _eval(*sub, ins[len(ins) - len(sub[0].invars):], sites, here, relus)
         if relus.is_relu(eqn):
             x = ins[1] if _is_zero(eqn.invars[0]) else ins[0]

@@ -53,12 +53,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from funcgrad.check._custom_rules import dropped_inputs
 from funcgrad._library_objects import split_equinox_args
 from funcgrad._jaxpr import arg_names, check_array_args, interpret, leaf_paths, source_line
-from funcgrad._jaxpr import closed_parts as _closed
+from funcgrad import _jax_internals as ji
 from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
 from funcgrad._traced import traced_values
 
@@ -79,9 +78,6 @@ class _Path(NamedTuple):
     where: str  # the primitive and line that cut the path ("" for a differentiable path)
 
 
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
-          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
 
 
 def _merge(*deps: dict[int, _Path]) -> dict[int, _Path]:
@@ -108,7 +104,7 @@ def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "",
         env[var] = deps
 
     def read(v):
-        return {} if isinstance(v, jex_core.Literal) else env.get(v, {})
+        return {} if ji.is_literal(v) else env.get(v, {})
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
@@ -122,28 +118,29 @@ def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "",
 
 
 def _transfer(eqn, ins, where, drops=None):
-    name = eqn.primitive.name
+    name, kind = ji.name(eqn), ji.kind(eqn)
     at = f"{name} at {where}" if where else name
-    if name in _CALLS and _CALLS[name] in eqn.params:
-        sub, consts = _closed(eqn.params[_CALLS[name]])
+    called = ji.body(eqn)  # jit, checkpoint, and a custom rule's primal program
+    if called is not None:
+        sub, consts = called
         n = len(sub.invars)
         return _flow(sub, ins[len(ins) - n:], where, drops)
-    if name == "scan":
-        p = eqn.params
-        nc, nk = p["num_consts"], p["num_carry"]
+    if kind == "scan":
+        s = ji.scan(eqn)
+        nc, nk = s.num_consts, s.num_carry
         consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
         while True:  # fixpoint over the carry; kinds only grow, so this ends
-            outs = _flow(p["jaxpr"].jaxpr, [*consts, *carry, *xs], where, drops)
+            outs = _flow(s.body, [*consts, *carry, *xs], where, drops)
             new = [_merge(c, o) for c, o in zip(carry, outs[:nk])]
             if new == carry:
                 return outs[:nk] + outs[nk:]
             carry = new
-    if name == "cond":
+    if kind == "cond":
         index = _cut(ins[0], _ZERO, f"the branch index of cond at {where}")
-        branches = [_flow(b.jaxpr, ins[1:], where, drops) for b in eqn.params["branches"]]
+        branches = [_flow(b, ins[1:], where, drops) for b, _ in ji.cond_branches(eqn)]
         return [_merge(index, *outs) for outs in zip(*branches)]
     merged = _merge(*ins)
-    if name == "stop_gradient":
+    if kind == "stop_gradient":
         return [_cut(merged, _STOP, at)]
     outs = []
     for var in eqn.outvars:
@@ -450,7 +447,7 @@ def _relu_sites(closed, params, args, n_params) -> list[ReluSite]:
 
 
 def _is_zero_literal(v) -> bool:
-    return isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 and float(v.val) == 0.0
+    return ji.is_literal(v) and np.ndim(v.val) == 0 and float(v.val) == 0.0
 
 
 def _record(jaxpr, consts, args, recorded, sites, where, path, relus: ReluAxes, taken=None):
@@ -459,16 +456,17 @@ def _record(jaxpr, consts, args, recorded, sites, where, path, relus: ReluAxes, 
     equations that lead to it), so the same jitted helper called by two layers gives two
     sites, and one ReLU in a scan body gives one site over all iterations."""
     def rule(eqn, ins):
-        name = eqn.primitive.name
+        kind = ji.kind(eqn)
         here = source_line(eqn) or where
         key = (*path, id(eqn))
-        if name in _CALLS and _CALLS[name] in eqn.params:
-            sub, sub_consts = _closed(eqn.params[_CALLS[name]])
+        called = ji.body(eqn)
+        if called is not None:
+            sub, sub_consts = called
             return _record(sub, sub_consts, ins[len(ins) - len(sub.invars):], recorded, sites,
                            here, key, relus, taken)
-        if name == "scan" and relus.has_relu(eqn.params["jaxpr"].jaxpr):  # else: one bind
+        if kind == "scan" and relus.has_relu(ji.scan(eqn).body):  # else: one bind
             return _record_scan(eqn, ins, recorded, sites, here, key, relus, taken)
-        if name == "cond" and any(relus.has_relu(b.jaxpr) for b in eqn.params["branches"]):
+        if kind == "cond" and any(relus.has_relu(b) for b, _ in ji.cond_branches(eqn)):
             return _record_cond(eqn, ins, recorded, sites, here, key, relus, taken)
         if relus.is_relu(eqn):  # a float max(x, 0), not a variance clamp
             x = ins[1] if _is_zero_literal(eqn.invars[0]) else ins[0]
@@ -484,12 +482,12 @@ def _record(jaxpr, consts, args, recorded, sites, where, path, relus: ReluAxes, 
 
 def _record_cond(eqn, ins, recorded, sites, where, key, relus, taken):
     """Every branch traced; the outputs of the one the index picks (as cond's clamp)."""
-    branches = eqn.params["branches"]
+    branches = ji.cond_branches(eqn)
     index = jnp.clip(ins[0], 0, len(branches) - 1).astype(jnp.int32)
     outs = []
     for b, branch in enumerate(branches):
         ran = index == b if taken is None else jnp.logical_and(taken, index == b)
-        outs.append(_record(branch.jaxpr, branch.consts, ins[1:], recorded, sites, where,
+        outs.append(_record(*branch, ins[1:], recorded, sites, where,
                             (*key, b), relus, ran))
     return [jax.lax.select_n(index, *vals) if len(branches) > 1 else vals[0]
             for vals in zip(*outs)]
@@ -497,9 +495,9 @@ def _record_cond(eqn, ins, recorded, sites, where, key, relus, taken):
 
 def _record_scan(eqn, ins, recorded, sites, where, key, relus, taken):
     """A scan re-built with its body's ReLU inputs as extra per-iteration outputs."""
-    p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
-    body, body_consts = _closed(p["jaxpr"])
+    s = ji.scan(eqn)
+    nc, nk = s.num_consts, s.num_carry
+    body, body_consts = s.body, s.body_consts
     consts, carry, xs = ins[:nc], list(ins[nc:nc + nk]), list(ins[nc + nk:])
 
     def step(carry, x):
@@ -508,10 +506,9 @@ def _record_scan(eqn, ins, recorded, sites, where, key, relus, taken):
                        relus, taken)
         return outs[:nk], (outs[nk:], inner)
 
-    carry, (ys, inner) = jax.lax.scan(step, carry, xs, length=p["length"],
-                                      reverse=p["reverse"])
+    carry, (ys, inner) = jax.lax.scan(step, carry, xs, length=s.length, reverse=s.reverse)
     for k, (x, ran) in inner.items():
-        if p["reverse"]:  # in the order the iterations ran
+        if s.reverse:  # in the order the iterations ran
             x, ran = jnp.flip(x, 0), jnp.flip(ran, 0)
         recorded[k] = (x, ran)
     return [*carry, *ys]

@@ -44,7 +44,7 @@ from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 
 from funcgrad._library_objects import split_equinox_args
-from funcgrad._jaxpr import closed_parts as _closed
+from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, interpret, source_line
 from funcgrad._traced import traced_values
 
@@ -88,45 +88,40 @@ class _Site(NamedTuple):
     where: str
 
 
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr"}
-_REMAT = {"checkpoint", "remat", "remat2"}
-_OPAQUE = {"custom_jvp_call": "a custom_jvp function", "custom_vjp_call": "a custom_vjp function",
-           "custom_vjp_call_jaxpr": "a custom_vjp function", "while": "a while_loop"}
+_INLINE = {"jit", "call"}  # kinds, `funcgrad._jax_internals.kind`
+_OPAQUE = {"custom_jvp": "a custom_jvp function", "custom_vjp": "a custom_vjp function",
+           "while": "a while_loop"}
 
 
 def _has_tap(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive is tap_p:
             return True
-        for v in eqn.params.values():
-            for s in (v if isinstance(v, (tuple, list)) else (v,)):
-                if isinstance(s, (jex_core.ClosedJaxpr, jex_core.Jaxpr)) and _has_tap(_closed(s)[0]):
-                    return True
+        if any(_has_tap(sub) for _, sub, _ in ji.sub_jaxprs(eqn)):
+            return True
     return False
 
 
 def _find_sites(jaxpr, prefix: tuple[int, ...], sites: dict[str, _Site]) -> None:
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
+        name = ji.kind(eqn)
         if eqn.primitive is tap_p:
-            tap_name = eqn.params["name"]
+            tap_name = ji.param(eqn, "name")
             aval = eqn.invars[0].aval
             site = _Site(tap_name, prefix + tuple(aval.shape), aval.dtype, source_line(eqn))
             if tap_name in sites:
                 _twice(sites[tap_name], site)
             sites[tap_name] = site
-        elif name in _INLINE and _INLINE[name] in eqn.params:
-            _find_sites(_closed(eqn.params[_INLINE[name]])[0], prefix, sites)
-        elif name in _REMAT:
-            _find_sites(_closed(eqn.params["jaxpr"])[0], prefix, sites)
+        elif name in _INLINE or name == "checkpoint":
+            _find_sites(ji.body(eqn)[0], prefix, sites)
         elif name == "scan":
-            _find_sites(eqn.params["jaxpr"].jaxpr, prefix + (eqn.params["length"],), sites)
+            s = ji.scan(eqn)
+            _find_sites(s.body, prefix + (s.length,), sites)
         elif name == "cond":  # one branch runs: a name may recur across branches
             merged: dict[str, _Site] = {}
-            for branch in eqn.params["branches"]:
+            for branch, _ in ji.cond_branches(eqn):
                 local: dict[str, _Site] = {}
-                _find_sites(branch.jaxpr, prefix, local)
+                _find_sites(branch, prefix, local)
                 for tap_name, site in local.items():
                     if tap_name in sites:
                         _twice(sites[tap_name], site)
@@ -139,7 +134,7 @@ def _find_sites(jaxpr, prefix: tuple[int, ...], sites: dict[str, _Site]) -> None
                             f"{site.where or '?'}. One name needs one shape and dtype; use "
                             "distinct names.")
             sites.update(merged)
-        elif name in _OPAQUE and any(_has_tap(_closed(s)[0]) for s in _subs(eqn)):
+        elif name in _OPAQUE and any(_has_tap(sub) for _, sub, _ in ji.sub_jaxprs(eqn)):
             raise ValueError(
                 f"a tap sits inside {_OPAQUE[name]} (at {source_line(eqn) or '?'}); "
                 "intermediate_grads cannot reach it there. Move the tap outside that function.")
@@ -163,28 +158,20 @@ def _twice(first: _Site, second: _Site) -> None:
         f"unique; use distinct names (e.g. f'{second.name}{{i}}').{why}")
 
 
-def _subs(eqn):
-    for v in eqn.params.values():
-        for s in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(s, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-                yield s
-
-
 def _eval(jaxpr, consts, args, perts: dict[str, jax.Array]):
     """Evaluates `jaxpr`, replacing each tap site by ``x + perts[name]``."""
     def rule(eqn, ins):
-        name = eqn.primitive.name
+        name = ji.kind(eqn)
         if eqn.primitive is tap_p:
-            return [ins[0] + perts[eqn.params["name"]].astype(ins[0].dtype)]
-        if not any(_has_tap(_closed(s)[0]) for s in _subs(eqn)):
+            return [ins[0] + perts[ji.param(eqn, "name")].astype(ins[0].dtype)]
+        if not any(_has_tap(sub) for _, sub, _ in ji.sub_jaxprs(eqn)):
             return None
-        if name in _INLINE and _INLINE[name] in eqn.params:
-            return _eval(*_closed(eqn.params[_INLINE[name]]), ins, perts)
-        if name in _REMAT:  # keep the rematerialisation around the interpreted body
-            sub, sub_consts = _closed(eqn.params["jaxpr"])
-            return jax.checkpoint(lambda *a: _eval(sub, sub_consts, a, perts),
-                                  prevent_cse=eqn.params.get("prevent_cse", True),
-                                  policy=eqn.params.get("policy"))(*ins)
+        if name in _INLINE:
+            return _eval(*ji.body(eqn), ins, perts)
+        if name == "checkpoint":  # keep the rematerialisation around the interpreted body
+            c = ji.checkpoint(eqn)
+            return jax.checkpoint(lambda *a: _eval(c.body, c.body_consts, a, perts),
+                                  prevent_cse=c.prevent_cse, policy=c.policy)(*ins)
         if name == "scan":
             return _eval_scan(eqn, ins, perts)
         if name == "cond":
@@ -194,28 +181,27 @@ def _eval(jaxpr, consts, args, perts: dict[str, jax.Array]):
 
 
 def _eval_scan(eqn, ins, perts):
-    p = eqn.params
-    body = p["jaxpr"]
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    s = ji.scan(eqn)
+    n_consts, n_carry = s.num_consts, s.num_carry
     consts, init, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
     inner = {}
-    _find_sites(body.jaxpr, (), inner)
+    _find_sites(s.body, (), inner)
     names = sorted(inner)
 
     def step(carry, x):
         xs_t, perts_t = x
-        outs = _eval(body.jaxpr, body.consts, [*consts, *carry, *xs_t],
+        outs = _eval(s.body, s.body_consts, [*consts, *carry, *xs_t],
                      {**perts, **dict(zip(names, perts_t))})
         return outs[:n_carry], outs[n_carry:]
 
     carry, ys = jax.lax.scan(step, list(init), (list(xs), [perts[n] for n in names]),
-                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+                             length=s.length, reverse=s.reverse, unroll=s.unroll)
     return [*carry, *ys]
 
 
 def _eval_cond(eqn, ins, perts):
     index, ops = ins[0], ins[1:]
-    branches = [lambda *o, b=b: _eval(b.jaxpr, b.consts, o, perts) for b in eqn.params["branches"]]
+    branches = [lambda *o, b=b: _eval(*b, o, perts) for b in ji.cond_branches(eqn)]
     return list(jax.lax.switch(index, branches, *ops))
 
 
