@@ -1,8 +1,9 @@
 """Checkpointing (remat): trade a second forward pass for memory (A §5.1, concept 20).
 
 PyTorch: ``torch.utils.checkpoint.checkpoint_sequential(model, segments, x)``. JAX:
-``jax.checkpoint`` -- which on XLA:CPU often saves nothing: the compiler removes its
-optimization barrier and merges the recomputation back into the forward pass (CSE).
+``jax.checkpoint`` -- which, depending on the XLA release, may save nothing on XLA:CPU: with
+jax 0.10.2 the compiler removes its optimization barrier and merges the recomputation back into
+the forward pass (CSE); with jax 0.12.0.1 it keeps it (the table shows which you have).
 ``funcgrad.memory.remat_sequential`` keeps each segment's input and recomputes the segment in
 the backward pass inside a conditional the compiler cannot merge away. The figures are XLA's
 own (``temp + output`` of the compiled gradient's ``memory_analysis()``).
@@ -83,8 +84,14 @@ def memory_and_time(c: Check, params, x) -> None:
     # cotangent or two, about 6 of the 9.
     ratio = rows["fg.remat_sequential, sqrt"][0] / base_bytes
     c.row("fg remat memory <= 0.75x (1 = yes)", float(ratio <= 0.75), 1.0)
-    c.row("jax.checkpoint saves < 5% (1 = yes)",
-          float(rows["jax.checkpoint, 3 segments"][0] >= 0.95 * base_bytes), 1.0)
+    # What jax.checkpoint alone saves is the compiler's choice (module docstring): shown, and
+    # funcgrad's remat must never hold more than it (5% for layout differences).
+    naive_ratio = rows["jax.checkpoint, 3 segments"][0] / base_bytes
+    print(f"  jax {jax.__version__}: jax.checkpoint alone keeps {naive_ratio:.2f}x of no remat"
+          + (" (XLA merged its recomputation back)" if naive_ratio >= 0.95 else ""))
+    c.row("fg remat <= jax.checkpoint's bytes (1 = yes)",
+          float(rows["fg.remat_sequential, sqrt"][0] <= 1.05 * rows["jax.checkpoint, 3 segments"][0]),
+          1.0)
 
 
 def budget(c: Check, params, x) -> None:

@@ -89,6 +89,10 @@ if TYPE_CHECKING:
     from funcgrad.memory.report import memory_report as memory_report
     from funcgrad.memory.scan import checkpointed_scan as checkpointed_scan
     from funcgrad import memory as memory
+    from funcgrad._jax_internals import JaxInternalsError as JaxInternalsError
+    from funcgrad._jax_internals import JaxVersionWarning as JaxVersionWarning
+    from funcgrad._jax_internals import TESTED_JAX as TESTED_JAX
+    from funcgrad.check._lift_precision import LiftError as LiftError
     from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
 
 
@@ -131,6 +135,11 @@ def __dir__():
 
 
 __version__ = "0.1.0"
+
+# A JAX outside the tested range (funcgrad._jax_internals.TESTED_JAX) is named once, here.
+from funcgrad._jax_internals import warn_if_untested as _warn_if_untested  # noqa: E402
+
+_warn_if_untested()
 
 # Modules that moved into the subpackages (check, debug, train) keep their old dotted names:
 # ``funcgrad.masks.freeze`` and ``import funcgrad.monitor`` still work, each importing the

@@ -138,6 +138,13 @@ def closed_parts(sub: Any) -> tuple[Any, tuple]:
     raise _error(f"a jaxpr (got a {type(sub).__name__})")
 
 
+def as_fun(jaxpr: Any, consts: Any = ()) -> Any:
+    """A Python function evaluating `jaxpr` with `consts` on its inputs (JAX's evaluator:
+    each equation replayed under its own source line)."""
+    from jax.extend import core
+    return core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, list(consts)))
+
+
 def attach_consts(jaxpr: Any, consts: Any) -> tuple[Any, tuple]:
     """``(jaxpr, consts)`` as a rule's thunk returns them (a custom_vjp's fwd, a custom_jvp's
     jvp), made so that ``jaxpr.constvars`` pair with the consts and ``jaxpr.invars`` with the
@@ -386,6 +393,30 @@ def checkpoint(eqn: Any) -> Checkpoint:
                       bool(eqn.params.get("prevent_cse", True)))
 
 
+def policy_name(policy: Any) -> str:
+    """A checkpoint policy as a user wrote it: ``dots_saveable``,
+    ``save_only_these_names('act')``. JAX 0.10 policies are objects with a repr of their own
+    (``SaveOnlyTheseNames(saveable_names=frozenset({'act'}))``, kept as is); 0.12's are plain
+    functions, the factory's closure, whose repr is only an address."""
+    qualname = getattr(policy, "__qualname__", None)  # a function's; an instance has none
+    if not qualname:
+        return repr(policy)
+    base, local, _ = qualname.partition(".<locals>")
+    if not local:
+        return qualname
+    args = []
+    for cell in getattr(policy, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, (set, frozenset)):
+            args += [repr(v) for v in sorted(value, key=str)]
+        elif isinstance(value, str):
+            args.append(repr(value))
+    return f"{base}({', '.join(args)})"
+
+
 def bind(eqn: Any, ins: list) -> list:
     """Applies `eqn`'s primitive to the values `ins` as JAX would; always a list of outputs."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)  # higher-order ones need subfuns
@@ -442,19 +473,20 @@ def saved_residuals(fn: Any, *args: Any) -> list:
     try:
         from jax._src.ad_checkpoint import saved_residuals as found
     except ImportError as error:
-        raise _error("jax._src.ad_checkpoint.saved_residuals") from error
+        raise _error("jax._src.ad_checkpoint.saved_residuals (pass residuals=False to do "
+                     "without the residual list)") from error
     return found(fn, *args)
 
 
 def tracer_types() -> tuple[type, ...]:
-    """The JVP and batching tracer classes (no public API names them); () if moved."""
-    found = []
+    """The JVP and batching tracer classes (no public API names them)."""
     try:
         from jax._src.interpreters import ad, batching
-        found += [getattr(ad, "JVPTracer", None), getattr(batching, "BatchTracer", None)]
-    except ImportError:
-        pass
-    return tuple(t for t in found if isinstance(t, type))
+        found = (ad.JVPTracer, batching.BatchTracer)
+    except (ImportError, AttributeError) as error:
+        raise _error("the JVP and batching tracer classes (jax._src.interpreters.ad."
+                     "JVPTracer, batching.BatchTracer)") from error
+    return found
 
 
 # --- compiled programs ------------------------------------------------------------------------

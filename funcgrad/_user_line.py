@@ -53,7 +53,10 @@ def warn(message: str, category: type[Warning], where: Location | None = None) -
         warnings.warn(message, category, stacklevel=3)
         return
     module = where.module_globals
+    # module_globals lets the warning show the line's source; Python 3.13 refuses globals
+    # whose module has no loader (a script run by runpy.run_path), so those go without.
+    loader = module.get("__loader__") or getattr(module.get("__spec__"), "loader", None)
     warnings.warn_explicit(message, category, where.filename, where.lineno,
                            module=module.get("__name__", "<string>"),
                            registry=module.setdefault("__warningregistry__", {}),
-                           module_globals=module)
+                           module_globals=module if loader is not None else None)

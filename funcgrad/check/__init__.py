@@ -3,3 +3,4 @@ checked custom rules."""
 from funcgrad.check.grads import audit as audit
 from funcgrad.check.grads import check_grads as check_grads
 from funcgrad.check.grads import TOLERANCES as TOLERANCES
+from funcgrad.check._lift_precision import LiftError as LiftError

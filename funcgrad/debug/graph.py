@@ -17,10 +17,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
 from funcgrad.debug import _graph_draw
 from funcgrad._library_objects import split_equinox_args
+from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, is_float, leaf_paths, source_line, sub_jaxprs
 from funcgrad._traced import TracedValueError, traced_values
 
@@ -246,7 +246,7 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
     Raises:
       TypeError: if `fn` is not callable, or a leaf of `args` is not an array (the message
         names the leaf's path and type).
-      ImportError: if residuals are asked for and this JAX lacks
+      funcgrad.JaxInternalsError: if residuals are asked for and this JAX lacks
         ``jax._src.ad_checkpoint.saved_residuals``; pass ``residuals=False``.
       `funcgrad.TracedValueError` (a TypeError): Python control flow or conversion on a
         traced value (``if x > 0:``); the message names fn's line and the fix. Any other error
@@ -285,24 +285,25 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
     out_paths = ["out" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     inner = _unwrap_jit(closed)
-    graph = _build((inner or closed).jaxpr, paths, out_paths, _fn_name(fn), "")
+    graph = _build(inner[0] if inner else closed.jaxpr, paths, out_paths, _fn_name(fn), "")
     if not residuals:
         return graph
     return dataclasses.replace(graph, residuals=_residuals(fn, args, paths, graph, inner))
 
 
-def _unwrap_jit(closed) -> jex_core.ClosedJaxpr | None:
-    """The body of a function that is one jitted call (``trace(jax.jit(f), ...)``): a jaxpr
-    whose only equation is a ``jit`` (pjit) taking its inputs in order and returning its
-    outputs. None otherwise. Nested levels of such wrapping are all removed."""
+def _unwrap_jit(closed) -> tuple[Any, tuple] | None:
+    """The body of a function that is one jitted call (``trace(jax.jit(f), ...)``), as
+    ``(jaxpr, consts)``: a jaxpr whose only equation is a ``jit`` (pjit) taking its inputs in
+    order and returning its outputs. None otherwise. Nested levels of such wrapping are all
+    removed."""
     found = None
-    while (len(closed.jaxpr.eqns) == 1 and not closed.jaxpr.constvars
-           and closed.jaxpr.eqns[0].primitive.name in ("pjit", "jit")
-           and list(closed.jaxpr.eqns[0].invars) == list(closed.jaxpr.invars)
-           and list(closed.jaxpr.eqns[0].outvars) == list(closed.jaxpr.outvars)):
-        sub = closed.jaxpr.eqns[0].params["jaxpr"]
-        closed = found = sub if isinstance(sub, jex_core.ClosedJaxpr) else \
-            jex_core.ClosedJaxpr(sub, ())
+    jaxpr, consts = ji.closed_parts(closed)
+    while (len(jaxpr.eqns) == 1 and not jaxpr.constvars
+           and ji.kind(jaxpr.eqns[0]) == "jit"
+           and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
+           and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)):
+        found = ji.body(jaxpr.eqns[0])
+        jaxpr, consts = found
     return found
 
 
@@ -321,7 +322,7 @@ def _build(jaxpr, in_names: list[str], out_names: list[str], name: str, prefix: 
         return vid
 
     def use(var, consumer) -> str:
-        if isinstance(var, jex_core.Literal):
+        if ji.is_literal(var):
             vid = new(var, _literal(var), "literal")
         else:
             vid = ids[var]
@@ -333,7 +334,7 @@ def _build(jaxpr, in_names: list[str], out_names: list[str], name: str, prefix: 
         new(v, f"const{i}", "constant")
     out_ids: dict[int, str] = {}  # an intermediate returned as output k is named out[k]
     for v, n in zip(jaxpr.outvars, out_names):
-        if not isinstance(v, jex_core.Literal):
+        if not ji.is_literal(v):
             out_ids.setdefault(id(v), n)
     live = _live_vars(jaxpr)
     nodes = []
@@ -349,13 +350,13 @@ def _build(jaxpr, in_names: list[str], out_names: list[str], name: str, prefix: 
             subgraphs[part] = _build(sub, _sub_arg_names(sub),
                                      [f"out[{i}]" for i in range(len(sub.outvars))],
                                      part, f"{nid}/{part}/")
-        fname = eqn.params.get("name")
+        fname = ji.param(eqn, "name", None)
         if not isinstance(fname, str) and len(subgraphs) == 1:
             fname = _sub_fn_name(next(sub_jaxprs(eqn))[1])
-        label = f"{eqn.primitive.name}({fname})" if fname else eqn.primitive.name
-        nodes.append(Node(nid, eqn.primitive.name, label, source_line(eqn), inputs,
+        label = f"{ji.name(eqn)}({fname})" if fname else ji.name(eqn)
+        nodes.append(Node(nid, ji.name(eqn), label, source_line(eqn), inputs,
                           tuple(outputs), any(v in live for v in eqn.outvars
-                                              if not isinstance(v, jex_core.DropVar)), subgraphs))
+                                              if not ji.is_dropvar(v)), subgraphs))
     outputs = []
     for k, (v, n) in enumerate(zip(jaxpr.outvars, out_names)):
         vid = use(v, n)
@@ -389,10 +390,10 @@ def _sub_fn_name(jaxpr) -> str | None:
 def _live_vars(jaxpr) -> set:
     """Vars an output depends on structurally: every output of an equation is taken to depend
     on every input, so nested jaxprs count conservatively and stop_gradient passes through."""
-    live = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    live = {v for v in jaxpr.outvars if not ji.is_literal(v)}
     for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars if not isinstance(v, jex_core.DropVar)):
-            live.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+        if any(v in live for v in eqn.outvars if not ji.is_dropvar(v)):
+            live.update(v for v in eqn.invars if not ji.is_literal(v))
     return live
 
 
@@ -407,19 +408,13 @@ def _residuals(fn, args, paths, graph, inner=None) -> tuple[Residual, ...]:
     """What ``jax.vjp`` saves. For a jitted `fn`, its body `inner` is evaluated instead (JAX's
     evaluator replays each equation under the user's source line), so the residuals are the
     body's values at the user's lines, not one output of the jitted call at funcgrad's."""
-    try:
-        from jax._src.ad_checkpoint import saved_residuals
-    except ImportError as e:
-        raise ImportError(
-            f"trace: listing residuals uses jax._src.ad_checkpoint.saved_residuals, which this "
-            f"JAX ({jax.__version__}) does not have. Pass residuals=False to trace the graph "
-            "without them.") from e
+    saved_residuals = ji.saved_residuals
     leaves, treedef = jax.tree.flatten(args)
     floats = [i for i, x in enumerate(leaves) if is_float(str(_leaf_dtype(x)))]
     if not floats:
         return ()
     if inner is not None:
-        body = jex_core.jaxpr_as_fun(inner)
+        body = ji.as_fun(*inner)
         fn = lambda *a: body(*jax.tree.leaves(a))  # noqa: E731 - the body, on the same args
 
     def on_leaves(*flat):  # every leaf an argument, as under jax.jit(jax.grad(fn))

@@ -5,7 +5,9 @@ A5.1: keep fewer activations in the forward pass and recompute them in the backw
 trading about one extra forward pass for memory; Chen et al. 2016, "Training deep nets with
 sublinear memory cost": sqrt(n) segments of n layers keep O(sqrt n) activations.
 
-**Why ``jax.checkpoint`` often saves nothing on XLA:CPU.** ``jax.checkpoint`` puts an
+**Why ``jax.checkpoint`` often saves nothing on XLA:CPU (jax 0.10.2; with jax 0.12.0.1's
+XLA the barrier survives and ``jax.checkpoint`` alone saves, see the README's table).**
+``jax.checkpoint`` puts an
 ``optimization_barrier`` on the recomputation's inputs so that XLA's common-subexpression
 elimination (CSE) does not merge the recomputed forward with the original one. XLA:CPU's
 pipeline removes every barrier early (its ``cse_barrier_expander`` pass, before layout
@@ -51,6 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from funcgrad import _jax_internals as ji
 
 #: Policies JAX provides ready to use (pass these names as strings); the others in
 #: ``jax.checkpoint_policies`` are factories: call them (``save_only_these_names("h1")``).
@@ -168,11 +172,10 @@ def _batched_or_forward(*trees) -> bool:
     of 1 MiB for one 256 x 256 layer at batch 256. jax.jvp cannot go through a custom_vjp at
     all. Both get jax.checkpoint itself, which handles them (remat(jax.vmap(f)) keeps the
     saving under vmap)."""
-    from jax._src.interpreters import ad, batching  # tracer types: no public API names them
-
+    tracers = ji.tracer_types()  # JVP and batching tracers: no public API names them
     for leaf in jax.tree.leaves(trees):
         while isinstance(leaf, jax.core.Tracer):
-            if isinstance(leaf, (batching.BatchTracer, ad.JVPTracer)):
+            if isinstance(leaf, tracers):
                 return True
             leaf = getattr(leaf, "primal", getattr(leaf, "val", None))
     return False
@@ -408,7 +411,7 @@ class RematPlan:
 def _compiled_bytes(fn, *args) -> int:
     from funcgrad.memory.report import _compiled  # the report's compile-and-analyse step
     m = _compiled(jax.jit(fn), args)
-    return int(m.temp_size_in_bytes + m.output_size_in_bytes)
+    return m.temp_bytes + m.output_bytes
 
 
 def _candidate_plans(n: int):

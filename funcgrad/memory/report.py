@@ -22,14 +22,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
+from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, check_array_args, is_float, leaf_paths, source_line
 from funcgrad._library_objects import split_equinox_args
 
 PyTree = Any
 
-_REMAT = ("remat2", "checkpoint", "remat")  # the primitive's name across JAX versions
 _ACTIVATION = ("output", "named")  # residuals made by the program; the rest exist anyway
 _NO_SAVING = 0.10
 _LIBRARY_FUSION = re.compile(r"^\s*(?:ROOT )?%[xy]nn_fusion\S* = ", re.M)  # a compiled saving below this fraction of the jaxpr's is "no saving"
@@ -280,12 +279,12 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
     forward = remat = None
     if grad:
         fwd = _compiled(fn if jitted else jax.jit(fn), args)
-        forward = fwd.temp_size_in_bytes + fwd.output_size_in_bytes
+        forward = fwd.temp_bytes + fwd.output_bytes
         remat = _remat_view(fn, args, nums, names, rows,
-                            stats.temp_size_in_bytes + stats.output_size_in_bytes)
-    return MemoryReport(_fn_name(fn), mode, int(stats.argument_size_in_bytes),
-                        int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes),
-                        int(stats.temp_size_in_bytes), int(stats.generated_code_size_in_bytes),
+                            stats.temp_bytes + stats.output_bytes)
+    return MemoryReport(_fn_name(fn), mode, stats.argument_bytes,
+                        stats.output_bytes, stats.alias_bytes,
+                        stats.temp_bytes, stats.generated_code_bytes,
                         rows, forward, remat, fusions[0])
 
 
@@ -307,13 +306,13 @@ def _plain_loss(fn):
 
 
 def _compiled(target, args, fusions: list | None = None):
-    """XLA's memory analysis of ``target.lower(*args).compile()``; appends the number of
-    library fusions to `fusions` when given."""
+    """XLA's memory analysis of ``target.lower(*args).compile()`` (`ji.MemoryStats`);
+    appends the number of library fusions to `fusions` when given."""
     try:
         compiled = target.lower(*args).compile()
-        stats = compiled.memory_analysis()
+        stats = ji.memory_stats(compiled)
         if fusions is not None:
-            fusions.append(len(_LIBRARY_FUSION.findall(compiled.as_text() or "")))
+            fusions.append(len(_LIBRARY_FUSION.findall(ji.compiled_text(compiled))))
     except Exception as e:
         e.add_note("funcgrad.memory_report: raised while compiling the function with "
                    "jax.jit(...).lower(*args).compile() for its memory analysis.")
@@ -410,34 +409,26 @@ def _remat_lines(jaxpr, policy: str | None = None, out=None) -> dict[str, str]:
     out = {} if out is None else out
     for eqn in jaxpr.eqns:
         inner = policy
-        if eqn.primitive.name in _REMAT:
-            p = eqn.params.get("policy")
-            inner = ("policy " + (repr(p) if type(p).__repr__ is not object.__repr__
-                                  else getattr(p, "__name__", repr(p)))) if p else \
+        if ji.kind(eqn) == "checkpoint":
+            p = ji.checkpoint(eqn).policy
+            inner = ("policy " + ji.policy_name(p)) if p else \
                 "no policy (saves only its inputs)"
         if inner is not None:
             out.setdefault(source_line(eqn), inner)
         else:  # the same line may also run outside any checkpoint (a helper called twice)
             out.setdefault((_OUTSIDE, source_line(eqn)), "")
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if isinstance(sub, jex_core.ClosedJaxpr):
-                    _remat_lines(sub.jaxpr, inner, out)
-                elif isinstance(sub, jex_core.Jaxpr):
-                    _remat_lines(sub, inner, out)
+        for _, sub, _ in ji.sub_jaxprs(eqn):
+            _remat_lines(sub, inner, out)
     return out
 
 
 def _has_remat(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _REMAT:
+        kind = ji.kind(eqn)
+        if kind == "checkpoint":
             return True
-        sub = eqn.params.get("jaxpr")
-        if eqn.primitive.name in ("pjit", "jit") and _has_remat(sub.jaxpr):
-            return True
-        if eqn.primitive.name == "custom_vjp_call" and _has_remat(  # funcgrad.remat
-                eqn.params["call_jaxpr"].jaxpr):
-            return True
+        if kind in ("jit", "custom_vjp") and _has_remat(ji.body(eqn)[0]):  # custom_vjp:
+            return True                                                     # funcgrad.remat
     return False
 
 
@@ -446,28 +437,22 @@ def _inline_remat(closed, out_tree) -> Callable:
     loop and cond bodies: the same computation, differentiated without rematerialisation."""
     def run(jaxpr, consts, vals):
         env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, vals))
-        read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+        read = lambda v: v.val if ji.is_literal(v) else env[v]  # noqa: E731
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
-            name = eqn.primitive.name
-            if name in _REMAT:
-                outs = run(eqn.params["jaxpr"], (), ins)
-            elif name in ("pjit", "jit") and _has_remat(eqn.params["jaxpr"].jaxpr):
-                sub = eqn.params["jaxpr"]
-                outs = run(sub.jaxpr, sub.consts, ins)
-            elif name == "custom_vjp_call" and _has_remat(eqn.params["call_jaxpr"].jaxpr):
-                sub = eqn.params["call_jaxpr"]  # funcgrad.remat: its plain computation
-                outs = run(sub.jaxpr, sub.consts, ins[len(ins) - len(sub.jaxpr.invars):])
+            kind = ji.kind(eqn)
+            if kind == "checkpoint":
+                outs = run(*ji.body(eqn), ins)
+            elif kind in ("jit", "custom_vjp") and _has_remat(ji.body(eqn)[0]):
+                sub, sub_consts = ji.body(eqn)  # custom_vjp: funcgrad.remat's plain program
+                outs = run(sub, sub_consts, ins[len(ins) - len(sub.invars):])
             else:
-                params = eqn.primitive.get_bind_params(eqn.params)  # as jax's eval_jaxpr
-                outs = eqn.primitive.bind(*ins, **params)
-                outs = outs if eqn.primitive.multiple_results else [outs]
-            env.update((v, o) for v, o in zip(eqn.outvars, outs)
-                       if not isinstance(v, jex_core.DropVar))
+                outs = ji.bind(eqn, ins)
+            env.update((v, o) for v, o in zip(eqn.outvars, outs) if not ji.is_dropvar(v))
         return [read(v) for v in jaxpr.outvars]
 
     def fn(*args):
-        return jax.tree.unflatten(out_tree, run(closed.jaxpr, closed.consts,
+        return jax.tree.unflatten(out_tree, run(*ji.closed_parts(closed),
                                                 jax.tree.leaves(args)))
     return fn
 
@@ -475,7 +460,7 @@ def _inline_remat(closed, out_tree) -> Callable:
 def _remat_anywhere(jaxpr) -> bool:
     """Whether a ``jax.checkpoint`` sits anywhere, loop and cond bodies included."""
     return (any(not isinstance(k, tuple) for k in _remat_lines(jaxpr))
-            or any(e.primitive.name in _REMAT for e in jaxpr.eqns))
+            or any(ji.kind(e) == "checkpoint" for e in jaxpr.eqns))
 
 
 def _remat_view(fn, args, nums, names, rows, compiled_bytes) -> dict | None:
@@ -494,7 +479,7 @@ def _remat_view(fn, args, nums, names, rows, compiled_bytes) -> dict | None:
     plain = _inline_remat(closed, jax.tree.structure(shape))
     plain.__name__ = _fn_name(fn)
     stats = _compiled(jax.jit(jax.grad(plain, nums if len(nums) > 1 else nums[0])), args)
-    plain_bytes = int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
+    plain_bytes = stats.temp_bytes + stats.output_bytes
     with_res = sum(r.nbytes for r in rows or () if r.origin in _ACTIVATION)
     plain_rows = _rows(plain, args, nums, names)
     plain_res = sum(r.nbytes for r in plain_rows if r.origin in _ACTIVATION)

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend import core as jex_core
 
+from funcgrad import _jax_internals as ji
 from funcgrad._library_objects import equinox_floating, split_equinox_args
 from funcgrad._paths import key_paths, keystr, slash_path
 
@@ -351,20 +351,20 @@ def requires_grad(fn: Callable, mask: PyTree) -> Callable[..., PyTree]:
     return report
 
 
-def _depends_on(jaxpr: jex_core.Jaxpr, live_in: list[bool]) -> list[bool]:
+def _depends_on(jaxpr: Any, live_in: list[bool]) -> list[bool]:
     """For each output of `jaxpr`: does it depend on an input flagged in `live_in`?
 
     Data flow over the equations; a call with one inner jaxpr of matching arity (``jit``) is
-    followed inside, any other nested jaxpr counts as depending on all its inputs."""
+    followed inside (jit, checkpoint), any other (a scan, whose carry loops) counts as
+    depending on all its inputs."""
     live = {v for v, flag in zip(jaxpr.invars, live_in) if flag}
 
     def is_live(v):
-        return not isinstance(v, jex_core.Literal) and v in live
+        return not ji.is_literal(v) and v in live
 
     for eqn in jaxpr.eqns:
-        inner = eqn.params.get("jaxpr")
-        inner = getattr(inner, "jaxpr", inner)
-        if (isinstance(inner, jex_core.Jaxpr) and len(inner.invars) == len(eqn.invars)
+        inner = ji.body(eqn)[0] if ji.kind(eqn) in ji.CALL_KINDS else None
+        if (inner is not None and len(inner.invars) == len(eqn.invars)
                 and len(inner.outvars) == len(eqn.outvars)):
             flags = _depends_on(inner, [is_live(v) for v in eqn.invars])
             live.update(v for v, f in zip(eqn.outvars, flags) if f)

@@ -74,10 +74,11 @@ def test_compiled_memory_falls_where_jax_checkpoint_alone_does_not():
     # with the last kept hold at worst 3 segment inputs + 4 activations + 2 cotangents, about
     # 9 of 16 activations, plus the same gradient output: well under 0.75x.
     assert ours <= 0.75 * plain
-    # jax.checkpoint's barrier is removed by XLA:CPU and its recomputation merged back into
-    # the forward pass by CSE: nothing saved (on this backend).
-    if jax.default_backend() == "cpu":
-        assert naive >= 0.95 * plain
+    # jax.checkpoint alone: with jax 0.10.2's XLA:CPU its barrier is removed and the
+    # recomputation merged back by CSE (naive ~ plain, nothing saved); 0.12.0.1's keeps it
+    # (0.57x here). Whatever the compiler does, funcgrad's remat holds no more than it (5%
+    # for layout), and it saves where jax.checkpoint alone did not.
+    assert ours <= 1.05 * naive
 
 
 def test_closed_over_params_and_a_named_policy():
