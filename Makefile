@@ -1,7 +1,7 @@
 # Two commands from a fresh clone: `make demo` (the main job) and `make test` (the suite).
 # Each creates .venv on first use; nothing else needs to be installed by hand.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
