@@ -115,19 +115,27 @@ def _not_liftable(lifted, prob, modes) -> str | None:
         fallback to the narrow dtype's tolerances.
       funcgrad.JaxInternalsError: the lifting could not read a JAX internal."""
     theta, leaves, cots = prob["theta"], prob["leaves"], prob["cotangents"]
-    phi = functools.partial(obj.objective, lifted, leaves=leaves, cotangents=cots)
-    if "rev" in modes or lifted.order > 1:
-        derivative = jax.grad(phi)
-    else:
-        derivative = lambda t: jax.jvp(phi, (t,), (t,))[1]  # noqa: E731
-    try:
-        jaxprs = [jax.make_jaxpr(phi)(theta)]
+
+    def trace(spec):
+        phi = functools.partial(obj.objective, spec, leaves=leaves, cotangents=cots)
+        if "rev" in modes or spec.order > 1:
+            derivative = jax.grad(phi)
+        else:
+            derivative = lambda t: jax.jvp(phi, (t,), (t,))[1]  # noqa: E731
+        found = [jax.make_jaxpr(phi)(theta)]
         traced = jax.jit(derivative).trace(theta)
         traced.lower()  # no compilation
-        jaxprs.append(traced.jaxpr)
+        return found + [traced.jaxpr]
+
+    try:
+        jaxprs = trace(lifted)
     except ji.JaxInternalsError:
         raise
     except Exception as error:  # noqa: BLE001 - the lifting's fault: said, never hidden
+        try:
+            trace(prob["spec"])
+        except Exception:  # noqa: BLE001 - fn's own derivative fails the same way (a
+            return None    # while_loop under grad): the check run reports it in fn's terms
         import jax as _jax
         raise LiftError(
             f"check_grads could not lift fn's {prob['dtype_used']} computation to float64 "
