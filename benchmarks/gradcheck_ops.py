@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "check"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _op_judge as judge  # noqa: E402
