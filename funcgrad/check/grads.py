@@ -33,7 +33,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from funcgrad.check._shared import (_CHUNK_ELEMENTS, _FWD_ONLY_CUSTOM_VJP, _NO_F
                                     _check_finite_output, _reference_grad, _roundoff_scale,
                                     _see_through_grad, _segments, _sg_note)
 from funcgrad.check._directional_mode import _random_tangents, _run_directional
+from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._library_objects import split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
@@ -198,10 +199,18 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                       "allow_stop_gradient=True (or the paths of the leaves meant to be "
                       "detached) instead.", DeprecationWarning, stacklevel=2)
         allow_stop_gradient = bool(respect_stop_gradient)
+    with traced_values("check_grads", fn, args, names, argnums_t):
+        as_run = _as_run(fn, args, has_aux) if not jax.config.jax_enable_x64 else None
     with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
         prob = lift_precision_of(prob, lift_precision, modes,
                                  _tolerances(prob["dtype_used"], eps, rtol, atol)[1:])
+        if as_run is not None:
+            prob = _as_the_user_runs_it(
+                prob, as_run, lift_precision, modes,
+                lambda dtype: _tolerances(dtype, eps, rtol, atol)[1:],
+                lambda program: _setup(program, args, argnums_t, has_aux, order, names, seed,
+                                       force_cast=True))
         allowed = _allowed_stop_gradient(allow_stop_gradient, prob["paths"])
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = (_run_full if mode == "full" else
@@ -306,7 +315,109 @@ def _promote(x):
     return np.asarray(x).astype(np.float64)
 
 
-def _setup(fn, args, argnums, has_aux, order, names, seed):
+class _AsRun(NamedTuple):
+    """fn as the caller runs it (the caller's x64 setting): its program, traced once, and its
+    checked output there (raveled, float64) with the narrowest float it computes in."""
+    program: Callable
+    value: np.ndarray
+    dtype: str
+
+
+def _as_run(fn, args, has_aux) -> _AsRun:
+    """`_AsRun` of `fn` at `args`, traced and run outside check_grads' float64 scope. With x64
+    off (JAX's default) a Python float is float32 and ``jax.random.bernoulli(key, 0.5, s)``
+    draws 32 random bits per element; traced under x64 it draws 64 and keeps another mask:
+    another function. The program traced here keeps the caller's dtypes wherever it is run."""
+    with warnings.catch_warnings():  # a second run of fn: what it warns, the check's run warns
+        warnings.simplefilter("ignore")
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    jaxpr, consts = ji.closed_parts(closed)
+    body = ji.as_fun(jaxpr, consts)
+    out_tree = jax.tree.structure(out_shape)
+
+    def program(*a):
+        return jax.tree.unflatten(out_tree, body(*jax.tree.leaves(a)))
+    program.__name__ = getattr(fn, "__name__", "fn")
+    program.__qualname__ = getattr(fn, "__qualname__", program.__name__)
+
+    def checked(*a):
+        out = program(*a)
+        out = out[0] if has_aux and isinstance(out, (tuple, list)) else out
+        return [jnp.ravel(o) for o in jax.tree.leaves(out)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            value = np.concatenate([np.asarray(o, np.float64) for o in jax.jit(checked)(*args)])
+    except (TypeError, ValueError):  # an output that cannot be checked: _setup says why
+        value = np.zeros(0)
+    floats = [str(v.aval.dtype) for e in jaxpr.eqns for v in e.outvars
+              if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)]
+    floats += [str(jnp.result_type(o)) for o in jax.tree.leaves(out_shape)
+               if jnp.issubdtype(o.dtype, jnp.floating)]
+    dtype = min(floats, key=lambda d: jnp.finfo(d).bits) if floats else "float64"
+    return _AsRun(program, value, dtype)
+
+
+def _primal(prob) -> np.ndarray:
+    """The checked output of the check's own program at its point (lifted or not), float64."""
+    spec = prob["spec"]
+    out = jax.jit(lambda t, lv: obj.output_vector(spec, t, lv).astype(jnp.float64))(
+        prob["theta"], prob["leaves"])
+    return np.asarray(out, np.float64)
+
+
+def _agree(got: np.ndarray, want: np.ndarray, dtype: str) -> tuple[bool, float]:
+    """Whether the check's program computes the user's value to `dtype`'s precision (relative
+    error of the output vector under sqrt(eps): float32 3.5e-4, bfloat16 0.088, float16
+    0.031); the relative error."""
+    if got.shape != want.shape or not want.size:
+        return got.shape == want.shape, 0.0
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), finite):  # non-finite elsewhere: another function
+        return False, math.inf
+    got, want = got[finite], want[finite]  # (a non-finite output is reported by the check)
+    scale = float(np.linalg.norm(want))
+    err = float(np.linalg.norm(got - want))
+    rel = err / scale if scale > 0 else err
+    return rel <= math.sqrt(float(jnp.finfo(dtype).eps)) or err <= 1e-12, rel
+
+
+def _as_the_user_runs_it(prob, as_run, lift, modes, tolerances, rebuild):
+    """`prob` unchanged when the check's program computes fn's value as the caller runs it;
+    otherwise the check rebuilt on the program traced as the caller runs it (its random
+    draws, its dtypes), lifted to float64 when the lifted program still computes that value,
+    else checked as computed; a note says which and why."""
+    if not as_run.value.size:
+        return prob
+    same, rel = _agree(_primal(prob), as_run.value, as_run.dtype)
+    if same:
+        return prob
+    why = (f"traced with float64 inputs (as the check computes), fn's value differs from "
+           f"the value fn computes as you run it by {rel:.3g} relative, more than "
+           f"{as_run.dtype} rounding (a random draw or dtype default that follows the float "
+           "width, e.g. jax.random.bernoulli(key, 0.5, ...) draws another mask)")
+    rebuilt = lift_precision_of(rebuild(as_run.program), lift, modes,
+                                tolerances(as_run.dtype))
+    if rebuilt["lifted_from"]:
+        same, rel2 = _agree(_primal(rebuilt), as_run.value, as_run.dtype)
+        if same:
+            return dict(rebuilt, notes=[f"{why}; the check used fn's program as you run it, "
+                                        f"lifted to float64 (its value agrees to {rel2:.2g}).",
+                                        *rebuilt["notes"]])
+        why += (f"; lifted to float64 that program's value moves by {rel2:.3g} relative, so "
+                "it was checked as computed")
+        rebuilt = lift_precision_of(rebuild(as_run.program), False, modes,
+                                    tolerances(as_run.dtype))
+    low = rebuilt["dtype_used"]
+    rtol, atol = tolerances(low)
+    notes = [n for n in rebuilt["notes"] if not n.startswith("fn computes in")]
+    return dict(rebuilt, weaker=f"checked in {low}, not float64: {why}" if low != "float64"
+                else None, notes=[f"{why}; the check used fn's program as you run it, at "
+                                  f"{low}'s tolerances (errors below {atol:g} + "
+                                  f"{rtol:g}·|derivative| pass unseen).", *notes])
+
+
+def _setup(fn, args, argnums, has_aux, order, names, seed, force_cast=False):
     for a in argnums:
         if not -len(args) <= a < len(args):
             raise ValueError(f"check_grads: argnums={a} is out of range for {len(args)} positional args.")
@@ -341,6 +452,9 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     shapes = tuple(tuple(leaves[p].shape) for p in diff)
     theta = np.concatenate([np.ravel(leaves[p]) for p in diff])
     probe = obj.Spec(fn, has_aux, treedef, tuple(diff), shapes, 1, True)
+    if force_cast:  # fn is a program traced in its own dtypes (`_as_run`): give it those
+        probe = probe._replace(cast_to=tuple(str(jnp.result_type(flat[p])) for p in diff))
+        leaves = tuple(leaf if pos in diff else flat[pos] for pos, leaf in enumerate(leaves))
     try:
         out_tree = jax.eval_shape(lambda t, lv: _raw_output(probe, t, lv), theta, leaves)
     except TypeError as error:
