@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _op_judge import directional_quantile
 from flax import linen as nn
 from jax.test_util import check_grads as jax_check_grads
 
 import funcgrad as fg
-from _op_judge import directional_quantile
 
 
 @jax.custom_vjp

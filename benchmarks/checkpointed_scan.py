@@ -26,9 +26,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from _timing import medians, paired_ratio, rounds, write_results
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, rounds, write_results
 
 BATCH, WIDTH = 64, 256
 CARRY_BYTES = BATCH * WIDTH * 4

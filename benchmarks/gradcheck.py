@@ -22,10 +22,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import have_torch as torch_installed
 from jax.test_util import check_grads as jax_check_grads
 
 import funcgrad as fg
-from _timing import have_torch as torch_installed
 
 
 def _loss(params, x, y):

@@ -24,9 +24,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _timing import (
+    medians,
+    paired_ratio,
+    ratio_quartiles,
+    rounds,
+    step_args,
+    step_runner,
+    write_results,
+)
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, ratio_quartiles, rounds, step_args, step_runner, write_results
 
 LIMIT = 1.05
 BATCH = 32

@@ -31,9 +31,17 @@ writes JSON.
 import jax
 import jax.numpy as jnp
 import optax
+from _timing import (
+    medians,
+    paired_ratio,
+    ratio_quartiles,
+    rounds,
+    step_args,
+    step_runner,
+    write_results,
+)
 
 import funcgrad as fg
-from _timing import step_args, medians, paired_ratio, ratio_quartiles, rounds, step_runner, write_results
 
 LIMIT = 1.05
 

@@ -24,7 +24,6 @@ from _check import Check
 import funcgrad as fg
 from funcgrad.check.custom import custom_vjp
 
-
 # --- 1. clipped identity: c is a Python float, passed to bwd first (nondiff_argnums) -----------
 
 @functools.partial(custom_vjp, nondiff_argnums=(1,))

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad._jax_internals import (bind, closed_parts, is_literal, source_summary,  # noqa: F401
-                                     sub_jaxprs)
+from funcgrad._jax_internals import bind, is_literal, source_summary
+from funcgrad._jax_internals import closed_parts as closed_parts  # re-exported
+from funcgrad._jax_internals import sub_jaxprs as sub_jaxprs  # re-exported
 from funcgrad._paths import arg_leaf_paths, keystr
 
 

@@ -64,10 +64,9 @@ def _remat_segments(text: str):
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from funcgrad import __version__
     from funcgrad.train.nn import ACTIVATIONS
     from funcgrad.train.step import OPTIMIZERS
-
-    from funcgrad import __version__
 
     parser = _Parser(prog="funcgrad", description="funcgrad: see, check and trust gradients in JAX.")
     parser.add_argument("--version", action="version", version=f"funcgrad {__version__}")
@@ -294,9 +293,9 @@ def _train(args: argparse.Namespace) -> int:
 
     from funcgrad.train.coupling import CoupledExamplesWarning
     from funcgrad.train.data import load_digits
+    from funcgrad.train.fit import fit
     from funcgrad.train.monitor import grad_monitor
     from funcgrad.train.precision import dynamic_loss_scale
-    from funcgrad.train.fit import fit
     from funcgrad.train.step import init_train_state, make_optimizer, make_train_step
 
     clock = _Clock()

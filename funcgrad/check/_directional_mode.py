@@ -14,10 +14,20 @@ import numpy as np
 
 from funcgrad.check import _directions, _noise
 from funcgrad.check import _objective as obj
-from funcgrad.check._shared import (_CHUNK_ELEMENTS, _FWD_ONLY_CUSTOM_VJP, _NO_FWD_NOTE,
-                                    _check_finite_output, _masked_kernel, _reference_grad,
-                                    _roundoff_scale, _see_through_grad, _segments, _sg_note)
+from funcgrad.check._shared import (
+    _CHUNK_ELEMENTS,
+    _FWD_ONLY_CUSTOM_VJP,
+    _NO_FWD_NOTE,
+    _check_finite_output,
+    _masked_kernel,
+    _reference_grad,
+    _roundoff_scale,
+    _see_through_grad,
+    _segments,
+    _sg_note,
+)
 from funcgrad.check.report import LeafCheck, classify_elements, coarse_note
+
 
 class _Tangents(NamedTuple):
     """Unit tangents described, not stored: tangent t is ``raw[row[t]]`` restricted to

@@ -39,17 +39,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad.check import _directions, _full_pass, _noise
-from funcgrad.check import _objective as obj
-from funcgrad.check._shared import (_CHUNK_ELEMENTS, _FWD_ONLY_CUSTOM_VJP, _NO_FWD_NOTE,
-                                    _check_finite_output, _reference_grad, _roundoff_scale,
-                                    _see_through_grad, _segments, _sg_note)
-from funcgrad.check._directional_mode import _random_tangents, _run_directional
 from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._library_objects import split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
-from funcgrad.check._lift_precision import lift_precision_of, narrowest_float
 from funcgrad._traced import traced_values
+from funcgrad.check import _directions, _full_pass, _noise
+from funcgrad.check import _objective as obj
+from funcgrad.check._directional_mode import _random_tangents, _run_directional
+from funcgrad.check._lift_precision import lift_precision_of, narrowest_float
+from funcgrad.check._shared import (
+    _CHUNK_ELEMENTS,
+    _FWD_ONLY_CUSTOM_VJP,
+    _NO_FWD_NOTE,
+    _check_finite_output,
+    _reference_grad,
+    _roundoff_scale,
+    _see_through_grad,
+    _segments,
+    _sg_note,
+)
 from funcgrad.check.report import GradCheckReport, LeafCheck, classify_elements
 
 #: dtype the function computed in -> (eps, rtol, atol). An element passes when

@@ -62,14 +62,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 
-from funcgrad._library_objects import split_equinox_args
 from funcgrad._jaxpr import arg_names, leaf_paths
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._paths import arg_leaf_paths
-from funcgrad.debug._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_float, _Loc, _Origin,
-                                     _rank, _V)
-from funcgrad._traced import traced_values
-
-from funcgrad._traced import _FUNCGRAD_DIR  # the package's folder, all its subpackages
+from funcgrad._traced import (
+    _FUNCGRAD_DIR,  # the package's folder, all its subpackages
+    traced_values,
+)
+from funcgrad.debug._nonfinite_eval import (
+    _V,
+    _Evaluator,
+    _finite,
+    _Frame,
+    _is_float,
+    _Loc,
+    _Origin,
+    _rank,
+)
 
 # Lines of this file are never "the user's line".
 source_info_util.register_exclusion(__file__)

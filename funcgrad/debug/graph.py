@@ -18,11 +18,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from funcgrad.debug import _graph_draw
-from funcgrad._library_objects import split_equinox_args
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, is_float, leaf_paths, source_line, sub_jaxprs
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._traced import TracedValueError, traced_values
+from funcgrad.debug import _graph_draw
 
 PyTree = Any
 

@@ -43,9 +43,9 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 
-from funcgrad._library_objects import split_equinox_args
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, interpret, source_line
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._traced import traced_values
 
 tap_p = jex_core.Primitive("tap")

@@ -29,7 +29,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from funcgrad.train.clipping import all_finite, clip_by_global_norm, global_norm, zero_nonfinite_leaves
+from funcgrad.train.clipping import (
+    all_finite,
+    clip_by_global_norm,
+    global_norm,
+    zero_nonfinite_leaves,
+)
 from funcgrad.train.loss import Loss
 from funcgrad.train.precision import scaled_value_and_grad
 

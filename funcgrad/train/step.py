@@ -19,16 +19,35 @@ import optax
 
 from funcgrad._library_objects import check_optimizer, check_params
 from funcgrad._paths import key_paths, keystr
-from funcgrad.train._anomaly import (_detecting_anomalies, _detecting_anomalies_per_micro_batch,
-                                    _explain_skipped_update)
-from funcgrad.train._stages import (Update, chain, clip_stage, differentiate, finish, guard_stage,
-                                   loss_scale_stage, monitor_stage, norm_stage, optimizer_stage,
-                                   zero_nonfinite_stage)
 from funcgrad._traced import naming_traced_values
+from funcgrad.train._anomaly import (
+    _detecting_anomalies,
+    _detecting_anomalies_per_micro_batch,
+    _explain_skipped_update,
+)
+from funcgrad.train._stages import (
+    Update,
+    chain,
+    clip_stage,
+    differentiate,
+    finish,
+    guard_stage,
+    loss_scale_stage,
+    monitor_stage,
+    norm_stage,
+    optimizer_stage,
+    zero_nonfinite_stage,
+)
 from funcgrad.train.accumulate import make_accumulating_step
 from funcgrad.train.loss import Loss, as_loss
-from funcgrad.train.masks import (_AllOf, _leaf_flags, check_differentiable, freeze, frozen_masks,
-                            value_and_grad_trainable)
+from funcgrad.train.masks import (
+    _AllOf,
+    _leaf_flags,
+    check_differentiable,
+    freeze,
+    frozen_masks,
+    value_and_grad_trainable,
+)
 from funcgrad.train.monitor import GradMonitor, MonitorState
 from funcgrad.train.precision import LossScale, LossScaleState, _floating_dtype, first_half_leaf
 

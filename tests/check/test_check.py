@@ -10,7 +10,6 @@ import pytest
 import funcgrad as fg
 from funcgrad.check.testing import assert_grads_close
 
-
 # --- a dense layer with a hand-written backward, optionally wrong ------------------------
 
 def make_dense(bug=None):

@@ -14,7 +14,6 @@ import pytest
 
 import funcgrad as fg
 
-
 # --- a tanh with a hand-written backward pass, optionally wrong in one element -----------
 
 def make_tanh(bug=None):

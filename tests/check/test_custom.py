@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from funcgrad.check.grads import check_grads
 from funcgrad.check.custom import DroppedCotangentWarning, custom_vjp
+from funcgrad.check.grads import check_grads
 
 
 def make_scale(bwd):

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_rules import tanh_residuals
 
 import funcgrad as fg
 from funcgrad.debug.graph import Graph, trace
-from jax_rules import tanh_residuals
 
 
 def affine(x, w, b):

@@ -139,8 +139,8 @@ def test_reports_name_leaves_by_nnx_paths():
 
 
 def test_an_optimizer_and_other_objects_are_refused_clearly():
-    import optax
     import flax.linen as nn
+    import optax
 
     model = _model()
     with pytest.raises(TypeError, match=r"(?s)nnx.Optimizer.*from_nnx\(model\).*optax"):

@@ -13,8 +13,12 @@ import optax
 import pytest
 
 import funcgrad as fg
-from funcgrad.train.checkpoint import (Restored, latest_checkpoint_step, restore_checkpoint,
-                                       save_checkpoint)
+from funcgrad.train.checkpoint import (
+    Restored,
+    latest_checkpoint_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from tests.train._problems import mlp_problem
 
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _problems import half_squared_norm, mlp_problem
 
 import funcgrad as fg
-from _problems import half_squared_norm, mlp_problem
 
 
 def test_fit_keeps_the_state_from_before_a_nan_batch():

@@ -8,8 +8,16 @@ import pytest
 
 import funcgrad as fg
 import funcgrad.train.monitor as monitor_module
-from funcgrad.train.monitor import (Alert, DeadReLU, GradMonitor, MonitorMetrics, MonitorState,
-                              grad_monitor, monitor_alerts, with_dead_relu)
+from funcgrad.train.monitor import (
+    Alert,
+    DeadReLU,
+    GradMonitor,
+    MonitorMetrics,
+    MonitorState,
+    grad_monitor,
+    monitor_alerts,
+    with_dead_relu,
+)
 
 
 def _mlp_loss(params, batch):

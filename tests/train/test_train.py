@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _problems import half_squared_norm, mlp_problem
 
 import funcgrad as fg
-from _problems import half_squared_norm, mlp_problem
 
 
 def test_step_equals_hand_written_step():
