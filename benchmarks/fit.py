@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from _timing import have_torch as torch_installed
 from _timing import medians, paired_ratio, ratio_quartiles, rounds, write_results

@@ -27,8 +27,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "check"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

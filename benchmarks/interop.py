@@ -22,7 +22,6 @@ Shuffled rounds, medians (`_timing`). Prints a table and writes JSON.
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from _timing import (
     medians,

@@ -21,7 +21,6 @@
 import argparse
 import functools
 import json
-import math
 import os
 import pathlib
 import subprocess

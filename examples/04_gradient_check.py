@@ -37,7 +37,9 @@ def main() -> None:
     x, y = data.x_train[:16], data.y_train[:16]
     params = fg.mlp_init(jax.random.key(0), (64, 16, 10), activation="tanh")
 
-    def loss(params, x, y, dense=make_dense()):
+    correct = make_dense()
+
+    def loss(params, x, y, dense=correct):
         h = jnp.tanh(dense(params[0]["w"], params[0]["b"], x))
         return fg.softmax_cross_entropy(make_dense()(params[1]["w"], params[1]["b"], h), y)
 

@@ -14,7 +14,6 @@ the gradient of another mask.
 
     $ python examples/22_checkpointing.py
 """
-import functools
 import time
 
 import jax

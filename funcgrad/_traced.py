@@ -28,7 +28,6 @@ import linecache
 import os
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import jax
 import jax.extend

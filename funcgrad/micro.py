@@ -396,4 +396,6 @@ def softmax_cross_entropy(logits, labels) -> Tensor:
     return _node(-logp[rows, labels].mean(), (logits,), "softmax_cross_entropy", rule)
 
 
-from funcgrad._micro_tools import check_grad, to_dot  # noqa: E402  (they use Tensor, no_grad)
+# Re-exported; imported last, as they use Tensor and no_grad.
+from funcgrad._micro_tools import check_grad as check_grad  # noqa: E402
+from funcgrad._micro_tools import to_dot as to_dot  # noqa: E402

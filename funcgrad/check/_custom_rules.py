@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
 
 import jax
 

@@ -187,7 +187,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
                                                numeric, k, 2 * atol_abs - atol, rtol)
     notes.append(_directions.resolution_note(k, len(blocks) > len(first) - 1))
     rows = []
-    for li, (lo, hi) in enumerate(_segments(prob)):
+    for li, (lo, _hi) in enumerate(_segments(prob)):
         sel = slice(first[li] * k, first[li + 1] * k)  # this leaf's blocks' tangents
         row = LeafCheck.from_directions(
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],

@@ -145,8 +145,8 @@ def smaller_step(prob, f0: float, candidates: np.ndarray, eps: float, numeric: n
     """
     h = eps / SMALLER
     out = probe(prob, candidates, np.full(len(candidates), h), (1.0, -1.0), chunk_elements)
-    r, l = (out[:, 0] - f0) / h, (f0 - out[:, 1]) / h
-    gap, gap_h = np.abs(right - left)[candidates], np.abs(r - l)
+    r_h, l_h = (out[:, 0] - f0) / h, (f0 - out[:, 1]) / h
+    gap, gap_h = np.abs(right - left)[candidates], np.abs(r_h - l_h)
     shrank = gap_h < gap / 2
     numeric, right, left = numeric.copy(), right.copy(), left.copy()
     smooth, jumped = np.zeros(len(numeric), bool), np.zeros(len(numeric), bool)
@@ -154,7 +154,7 @@ def smaller_step(prob, f0: float, candidates: np.ndarray, eps: float, numeric: n
     smooth[at] = True
     jumped[candidates[shrank & (SMALLER * gap_h < gap / 2)]] = True
     numeric[at] = ((out[:, 0] - out[:, 1]) / (2 * h))[shrank]
-    right[at], left[at] = r[shrank], l[shrank]
+    right[at], left[at] = r_h[shrank], l_h[shrank]
     return numeric, right, left, smooth, jumped
 
 

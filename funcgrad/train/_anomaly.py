@@ -144,7 +144,7 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
             key = None if update_key is None else jax.random.fold_in(update_key, j - u * k)
             states[j] = (model_state, key)
             if loss.has_state:
-                model_state = loss(before.params, jax.tree.map(lambda a: a[j], microbatches),
+                model_state = loss(before.params, jax.tree.map(lambda a, j=j: a[j], microbatches),
                                    model_state=model_state, key=key).model_state
 
         def locate(scale):  # the first micro-batch of the group that is not finite
@@ -154,7 +154,8 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
                 report = _locate_nonfinite(
                     functools.partial(micro_loss, real=real, model_state=states[j][0],
                                       key=states[j][1]), before.params,
-                    jax.tree.map(lambda a: a[j], microbatches), trainable, compute_dtype, scale)
+                    jax.tree.map(lambda a, j=j: a[j], microbatches), trainable, compute_dtype,
+                    scale)
                 report = dataclasses.replace(report, context=(
                     f"micro-batch {j - u * k} (0-based) of the {min(k, num - u * k)} of "
                     f"update {u} (micro-batch {j} of the call)", *report.context))

@@ -902,7 +902,7 @@ def _evaluator(evaluate: Any, step: Callable, batch_size: int | None):
     def evaluator(state):
         total = 0.0
         for start in range(0, n, size):
-            part = jax.tree.map(lambda a: a[start:start + size], tree)
+            part = jax.tree.map(lambda a, start=start: a[start:start + size], tree)
             total += float(batch_loss(state.params, part))
         return {"loss": total / n}
     return evaluator

@@ -5,7 +5,6 @@ hands them to an optax optimizer, so nothing accumulates between steps unless yo
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
