@@ -106,9 +106,8 @@ def flax_cases(deltas=(1e-2, 1e-1), modes=("full", "directional"), k=4) -> list[
                 jax_caught = None
                 if mode == "full":
                     try:
-                        jax_check_grads(lambda p, loss=loss, scale=scale: loss(p, x, y, scale), (params,),
-                                        order=1,
-                                        modes=["rev"])
+                        jax_check_grads(lambda p, loss=loss, scale=scale: loss(p, x, y, scale),
+                                        (params,), order=1, modes=["rev"])
                         jax_caught = False
                     except AssertionError:
                         jax_caught = True

@@ -27,7 +27,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "check"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests",
+                                "check"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _op_judge as judge  # noqa: E402

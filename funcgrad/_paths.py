@@ -53,7 +53,8 @@ def keystr(path: KeyPath) -> str:
 
 
 def slash_path(path: KeyPath) -> str:
-    """The ``bn1/scale``, ``layers/2/weight`` form of a key path (`funcgrad.train.masks` patterns)."""
+    """The ``bn1/scale``, ``layers/2/weight`` form of a key path (`funcgrad.train.masks` patterns).
+    """
     parts = []
     for k in path:
         for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey

@@ -68,7 +68,8 @@ def _build_parser() -> argparse.ArgumentParser:
     from funcgrad.train.nn import ACTIVATIONS
     from funcgrad.train.step import OPTIMIZERS
 
-    parser = _Parser(prog="funcgrad", description="funcgrad: see, check and trust gradients in JAX.")
+    parser = _Parser(prog="funcgrad",
+                     description="funcgrad: see, check and trust gradients in JAX.")
     parser.add_argument("--version", action="version", version=f"funcgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     t = sub.add_parser(
@@ -96,12 +97,16 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="CNN only: dropout rate before the dense head (default: 0.25)")
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam",
                    help="optax optimizer (default: adam)")
-    t.add_argument("--lr", type=_positive(float), default=1e-3, help="learning rate (default: 1e-3)")
+    t.add_argument("--lr", type=_positive(float), default=1e-3,
+                   help="learning rate (default: 1e-3)")
     t.add_argument("--momentum", type=_unit_interval, default=None,
                    help="momentum coefficient, only for --optimizer momentum (default: 0.9)")
-    t.add_argument("--epochs", type=_positive(int), default=30, help="passes over the train split (default: 30)")
-    t.add_argument("--batch-size", type=_positive(int), default=32, help="examples per step (default: 32)")
-    t.add_argument("--seed", type=_seed, default=0, help="seed of the init, split and batch order (default: 0)")
+    t.add_argument("--epochs", type=_positive(int), default=30,
+                   help="passes over the train split (default: 30)")
+    t.add_argument("--batch-size", type=_positive(int), default=32,
+                   help="examples per step (default: 32)")
+    t.add_argument("--seed", type=_seed, default=0,
+                   help="seed of the init, split and batch order (default: 0)")
     t.add_argument("--clip-norm", type=_positive(float), default=None,
                    help="clip gradients to this global norm (default: no clipping)")
     t.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -634,7 +639,8 @@ def _plot(history, path: str) -> str:
         from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter, NullLocator
     except ImportError as e:
-        raise ImportError("the training plot needs matplotlib: pip install 'funcgrad[examples]'") from e
+        raise ImportError("the training plot needs matplotlib: "
+                          "pip install 'funcgrad[examples]'") from e
     import numpy as np
 
     layers = bool(getattr(history, "layer_names", ()))

@@ -1,7 +1,7 @@
 """Custom VJP rules that drop a cotangent, found by probing each rule's pullback (private).
 
-Used by `funcgrad.debug.diagnose`: a ``custom_vjp`` rule whose ``bwd`` returns None (or zeros that do
-not depend on the output cotangent) for a floating input that the function's output depends
+Used by `funcgrad.debug.diagnose`: a ``custom_vjp`` rule whose ``bwd`` returns None (or zeros that
+do not depend on the output cotangent) for a floating input that the function's output depends
 on cuts every gradient upstream of that input. `explain_grads` names the rule as the blocker.
 """
 from __future__ import annotations

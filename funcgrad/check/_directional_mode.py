@@ -1,6 +1,6 @@
 """Directional mode of `funcgrad.check.grads` (private): random unit tangents per leaf, or per block
-of a leaf (`funcgrad.check._directions`), compared with jvp and <grad, v>; a failing leaf is bisected
-over element ranges (O(log n) evaluations) to name the element.
+of a leaf (`funcgrad.check._directions`), compared with jvp and <grad, v>; a failing leaf is
+bisected over element ranges (O(log n) evaluations) to name the element.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The error of a gradient check's central differences: a round-off floor, and probes measuring it.
 
-Private to `funcgrad.check.grads`. The central difference D(h) = (f(x+h) - f(x-h)) / 2h of a function
-evaluated with absolute error at most e carries a round-off error at most e/h and a truncation
-error h²/6·|f'''| (Nocedal & Wright, Numerical Optimization, 2nd ed., §8.1, eq. 8.5). A check
-must not fail an element on that error, and must not excuse a real one by scaling its floor
+Private to `funcgrad.check.grads`. The central difference D(h) = (f(x+h) - f(x-h)) / 2h of a
+function evaluated with absolute error at most e carries a round-off error at most e/h and a
+truncation error h²/6·|f'''| (Nocedal & Wright, Numerical Optimization, 2nd ed., §8.1, eq. 8.5). A
+check must not fail an element on that error, and must not excuse a real one by scaling its floor
 with |f| (``sin(x) + 1e5`` rounds to 1.5e-11, so D(1e-6) is good to 1e-5, not to 1e5 x atol).
 
 So the check judges element i against ``atol + rtol·|numeric_i| + noise_i`` where noise_i is

@@ -1,10 +1,10 @@
-"""Gradient checking by central finite differences, in float64, that says which leaf and element is wrong.
+"""Gradient checking by central finite differences in float64, naming the wrong leaf and element.
 
 Concept 19 (article A §4.5, B §3.2-3.3). Two modes:
 
 * ``mode="full"`` perturbs every element of every differentiated leaf: the 2n forward
-  evaluations run in ``vmap``-ed chunks inside few compiled calls (`funcgrad.check._full_pass`, which
-  also times a long check and shows its progress), and the reverse-mode gradient is compared
+  evaluations run in ``vmap``-ed chunks inside few compiled calls (`funcgrad.check._full_pass`,
+  which also times a long check and shows its progress), and the reverse-mode gradient is compared
   element by element; forward mode (``jvp``) is compared along random tangents restricted to
   each leaf against the same numerical gradient.
 * ``mode="directional"`` (`funcgrad.check._directional_mode`) checks random unit tangents v: the
@@ -22,8 +22,8 @@ Step size and tolerances come from the floating dtype the function actually comp
 about u·|f|/h for unit round-off u, so the best h is near (3u)^(1/3) and the attainable
 error near u^(2/3)·|f| (Nocedal & Wright, Numerical Optimization, §8.1). A function that
 computes in a narrower float on the differentiated path is checked with those casts lifted to
-float64 (`funcgrad.check._lift_precision`, `funcgrad.check._lift`), so float64's step and tolerances apply.
-At a kink inside a custom rule, the rule's value is compared with JAX's own convention there
+float64 (`funcgrad.check._lift_precision`, `funcgrad.check._lift`), so float64's step and tolerances
+apply. At a kink inside a custom rule, the rule's value is compared with JAX's own convention there
 (the gradient with the custom rules inlined).
 """
 from __future__ import annotations
@@ -125,9 +125,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
       respect_stop_gradient: deprecated spelling (funcgrad 0.1); True means
         ``allow_stop_gradient=True``.
       progress: full mode first runs two chunks of its 2n forward passes (the first compiles,
-        the second is timed), so it knows how long the rest takes. A check expected to run over 10 s prints that estimate on
-        stderr with a suggestion of directional mode, and (progress None or True) shows a tqdm
-        bar; True shows the bar for any check, False never.
+        the second is timed), so it knows how long the rest takes. A check expected to run over 10 s
+        prints that estimate on stderr with a suggestion of directional mode, and (progress None or
+        True) shows a tqdm bar; True shows the bar for any check, False never.
       lift_precision: when fn computes in a float narrower than float64 on the differentiated
         path (a bfloat16 layer, an ``astype(jnp.float32)``), check the same program with those
         casts lifted to float64, custom_jvp/custom_vjp rules included (`funcgrad.check._lift`), at
@@ -146,11 +146,11 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     Raises:
       ValueError: for an unknown mode, a block_size that is not a positive int or None (or
         one given in full mode), an eps that is not a finite number > 0, an rtol or atol
-        that is not a finite number >= 0, a negative seed, an argnum out of range, a selected argument that is an
-        integer or boolean array, nothing floating to differentiate, a non-finite output at
-        the primal point (the message names the output leaf and the argument shapes), "rev"
-        with a ``while_loop`` that depends on the arguments (JAX cannot reverse it), or
-        ``modes=("fwd",)`` with a ``custom_vjp`` (JAX cannot forward-differentiate it).
+        that is not a finite number >= 0, a negative seed, an argnum out of range, a selected
+        argument that is an integer or boolean array, nothing floating to differentiate, a
+        non-finite output at the primal point (the message names the output leaf and the argument
+        shapes), "rev" with a ``while_loop`` that depends on the arguments (JAX cannot reverse it),
+        or ``modes=("fwd",)`` with a ``custom_vjp`` (JAX cannot forward-differentiate it).
       funcgrad.check.LiftError: lifting fn to float64 failed inside funcgrad (never a silent
         check at the narrow dtype instead); `funcgrad.JaxInternalsError`: a JAX internal
         funcgrad reads is missing in the installed JAX.
@@ -165,10 +165,12 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     if mode not in ("full", "directional"):
         raise ValueError(f"check_grads: mode must be 'full' or 'directional', got {mode!r}.")
     if not set(modes) <= {"rev", "fwd"} or not modes:
-        raise ValueError(f"check_grads: modes must be a non-empty subset of ('rev', 'fwd'), got {modes!r}.")
+        raise ValueError(f"check_grads: modes must be a non-empty subset of ('rev', 'fwd'), got "
+                         f"{modes!r}.")
     if order not in (1, 2):
         raise ValueError(f"check_grads: order must be 1 or 2, got {order!r}.")
-    if isinstance(num_directions, bool) or not isinstance(num_directions, int) or num_directions < 1:
+    if (isinstance(num_directions, bool) or not isinstance(num_directions, int)
+            or num_directions < 1):
         raise ValueError(f"check_grads: num_directions must be a positive int, got "
                          f"{num_directions!r}.")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
@@ -197,7 +199,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         raise TypeError(f"check_grads: argnums must be an int or a non-empty tuple of ints (the "
                         f"positions of the arguments to differentiate, e.g. argnums=(0, 1)), got "
                         f"{argnums!r}.")
-    argnums_t = (int(argnums),) if is_int(argnums) else tuple(dict.fromkeys(int(a) for a in argnums))
+    argnums_t = ((int(argnums),) if is_int(argnums)
+                 else tuple(dict.fromkeys(int(a) for a in argnums)))
     fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
     names = arg_names(fn, len(args))
     check_array_args("check_grads", args, names)
@@ -317,7 +320,8 @@ def _promote(x):
 def _setup(fn, args, argnums, has_aux, order, names, seed):
     for a in argnums:
         if not -len(args) <= a < len(args):
-            raise ValueError(f"check_grads: argnums={a} is out of range for {len(args)} positional args.")
+            raise ValueError(f"check_grads: argnums={a} is out of range for {len(args)} "
+                             "positional args.")
     argnums = tuple(a % len(args) for a in argnums)
     for a in argnums:
         if isinstance(args[a], (jax.Array, np.ndarray, int, bool)) and not jnp.issubdtype(
@@ -337,7 +341,8 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
             elif jnp.issubdtype(dtype, jnp.floating):
                 diff.append(pos), paths.append(name)
             elif jnp.issubdtype(dtype, jnp.complexfloating):
-                raise ValueError(f"check_grads: {name} is complex; complex leaves are not supported.")
+                raise ValueError(f"check_grads: {name} is complex; complex leaves are not "
+                                 "supported.")
             else:
                 skipped.append(f"{name} ({dtype}, not differentiated)")
     if not diff:
@@ -369,7 +374,8 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     traced, out = jax.make_jaxpr(lambda t, lv: obj.output_vector(probe, t, lv),
                                  return_shape=True)(theta, leaves)
     if not jnp.issubdtype(out.dtype, jnp.floating):
-        raise ValueError(f"check_grads: fn returned dtype {out.dtype}; it must return floating values.")
+        raise ValueError(f"check_grads: fn returned dtype {out.dtype}; it must return floating "
+                         "values.")
     spec = probe._replace(order=order, scalar_output=out.size == 1)
     rng = np.random.default_rng(seed)  # NumPy draws: nothing to compile
     cotangents = (rng.standard_normal(out.shape), rng.standard_normal(theta.shape))
@@ -456,8 +462,8 @@ def _check_number(name: str, value: Any, positive: bool = False) -> None:
                           "leaves; None picks one for the dtype (TOLERANCES), e.g. 1e-3 in "
                           "float32",
                    "rtol": "a relative tolerance; None uses TOLERANCES, e.g. 1e-2 in float32",
-                   "atol": "an absolute tolerance, in the derivative's units; None uses TOLERANCES, "
-                           "e.g. 1e-3 in float32"}[name]
+                   "atol": "an absolute tolerance, in the derivative's units; None uses "
+                           "TOLERANCES, e.g. 1e-3 in float32"}[name]
         raise ValueError(f"check_grads: {name} must be a finite number "
                          f"{'> 0' if positive else '>= 0'} or None, got {value!r}: it is "
                          f"{meaning}.")

@@ -1,7 +1,7 @@
 """Which ``max(x, 0)`` of a program are ReLUs, and along which axis their units lie (private).
 
-Shared by `funcgrad.debug.diagnose` (dead units in `explain_grads`) and `funcgrad.debug.dead_relu` (the
-monitor's dead-unit counts). A ReLU's *units* are the feature axis of the layer that feeds it:
+Shared by `funcgrad.debug.diagnose` (dead units in `explain_grads`) and `funcgrad.debug.dead_relu`
+(the monitor's dead-unit counts). A ReLU's *units* are the feature axis of the layer that feeds it:
 the output feature dimension of a ``conv_general_dilated`` (from its dimension numbers, so
 channel-first NCHW as in equinox and PyTorch gives axis 1, flax's NHWC gives the last axis), or
 the free dimension of the weight operand of a ``dot_general`` (the operand that depends on the

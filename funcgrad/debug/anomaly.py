@@ -427,7 +427,8 @@ def _has_minus_inf_mask(ev: _Evaluator) -> bool:
 
 def _own(origin: _Origin) -> bool:
     """Whether `origin` sits in funcgrad's own code (e.g. the label guard of
-    `funcgrad.train.nn.softmax_cross_entropy`, a NaN constant that only a bad label lets through)."""
+    `funcgrad.train.nn.softmax_cross_entropy`, a NaN constant that only a bad label lets
+    through)."""
     file = origin.loc.file
     return bool(file) and os.path.abspath(file).startswith(_FUNCGRAD_DIR + os.sep)
 
@@ -554,7 +555,8 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats,
         big = float(jnp.finfo(produced.dtype).max)
         if name == "convert_element_type":
             return (f"a value beyond {produced.dtype}'s range (largest finite {big:.4g}) was "
-                    f"cast to {produced.dtype}: the operand reaches {max(abs(inputs[0].min), abs(inputs[0].max)):.4g}. "
+                    f"cast to {produced.dtype}: the operand reaches "
+                    f"{max(abs(inputs[0].min), abs(inputs[0].max)):.4g}. "
                     "A mask constant such as -1e9 does not fit in float16: use "
                     "jnp.finfo(dtype).min, or cast after masking.")
         if any(max(abs(s.min), abs(s.max)) >= big / 4 for s in inputs):

@@ -14,7 +14,8 @@ _OPTIMIZER = (
     "from_nnx got an nnx.Optimizer; funcgrad keeps the optimizer state itself. Pass the model "
     "and the optax transformation separately:\n"
     "    m = funcgrad.interop.from_nnx(model)\n"
-    "    step = funcgrad.make_train_step(m.loss(objective), optax.adam(1e-3))  # not nnx.Optimizer\n"
+    "    step = funcgrad.make_train_step(m.loss(objective), optax.adam(1e-3))"
+    "  # not nnx.Optimizer\n"
     "    state = m.init_train_state(optax.adam(1e-3))")
 
 

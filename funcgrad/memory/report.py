@@ -30,8 +30,8 @@ from funcgrad._library_objects import split_equinox_args
 PyTree = Any
 
 _ACTIVATION = ("output", "named")  # residuals made by the program; the rest exist anyway
-_NO_SAVING = 0.10
-_LIBRARY_FUSION = re.compile(r"^\s*(?:ROOT )?%[xy]nn_fusion\S* = ", re.M)  # a compiled saving below this fraction of the jaxpr's is "no saving"
+_NO_SAVING = 0.10  # a compiled saving below this fraction of the jaxpr's is "no saving"
+_LIBRARY_FUSION = re.compile(r"^\s*(?:ROOT )?%[xy]nn_fusion\S* = ", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,8 @@ class MemoryReport:
                  "outputs": self.output_bytes - self.alias_bytes}
         what, size = max(parts.items(), key=lambda kv: kv[1])
         share = size / self.peak_bytes if self.peak_bytes else 0.0
-        text = f"{what.capitalize()} dominate: {_bytes(size)} of the {_bytes(self.peak_bytes)} peak ({share:.0%})"
+        text = (f"{what.capitalize()} dominate: {_bytes(size)} of the "
+                f"{_bytes(self.peak_bytes)} peak ({share:.0%})")
         rows = [r for r in self.residuals or () if r.origin in _ACTIVATION]
         if rows:
             by_line: dict[str, int] = {}

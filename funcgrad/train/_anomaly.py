@@ -1,8 +1,8 @@
 """The train step's ``detect_anomaly`` and its explanation of a skipped update.
 
 Split from `funcgrad.train.step`: after a step whose loss or gradient norm is NaN/inf,
-`funcgrad.debug.anomaly.find_nonfinite` runs on that step's params, batch, model state and key, as the
-step evaluated them (in its compute dtype, at its loss scale, only the trained leaves
+`funcgrad.debug.anomaly.find_nonfinite` runs on that step's params, batch, model state and key, as
+the step evaluated them (in its compute dtype, at its loss scale, only the trained leaves
 differentiated); after a step skipped for a non-finite *update*, `explain_skipped_update` names
 the leaves.
 """

@@ -35,8 +35,8 @@ the loss function returns **per-example** losses:
   contrast, runs the inner update on every mini-step (and discards it on all but every k-th)
   and keeps an incomplete final window in its state until more mini-steps come (both shown in
   ``tests/train/test_accumulate.py`` and ``examples/12_accumulation.py``).
-* `stack_microbatches` and `group_microbatches` (`funcgrad.train.microbatches`, re-exported here) pad
-  and stack host (NumPy) micro-batches, e.g. those of `funcgrad.train.data.batches`, into that
+* `stack_microbatches` and `group_microbatches` (`funcgrad.train.microbatches`, re-exported here)
+  pad and stack host (NumPy) micro-batches, e.g. those of `funcgrad.train.data.batches`, into that
   layout, as a `Microbatches`: the stacked arrays and their padding mask in one object, passed
   whole (``accumulate_grads(loss_fn, params, mbs)``, ``step(state, mbs)``), so the padding rows
   cannot be counted by forgetting ``mask=``.
@@ -136,7 +136,8 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
     mask = _checked_mask(mask, num, size)
     acc, _, _ = _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
                             value_and_grad=value_and_grad)
-    warn_if_coupled(loss_fn, params, _one(microbatches))  # once per trace, see funcgrad.train.coupling
+    # Once per trace, see funcgrad.train.coupling.
+    warn_if_coupled(loss_fn, params, _one(microbatches))
     return acc
 
 
@@ -281,12 +282,12 @@ def make_accumulating_step(
       jit: if False the step is returned un-jitted (for debugging with prints).
     Returns:
       ``step(state, microbatches, mask=None)`` with `microbatches` (a `Microbatches`, or a
-      plain pytree) and `mask` as in `accumulate_grads`. It returns the state after U updates (U = ``M // K``, plus 1 for a
-      partial group under "apply") and the metrics of `apply_update` stacked along a new
-      leading axis of length U, plus ``"examples": (U,) int32`` (examples averaged by each
-      update) and ``"dropped_examples": () int32``. A group without real examples gives a NaN
-      loss and gradient (see `accumulate_grads`): the train step's guard skips that update
-      (under a loss scale it also backs the scale off once).
+      plain pytree) and `mask` as in `accumulate_grads`. It returns the state after U updates (U =
+      ``M // K``, plus 1 for a partial group under "apply") and the metrics of `apply_update`
+      stacked along a new leading axis of length U, plus ``"examples": (U,) int32`` (examples
+      averaged by each update) and ``"dropped_examples": () int32``. A group without real examples
+      gives a NaN loss and gradient (see `accumulate_grads`): the train step's guard skips that
+      update (under a loss scale it also backs the scale off once).
     Raises:
       ValueError: if `accumulate` is not a positive int or `tail` not a policy; at the first
         call, for the shape errors of `accumulate_grads`.

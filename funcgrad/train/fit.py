@@ -83,8 +83,8 @@ class NonFiniteReport(NamedTuple):
                     f"{', '.join(map(str, self.examples[:8]))}"
                     + (f", ... ({len(self.examples)} in all)" if len(self.examples) > 8 else ""))
         text = (f"non-finite value at step {self.step} (epoch {self.epoch}, {where}): "
-                f"loss={self.loss}, grad_norm={self.grad_norm}{rows}. Training stopped; the returned "
-                "state is the last one with finite loss and gradients (this step was not "
+                f"loss={self.loss}, grad_norm={self.grad_norm}{rows}. Training stopped; the "
+                "returned state is the last one with finite loss and gradients (this step was not "
                 f"applied). {hint}")
         return text if self.anomaly is None else f"{text}\n{self.anomaly}"
 
@@ -364,9 +364,9 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                 if checkpoint_dir is not None and (epoch % every == 0 or epoch == epochs):
                     _save(checkpoint_dir, run.state, position, history)
     except (Exception, KeyboardInterrupt) as error:
-        # A crash (or a second Ctrl-C) (an exception in the step, the loader or evaluate, XLA out of memory) keeps
-        # what was done: the result so far rides on the exception, and the last state is
-        # checkpointed when it is still alive (a chunk that failed may have consumed it).
+        # A crash (or a second Ctrl-C) (an exception in the step, the loader or evaluate, XLA out of
+        # memory) keeps what was done: the result so far rides on the exception, and the last state
+        # is checkpointed when it is still alive (a chunk that failed may have consumed it).
         error.fit_result = FitResult(run.state, history, None, False)
         alive = not any(getattr(leaf, "is_deleted", lambda: False)()
                         for leaf in jax.tree.leaves(run.state))
@@ -987,8 +987,8 @@ def _called(step: Callable, state: TrainState, args: tuple, *, first: bool):
                                f"(keys: {', '.join(map(repr, metrics)) or 'none'})")
     if problem:
         raise TypeError(
-            f"funcgrad.train.fit: step returned (TrainState, metrics), but {problem}. fit records the "
-            "loss and the pre-clip global gradient norm of every step and stops on a "
+            f"funcgrad.train.fit: step returned (TrainState, metrics), but {problem}. fit records "
+            "the loss and the pre-clip global gradient norm of every step and stops on a "
             "non-finite one, so a hand-written step returns metrics={'loss': loss, "
             "'grad_norm': optax.global_norm(grads)}; funcgrad.make_train_step(loss_fn, "
             "optimizer) builds such a step for you.")

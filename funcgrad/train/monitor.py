@@ -199,7 +199,8 @@ class MonitorMetrics:
         params): the update count including this step (the bits of an int), the global sum of
         squares (grad_norm**2), loss, baseline_steps after this step, the baseline this step
         was compared with, baseline_total after it, then leaf_norm, layer_norm, leaf_mean,
-        leaf_std, below_floor and clear_steps (`_Slots`). The same vector is the next `MonitorState.values`.
+        leaf_std, below_floor and clear_steps (`_Slots`). The same vector is the next
+        `MonitorState.values`.
       dead: one bool array of shape (units,) per ReLU site, `DeadReLU.dead` (True: dead for
         the whole batch); ``dead_fraction`` averages them where it is read (on the host, no
         kernel in the step).

@@ -1,4 +1,4 @@
-"""A functional train step: an explicit train state and one jitted step (`funcgrad.train.fit` runs it).
+"""A functional train step: an explicit train state and one jitted step (`fit` runs it).
 
 There is no ``zero_grad``: each step computes fresh gradients with ``jax.value_and_grad`` and
 hands them to an optax optimizer, so nothing accumulates between steps unless you ask for it.
@@ -253,7 +253,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
                     trainable: PyTree | None = None, compute_dtype: Any = None,
                     loss_scale: LossScale | None = None, accumulate: int | None = None,
                     tail: str = "apply", jit: bool = True, detect_anomaly: bool = False,
-                    monitor: GradMonitor | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    monitor: GradMonitor | None = None
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
     The step computes ``loss, grads = value_and_grad(loss_fn)(state.params, batch)``, the global
@@ -368,7 +369,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         monitor values are returned once, in the new state, and a thin Python wrapper around
         the jitted function (``step.__wrapped__``) hands them to ``metrics["monitor"]``.
         Adds 9-17% to a batch-32 CPU step of a small MLP, 3-6% at batch 256
-        (``benchmarks/monitor.py``). Create the state with ``init_train_state(..., monitor=monitor)``.
+        (``benchmarks/monitor.py``). Create the state with
+        ``init_train_state(..., monitor=monitor)``.
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
       ``{"loss": (), "grad_norm": ()}``, plus ``"clip_coef": ()`` with `clip_norm`, and
@@ -376,13 +378,13 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
       ``nonfinite="zero"`` ``"nonfinite_leaves": () int32``, with a `loss_scale`
       "loss_scale" and "skipped_total" (the steps whose scaled gradients overflowed, each of
       which backed the scale off; a skip for a non-finite update leaves the scale alone).
-      "grad_norm" is the pre-clip global norm in the gradients' units (with ``nonfinite="zero"``, of the gradient after its non-finite leaves were
-      zeroed: the norm of what the update used; "nonfinite_leaves" counts the zeroed leaves,
-      and a monitor still sees the raw gradient and raises its nonfinite alert).
-      `step_was_skipped` reads "skipped". With a learning-rate schedule that the optimizer
-      state holds (`make_optimizer` with a schedule, or ``optax.inject_hyperparams``), metrics
-      gain ``"learning_rate": ()``, the rate of this update (`applied_learning_rate`).
-      The step has attributes ``nonfinite`` (the policy), ``accumulate``,
+      "grad_norm" is the pre-clip global norm in the gradients' units (with ``nonfinite="zero"``, of
+      the gradient after its non-finite leaves were zeroed: the norm of what the update used;
+      "nonfinite_leaves" counts the zeroed leaves, and a monitor still sees the raw gradient and
+      raises its nonfinite alert). `step_was_skipped` reads "skipped". With a learning-rate schedule
+      that the optimizer state holds (`make_optimizer` with a schedule, or
+      ``optax.inject_hyperparams``), metrics gain ``"learning_rate": ()``, the rate of this update
+      (`applied_learning_rate`). The step has attributes ``nonfinite`` (the policy), ``accumulate``,
       ``explain_skipped_update`` (see above), ``unjitted``, the same step before
       ``jax.jit`` (None with ``jit=False``), which `fit` runs many steps at a time, and
       ``unguarded``, that step without the guard's selects (it still reports "skipped"; None
@@ -555,7 +557,8 @@ def step_was_skipped(metrics: Mapping[str, Any]) -> bool:
     """
     if "skipped" in metrics:
         return bool(np.asarray(metrics["skipped"]))
-    return not (math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["grad_norm"])))
+    return not (math.isfinite(float(metrics["loss"]))
+                and math.isfinite(float(metrics["grad_norm"])))
 
 
 def _value_and_grad_checked(fn: Callable, **kwargs) -> Callable:
