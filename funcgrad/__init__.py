@@ -106,6 +106,7 @@ def _lazy_names() -> dict[str, str]:
                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
     names = {}
     for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.module, "the block only re-exports"
         for alias in node.names:
             names[alias.asname or alias.name] = (
                 node.module if node.module != "funcgrad" else f"funcgrad.{alias.name}")
@@ -141,6 +142,8 @@ from funcgrad._jax_internals import warn_if_untested as _warn_if_untested  # noq
 
 _warn_if_untested()
 
+from types import ModuleType as _ModuleType  # noqa: E402  (the type of every module)
+
 # Modules that moved into the subpackages (check, debug, train) keep their old dotted names:
 # ``funcgrad.masks.freeze`` and ``import funcgrad.monitor`` still work, each importing the
 # module it names when first asked for, as the names above do.
@@ -166,7 +169,10 @@ class _MovedModules:
         if prefix != "funcgrad" or old not in _MOVED:
             return None
         import importlib.util
-        return importlib.util.spec_from_loader(fullname, cls)
+        # The class is the loader (create_module, exec_module: PEP 451); typeshed's
+        # LoaderProtocol also asks for the legacy load_module, which the import system never
+        # calls on a loader that has exec_module.
+        return importlib.util.spec_from_loader(fullname, cls)  # type: ignore[arg-type]
 
     @staticmethod
     def create_module(spec):
@@ -180,7 +186,7 @@ class _MovedModules:
         module.__spec__ = module.__spec__.loader_state
 
 
-class _Package(type(__import__("sys"))):
+class _Package(_ModuleType):
     """funcgrad's module type: ``import funcgrad.fit`` (the old path of the module) leaves
     ``funcgrad.fit``, the function, in place (the import system sets a submodule as an
     attribute of its package)."""

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (exit status 2), no usage dump."""
 
+    train_parser: argparse.ArgumentParser  # the top-level parser's "train" subparser
+
     def error(self, message: str):  # noqa: D401 - argparse's hook
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -63,7 +65,7 @@ def _remat_segments(text: str):
     return k
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> _Parser:
     from funcgrad import __version__
     from funcgrad.train.nn import ACTIVATIONS
     from funcgrad.train.step import OPTIMIZERS
@@ -453,9 +455,9 @@ class _Clock:
             _Clock._listening = True
 
     @staticmethod
-    def _span(event: str, start: float, end: float, **_) -> None:
+    def _span(event: str, start_time: float, end_time: float, **_) -> None:
         if _Clock._current is not None and event in _Clock._EVENTS:
-            _Clock._current.spans.append((start, end))
+            _Clock._current.spans.append((start_time, end_time))
 
     def lap(self, name: str) -> None:
         now = self.now()
@@ -499,7 +501,8 @@ def _use_caches(flag: str | None) -> str | None:
         return None
     import jax
 
-    if not jax.config.jax_compilation_cache_dir:
+    # jax 0.10's Config stub lacks the (dynamically added) option attributes; 0.12's has them.
+    if not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined,unused-ignore]
         jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
             # JAX's default (1 s) would keep none of these programs: each compiles in 0.01-1 s.
@@ -704,7 +707,7 @@ def _alert_spans(alerts, n_steps: int, *, max_spans: int = _MAX_SPANS):
     and doubles until the bands fit. Each band is at least 0.5% of the run wide, so a
     one-step alert stays visible on 200,000 steps.
     """
-    by_kind = {}
+    by_kind: dict[str, list[int]] = {}
     for alert in alerts:
         by_kind.setdefault(alert.kind, []).append(alert.step)
     gap = max(1, n_steps // 100)

@@ -54,7 +54,8 @@ class Tensor:
     __array_priority__ = 100  # ndarray (op) Tensor defers to Tensor's reflected operators
 
     def __init__(self, data, requires_grad: bool = False, *, dtype=np.float64, name: str = ""):
-        self.data = np.asarray(data.data if isinstance(data, Tensor) else data, dtype=dtype)
+        self.data: np.ndarray = np.asarray(data.data if isinstance(data, Tensor) else data,
+                                           dtype=dtype)
         self.requires_grad = bool(requires_grad)
         self.grad: np.ndarray | None = None
         self.parents: tuple[Tensor, ...] = ()

@@ -49,12 +49,12 @@ def unflatten(spec: Spec, theta: jax.Array, leaves: tuple) -> tuple:
 
 
 def _args(spec: Spec, pieces: list, leaves: tuple) -> tuple:
-    leaves = list(leaves)
+    placed = list(leaves)
     if spec.cast_to is not None:
         pieces = [p.astype(d) for p, d in zip(pieces, spec.cast_to)]
     for pos, piece in zip(spec.diff_positions, pieces):
-        leaves[pos] = piece
-    return jax.tree.unflatten(spec.treedef, leaves)
+        placed[pos] = piece
+    return jax.tree.unflatten(spec.treedef, placed)
 
 
 def output_vector(spec: Spec, theta: jax.Array, leaves: tuple) -> jax.Array:

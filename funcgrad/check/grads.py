@@ -33,7 +33,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -199,7 +199,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         raise TypeError(f"check_grads: argnums must be an int or a non-empty tuple of ints (the "
                         f"positions of the arguments to differentiate, e.g. argnums=(0, 1)), got "
                         f"{argnums!r}.")
-    argnums_t = ((int(argnums),) if is_int(argnums)
+    argnums_t = ((int(argnums),) if isinstance(argnums, (int, np.integer))  # is_int: checked
                  else tuple(dict.fromkeys(int(a) for a in argnums)))
     fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
     names = arg_names(fn, len(args))
@@ -283,7 +283,8 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
         raise ValueError(f"audit: max_evaluations must be a positive int (function "
                          f"evaluations of the directional check) or None, got "
                          f"{max_evaluations!r}.")
-    loss_fn, (params, *batch) = split_equinox_args(loss_fn, (params, *batch))
+    loss_fn, split_args = split_equinox_args(loss_fn, (params, *batch))
+    params, batch = split_args[0], split_args[1:]
     sizes = [int(np.size(x)) for x in jax.tree.leaves(params)
              if jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x) > 0]
     n = sum(sizes)
@@ -300,7 +301,7 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
     block = _directions.choose_block_size(sizes, k, per_tangent, budget) if valid_k else None
     report = check_grads(loss_fn, params, *batch, argnums=0, mode="directional",
                          block_size=block, **kwargs)
-    worst = max(report.rows, key=lambda r: r.resolution)
+    worst = max(report.rows, key=lambda r: cast(float, r.resolution))  # set in directional mode
     used = 2 + ("fwd" in report.modes)  # fwd is skipped (with a note) for a custom_vjp
     note = _directions.describe(block, sizes, k, used, budget, worst.resolution, worst.path)
     return dataclasses.replace(report, notes=[note, *report.notes])
@@ -339,7 +340,8 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
             if jnp.issubdtype(dtype, jnp.floating) and np.size(leaf) == 0:
                 skipped.append(f"{name} (shape {tuple(np.shape(leaf))}: empty, nothing to check)")
             elif jnp.issubdtype(dtype, jnp.floating):
-                diff.append(pos), paths.append(name)
+                diff.append(pos)
+                paths.append(name)
             elif jnp.issubdtype(dtype, jnp.complexfloating):
                 raise ValueError(f"check_grads: {name} is complex; complex leaves are not "
                                  "supported.")

@@ -173,7 +173,8 @@ class LeafCheck:
                          f"the one-sided derivatives are {kinks[0][1]:.6g} (left) and "
                          f"{kinks[0][2]:.6g} (right) and JAX's value {kinks[0][3]:.6g} is "
                          f"{kinks[0][4]}")
-        wrong = np.flatnonzero(c["convention"][s]) if "convention" in c else ()
+        wrong = (np.flatnonzero(c["convention"][s]) if "convention" in c
+                 else np.zeros(0, np.intp))
         if len(wrong):
             i = wrong[0]
             ref = c["reference"][s][i]
@@ -203,15 +204,16 @@ class LeafCheck:
             notes.append(f"{int(sg.sum())} element(s) differ from the central difference only "
                          "because of stop_gradient (which finite differences see through)")
         status = _status(failed, bool(sg.any()), allowed, bool(kinks))
-        return cls(path, tuple(shape), dtype, status, abs_err, rel_err,
-                   *(worst if worst else (None, None, None)), kinks, tuple(notes), resolution)
+        worst_index, worst_analytic, worst_numeric = worst if worst else (None, None, None)
+        return cls(path, tuple(shape), dtype, status, abs_err, rel_err, worst_index,
+                   worst_analytic, worst_numeric, kinks, tuple(notes), resolution)
 
     @classmethod
     def from_directions(cls, path, shape, dtype, analytic, numeric, right, left, see_through,
                         atol_abs, rtol, eps, allowed, reference=None) -> LeafCheck:
         notes, abs_err, rel_err, failed = [], 0.0, 0.0, False
         any_kink = any_sg = False
-        worst = (None, None, None)
+        worst: tuple[None, None, None] | tuple[None, float, float] = (None, None, None)
         for m, a in analytic.items():
             c = classify_elements(a, numeric, right, left, see_through, atol_abs, rtol, eps,
                                   reference=reference)
@@ -244,7 +246,9 @@ class LeafCheck:
             notes.append("a tangent crosses a non-differentiable point (one-sided differences "
                          "disagree)")
         status = _status(failed, any_sg, allowed, any_kink)
-        return cls(path, tuple(shape), dtype, status, abs_err, rel_err, *worst, (), tuple(notes))
+        _, worst_analytic, worst_numeric = worst
+        return cls(path, tuple(shape), dtype, status, abs_err, rel_err, None, worst_analytic,
+                   worst_numeric, (), tuple(notes))
 
     def located(self, flat_index: int, analytic: float, numeric: float,
                 evaluations: int) -> LeafCheck:

@@ -430,7 +430,7 @@ def _own(origin: _Origin) -> bool:
     `funcgrad.train.nn.softmax_cross_entropy`, a NaN constant that only a bad label lets
     through)."""
     file = origin.loc.file
-    return bool(file) and os.path.abspath(file).startswith(_FUNCGRAD_DIR + os.sep)
+    return bool(file and os.path.abspath(file).startswith(_FUNCGRAD_DIR + os.sep))
 
 
 def _report(origin: _Origin, nonfinite, value, checked, masked,

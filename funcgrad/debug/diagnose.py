@@ -282,7 +282,8 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     """
     if not callable(loss_fn):
         raise TypeError(f"explain_grads needs a callable loss_fn, got {type(loss_fn).__name__}.")
-    loss_fn, (params, *args) = split_equinox_args(loss_fn, (params, *args))
+    loss_fn, split_args = split_equinox_args(loss_fn, (params, *args))
+    params, args = split_args[0], split_args[1:]
     names = arg_names(loss_fn, 1 + len(args))
     check_array_args("explain_grads", (params, *args), names)
     paths = leaf_paths((params,), names[:1])

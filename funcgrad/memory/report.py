@@ -196,11 +196,12 @@ class MemoryReport:
                  f"  {'temporaries':<34}{self.temp_bytes:>14,}  {_bytes(self.temp_bytes)}",
                  f"  {'estimated peak (arg+out+temp-alias)':<34}{self.peak_bytes:>14,}  "
                  f"{_bytes(self.peak_bytes)}"]
-        if self.forward_bytes is not None:
+        extra = self.grad_extra_bytes  # known when forward_bytes is
+        if self.forward_bytes is not None and extra is not None:
             lines.append(f"  {'forward alone (temp+out)':<34}{self.forward_bytes:>14,}  "
                          f"{_bytes(self.forward_bytes)}")
-            lines.append(f"  {'gradient extra (temp+out)':<34}{self.grad_extra_bytes:>14,}  "
-                         f"{_bytes(self.grad_extra_bytes)}")
+            lines.append(f"  {'gradient extra (temp+out)':<34}{extra:>14,}  "
+                         f"{_bytes(extra)}")
         if self.residuals is not None:
             lines.append(f"residuals the backward pass keeps, the jaxpr's view: "
                          f"{len(self.residuals)} values, {self.residual_bytes:,} bytes "
@@ -269,6 +270,7 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
     want_res = grad if residuals is None else residuals
     if grad or want_res:
         _check_differentiable(fn, args, nums, names, grad)
+    target: Callable
     if grad:
         target = jax.jit(jax.grad(fn, argnums if isinstance(argnums, int) else nums))
         mode = "grad"
@@ -354,7 +356,7 @@ def _rows(fn, args, nums, names) -> tuple[ResidualRow, ...]:
     diff = tuple(args[i] for i in nums)
     if nums == tuple(range(len(args))):
         g = graph_mod.trace(fn, *args)
-        found = g.residuals
+        found = g.residuals or ()  # never None: trace lists residuals by default
     else:
         closed = [jax.tree.map(graph_mod._concrete, a) for a in args]  # stand-ins: zeros
 
@@ -428,8 +430,8 @@ def _has_remat(jaxpr) -> bool:
         kind = ji.kind(eqn)
         if kind == "checkpoint":
             return True
-        if kind in ("jit", "custom_vjp") and _has_remat(ji.body(eqn)[0]):  # custom_vjp:
-            return True                                                     # funcgrad.remat
+        if kind in ("jit", "custom_vjp") and _has_remat(ji.call_body(eqn)[0]):  # custom_vjp:
+            return True                                                          # funcgrad.remat
     return False
 
 
@@ -443,9 +445,9 @@ def _inline_remat(closed, out_tree) -> Callable:
             ins = [read(v) for v in eqn.invars]
             kind = ji.kind(eqn)
             if kind == "checkpoint":
-                outs = run(*ji.body(eqn), ins)
-            elif kind in ("jit", "custom_vjp") and _has_remat(ji.body(eqn)[0]):
-                sub, sub_consts = ji.body(eqn)  # custom_vjp: funcgrad.remat's plain program
+                outs = run(*ji.call_body(eqn), ins)
+            elif kind in ("jit", "custom_vjp") and _has_remat(ji.call_body(eqn)[0]):
+                sub, sub_consts = ji.call_body(eqn)  # custom_vjp: funcgrad.remat's plain program
                 outs = run(sub, sub_consts, ins[len(ins) - len(sub.invars):])
             else:
                 outs = ji.bind(eqn, ins)

@@ -34,7 +34,8 @@ def _locate_nonfinite(loss_fn: Callable, params: PyTree, batch: Batch, trainable
     from funcgrad.train.masks import _split
     from funcgrad.train.precision import cast_floating
 
-    fn, how = loss_fn, ()
+    fn = loss_fn
+    how: tuple[str, ...] = ()
     if compute_dtype is not None or scale is not None:
         dtype = jnp.float32 if compute_dtype is None else compute_dtype
         unscaled = fn
@@ -62,7 +63,8 @@ def _scale_of(state: Any) -> float | None:
 def _routine_overflow(loss: float, used: float | None, after: float | None) -> bool:
     """A loss-scale skip that `fit` counts as routine: finite loss, and the scale backed off
     (at its floor it cannot, and a NaN that persists there is an anomaly to locate)."""
-    return used is not None and math.isfinite(loss) and after < used
+    return (used is not None and math.isfinite(loss)
+            and after is not None and after < used)  # after is None only when used is
 
 
 def _locate_first(locate: Callable[[float | None], Any], scale: float | None):
@@ -112,7 +114,7 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
         bad = ~(np.isfinite(losses) & np.isfinite(norms)) & (examples > 0)
         if state.loss_scale is not None:  # leave routine overflows alone (see above)
             used = np.asarray(jax.device_get(metrics["loss_scale"]))
-            after = np.append(used[1:], _scale_of(new_state))
+            after = np.append(used[1:], float(new_state.loss_scale.scale))  # _scale_of
             bad &= ~np.array([_routine_overflow(float(loss), float(a), float(b))
                               for loss, a, b in zip(losses, used, after)], bool)
         bad = np.flatnonzero(bad)

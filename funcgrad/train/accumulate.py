@@ -44,7 +44,7 @@ the loss function returns **per-example** losses:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +57,13 @@ from funcgrad.train.microbatches import group_microbatches as group_microbatches
 from funcgrad.train.microbatches import stack_microbatches as stack_microbatches
 from funcgrad.train.precision import scaled_value_and_grad
 
+if TYPE_CHECKING:
+    from funcgrad.train.loss import Loss  # imported where used: funcgrad.train.loss imports this
+
 PyTree = Any
 PerExampleLossFn = Callable[[PyTree, PyTree], jax.Array]
-ApplyUpdate = Callable[[Any, jax.Array, PyTree], tuple[Any, dict[str, jax.Array]]]
+# apply_update(state, loss, grads) -> (state, metrics), with model_state= when the loss has one.
+ApplyUpdate = Callable[..., tuple[Any, dict[str, jax.Array]]]
 
 #: Policies for a final group of fewer than `accumulate` micro-batches.
 TAIL_POLICIES: dict[str, str] = {
@@ -87,10 +91,11 @@ class AccumulatedGrads(NamedTuple):
     """
     loss: jax.Array
     grads: PyTree
-    count: jax.Array
+    # The public name shadows tuple.count (a method), which mypy reports on a NamedTuple.
+    count: jax.Array  # type: ignore[assignment]
 
 
-def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
+def accumulate_grads(loss_fn: PerExampleLossFn | Loss, params: PyTree,
                      microbatches: Microbatches | PyTree, *,
                      mask: jax.typing.ArrayLike | None = None,
                      value_and_grad: Callable = jax.value_and_grad) -> AccumulatedGrads:
@@ -198,7 +203,8 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
         # back by m (one rounding, ~6e-8 relative). The model state is not cast (see
         # funcgrad.train._stages.differentiate); its new value is cast back to the old dtypes.
         def mean_loss(p, batch):
-            total, (new_state, aux) = summed_loss(p, *batch, state, k)
+            cast_microbatch, cast_real = batch  # (microbatch, real) in the compute dtype
+            total, (new_state, aux) = summed_loss(p, cast_microbatch, cast_real, state, k)
             if new_state is not None:
                 new_state = jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)),
                                          new_state, state)
@@ -240,7 +246,7 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
 
 
 def make_accumulating_step(
-        loss_fn: PerExampleLossFn, apply_update: ApplyUpdate, *, accumulate: int,
+        loss_fn: PerExampleLossFn | Loss, apply_update: ApplyUpdate, *, accumulate: int,
         tail: str = "apply", value_and_grad: Callable = jax.value_and_grad,
         compute_dtype: Any = None, loss_scale_of: Callable[[Any], jax.Array] | None = None,
         jit: bool = True) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
@@ -386,7 +392,7 @@ def _warn_if_coupled(loss, state, microbatch) -> None:
     def probed(packed, batch):
         params, model_state, key = packed
         return loss(params, batch, model_state=model_state, key=key).loss
-    probed.__wrapped__ = loss.fn  # the warning names the user's function and line
+    cast(Any, probed).__wrapped__ = loss.fn  # the warning names the user's function and line
     warn_if_coupled(probed, (state.params, model_state, key), microbatch)
 
 

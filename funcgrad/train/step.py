@@ -9,7 +9,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -461,41 +461,49 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         if compute_dtype is None:
             _warn_half_params(state.params)
 
+    def build_accumulating(apply: Callable, accumulate: int) -> Callable:
+        """`build`'s step under accumulation: one update per group of micro-batches."""
+        accumulating = make_accumulating_step(
+            loss, apply, accumulate=accumulate, tail=tail, value_and_grad=value_and_grad,
+            compute_dtype=compute_dtype,
+            loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
+            jit=False)
+
+        def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
+            entry_checks(state)
+            _check_stacked(microbatches, mask, accumulate)
+            return accumulating(state, microbatches, mask)
+        return step
+
     def build(apply: Callable) -> Callable:
         """The step (unjitted) around `apply_update` or a variant of it."""
         if accumulate is not None:
-            accumulating = make_accumulating_step(
-                loss, apply, accumulate=accumulate, tail=tail, value_and_grad=value_and_grad,
-                compute_dtype=compute_dtype,
-                loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
-                jit=False)
-
-            def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
-                entry_checks(state)
-                _check_stacked(microbatches, mask, accumulate)
-                return accumulating(state, microbatches, mask)
-            return step
+            return build_accumulating(apply, accumulate)
 
         def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
             entry_checks(state)
-            key = (jax.random.fold_in(state.key, state.step) if loss.takes_key else None)
+            # entry_checks: a state with a key when the loss takes one, a loss scale state
+            # when the step scales the loss.
+            key = (jax.random.fold_in(cast(jax.Array, state.key), state.step) if loss.takes_key
+                   else None)
             scale = (None if compute_dtype is None and loss_scale is None
                      else jnp.ones((), jnp.float32) if loss_scale is None
-                     else state.loss_scale.scale)
+                     else cast(LossScaleState, state.loss_scale).scale)
             loss_value, grads, model_state, aux, dead = grads_of(
                 state.params, batch, state.model_state if loss.has_state else None, key, scale)
             return apply(state, loss_value, grads, model_state=model_state, aux=aux, dead=dead)
         return step
 
     step = build(apply_update)
-    out = jax.jit(step) if jit else step
+    out: Any = jax.jit(step) if jit else step  # a function with the attributes set below
     if monitor is not None and accumulate is None:
         out = _attach_monitor(out)
     if detect_anomaly:
         out = (_detecting_anomalies(out, loss, trainable, compute_dtype) if accumulate is None
                else _detecting_anomalies_per_micro_batch(out, loss, trainable, accumulate,
                                                          compute_dtype))
-    located = []  # the step with per-leaf finiteness of updates, jitted at the first skip
+    # The step with per-leaf finiteness of updates, jitted at the first skip.
+    located: list[Callable] = []
 
     def explain_skipped_update(state: TrainState, *args) -> str:
         """Which leaves' updates or new values were NaN/inf in the step ``out(state, *args)``
