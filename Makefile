@@ -1,11 +1,12 @@
-# Two commands from a fresh clone: `make demo` (the main job) and `make test` (the suite).
+# Two commands from a fresh clone: `make demo` (the main job) and `make test` (the suite);
+# `make lint` (ruff, then mypy; configured in pyproject.toml) is what CI runs before the suite.
 # Each creates .venv on first use; nothing else needs to be installed by hand.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "funcgrad needs Python >= 3.11; run make PYTHON=python3.11 ...")'
@@ -19,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy funcgrad
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
@@ -35,4 +40,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/micro.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .hypothesis .mypy_cache .ruff_cache

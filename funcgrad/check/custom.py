@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -124,7 +124,7 @@ def custom_vjp(fun: Callable | None = None, *,
       Array(1., dtype=float32, weak_type=True)
     """
     if fun is None:
-        return functools.partial(custom_vjp, nondiff_argnums=nondiff_argnums)
+        return functools.partial(CustomVJP, nondiff_argnums=nondiff_argnums)
     return CustomVJP(fun, nondiff_argnums=nondiff_argnums)
 
 
@@ -215,7 +215,7 @@ class CustomVJP:
             cts = _check_cotangents(spec, user_bwd(*bwd_args))
             _warn_dropped(spec, cts, fun, args, self.nondiff_argnums, declared, at)
             return cts
-        checked_bwd.input_names = spec.names  # read by explain_grads to name an input
+        cast(Any, checked_bwd).input_names = spec.names  # read by explain_grads to name an input
 
         # A fresh jax.custom_vjp per call: checked_bwd closes over this call's primals, whose
         # shapes and dtypes are static even when they are tracers (inside jit or vmap).
@@ -319,7 +319,8 @@ def _depends(fun, args, nondiff_argnums, leaves) -> list[bool]:
         return [False] * len(leaves)
     n_seed = len(seed_avals)
     n_all = len(closed.jaxpr.invars)
-    in_deps = [{} for _ in range(n_all - n_seed)] + [{n: _Path(_DIFF, "")} for n in range(n_seed)]
+    in_deps: list[dict] = ([{} for _ in range(n_all - n_seed)]
+                           + [{n: _Path(_DIFF, "")} for n in range(n_seed)])
     reached = set()
     for deps in _flow(closed.jaxpr, in_deps):
         reached |= set(deps)
@@ -410,7 +411,8 @@ def _check_cotangents(spec: _Spec, cts: Any) -> Any:
             f"{spec.where} returned {len(cts)} cotangent(s), but {spec.fun_name} has {n} "
             f"differentiable input(s) ({expected}); return one per input, in order, with None "
             f"for an input that gets no gradient.{hint}\nSee funcgrad.check.custom.BWD_CONTRACT.")
-    shape_errors, kind_errors = [], []
+    shape_errors: list[str] = []
+    kind_errors: list[str] = []
     for name, primal, ct in zip(spec.names, spec.primals, cts):
         if ct is None:
             continue

@@ -14,7 +14,6 @@ import pytest
 
 import funcgrad as fg
 
-
 # --- a tanh with a hand-written backward pass, optionally wrong in one element -----------
 
 def make_tanh(bug=None):
@@ -86,7 +85,8 @@ def test_opting_out_checks_as_computed_and_states_the_resolution():
                             lift_precision=False)
     assert report.lifted_from is None and report.dtype_used == "bfloat16"
     assert report.ok  # the 10% bug hides under bfloat16 tolerances: what lifting is for
-    assert any("relative errors below 0.2, and any error at all in a derivative smaller than 0.2" in n for n in report.notes)
+    assert any("relative errors below 0.2, and any error at all in a derivative smaller than 0.2"
+               in n for n in report.notes)
 
 
 def test_a_flax_bfloat16_dense_layer_with_a_wrong_custom_activation_fails():
