@@ -52,7 +52,10 @@ def marked_line(fn, marker: str = "# <- the bug") -> int:
 def main() -> None:
     data = fg.load_digits(seed=0)
     params = fg.mlp_init(jax.random.key(0), (64, 64, 10))
-    tx = optax.sgd(optax.exponential_decay(0.01, transition_steps=1, decay_rate=1.05))
+    # inject_hyperparams keeps the rate in the optimizer state, so fit records it per step
+    # (optax.sgd(schedule) would train the same and report no rate, with a warning).
+    tx = optax.inject_hyperparams(optax.sgd)(
+        learning_rate=optax.exponential_decay(0.01, transition_steps=1, decay_rate=1.05))
     print("training: lr = 0.01 * 1.05**step, 4 epochs of batch 32 (180 steps)")
     with warnings.catch_warnings():   # the report is printed below, not as a warning
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -109,7 +109,9 @@ class History:
       step_loss, step_grad_norm: per-step values (Python floats) of the applied steps.
       step_learning_rate: per applied step, the learning rate its update used, when the step
         reports one (``metrics["learning_rate"]``: an optimizer from `make_optimizer` with a
-        schedule, or built with ``optax.inject_hyperparams``); empty otherwise. Each epoch's
+        schedule, or built with ``optax.inject_hyperparams``); empty otherwise (a schedule
+        passed straight into optax, ``optax.sgd(schedule)``, is not readable: the step warns
+        once and names the fix). Each epoch's
         row then has "learning_rate", the rate of its last update. A schedule counts optimizer
         updates: with ``accumulate=K`` one per K batches, and a skipped step does not count.
       skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from funcgrad import _user_line
 from funcgrad._library_objects import check_optimizer, check_params
 from funcgrad._paths import key_paths, keystr
 from funcgrad._traced import naming_traced_values
@@ -384,9 +385,16 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
       raises its nonfinite alert). `step_was_skipped` reads "skipped". With a learning-rate schedule
       that the optimizer state holds (`make_optimizer` with a schedule, or
       ``optax.inject_hyperparams``), metrics gain ``"learning_rate": ()``, the rate of this update
-      (`applied_learning_rate`). The step has attributes ``nonfinite`` (the policy), ``accumulate``,
-      ``explain_skipped_update`` (see above), ``unjitted``, the same step before
-      ``jax.jit`` (None with ``jit=False``), which `fit` runs many steps at a time, and
+      (`applied_learning_rate`). A schedule passed straight into an optax optimizer
+      (``optax.sgd(optax.linear_schedule(...))``, ``optax.adam(schedule)``) is applied but kept
+      nowhere the step can read (only its count, an ``optax.ScaleByScheduleState``): the metrics
+      then have no "learning_rate", and the first call says so once (a ``UserWarning`` at your
+      line naming ``optax.inject_hyperparams``); wrap it as
+      ``optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)`` or use
+      ``make_optimizer("sgd", schedule)`` to have the rate reported. A constant rate has nothing
+      to report and is not warned about. The step has attributes ``nonfinite`` (the policy),
+      ``accumulate``, ``explain_skipped_update`` (see above), ``unjitted``, the same step
+      before ``jax.jit`` (None with ``jit=False``), which `fit` runs many steps at a time, and
       ``unguarded``, that step without the guard's selects (it still reports "skipped"; None
       with a loss scale), which `fit` runs first and re-runs guarded when a step was skipped.
     Raises:
@@ -456,10 +464,15 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         # Under accumulation the aux is per micro-batch (make_accumulating_step adds it).
         return finish(update, has_aux=loss.has_aux and accumulate is None)
 
+    said_unreported: list[bool] = []  # the unreadable-schedule warning, once per step
+
     def entry_checks(state: TrainState) -> None:
         _check_state(state, optimizer, loss_scale, monitor, loss)
         if compute_dtype is None:
             _warn_half_params(state.params)
+        if not said_unreported:
+            said_unreported.append(True)
+            _warn_unreported_schedule(state.opt_state)
 
     def build_accumulating(apply: Callable, accumulate: int) -> Callable:
         """`build`'s step under accumulation: one update per group of micro-batches."""
@@ -544,6 +557,39 @@ def applied_learning_rate(opt_state: optax.OptState) -> jax.Array | None:
              for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
              if isinstance(s, kinds) and "learning_rate" in s.hyperparams]
     return found[0] if len(found) == 1 else None
+
+
+def _unreported_schedule(opt_state: optax.OptState) -> str | None:
+    """Where `opt_state` counts a learning-rate schedule that `applied_learning_rate` cannot read
+    (e.g. ``"opt_state[1]"``, an ``optax.ScaleByScheduleState``), or None.
+
+    ``optax.sgd(schedule)`` and ``optax.adam(schedule)`` keep only the schedule's count (in
+    ``optax.scale_by_schedule``'s state); the rate is computed inside the update. None when the
+    state holds no such count (a constant rate) or holds a rate the step reports
+    (``optax.inject_hyperparams``, `make_optimizer` with a schedule).
+    """
+    kind = optax.ScaleByScheduleState
+    if applied_learning_rate(opt_state) is not None:
+        return None
+    found = [path for path, node in jax.tree_util.tree_flatten_with_path(
+                 opt_state, is_leaf=lambda s: isinstance(s, kind))[0] if isinstance(node, kind)]
+    return "opt_state" + keystr(found[0]) if found else None
+
+
+def _warn_unreported_schedule(opt_state: optax.OptState) -> None:
+    """The step's once-per-step warning that it cannot report the rate it applies (see
+    `_unreported_schedule`), at the user's line."""
+    where = _unreported_schedule(opt_state)
+    if where is None:
+        return
+    _user_line.warn(
+        "make_train_step: the optimizer applies a learning-rate schedule that the step cannot "
+        f"read (only its count is kept, {where}, an optax.ScaleByScheduleState: a schedule "
+        "passed straight into optax, as in optax.sgd(optax.linear_schedule(...))), so the "
+        'metrics have no "learning_rate" and fit records none. Training is unaffected. To '
+        "have the rate of each update reported, wrap the optimizer in optax.inject_hyperparams: "
+        "optax.inject_hyperparams(optax.sgd)(learning_rate=schedule) (likewise optax.adam, "
+        "...), or use funcgrad.make_optimizer('sgd', schedule).", UserWarning)
 
 
 def _attach_monitor(step: Callable) -> Callable:

@@ -555,11 +555,65 @@ def test_the_rate_is_reported_wherever_the_state_holds_it():
              fg.init_train_state(params, fg.make_optimizer("adam", _halving)), (batch,))]:
         _, metrics = step(state, *args)
         np.testing.assert_allclose(np.ravel(metrics["learning_rate"])[0], 0.1, rtol=1e-7)
-    # A constant rate, or a schedule inside optax.adam (kept nowhere): no "learning_rate".
-    for tx in (optax.adam(1e-3), optax.adam(_halving)):
-        _, metrics = make_train_step(per_example_loss, tx, accumulate=2)(
-            fg.init_train_state(params, tx), mbs)
-        assert "learning_rate" not in metrics
+    # (None of these warns: pytest makes a warning an error.) A constant rate: nothing to
+    # report, no "learning_rate" and no warning.
+    tx = optax.adam(1e-3)
+    _, metrics = make_train_step(per_example_loss, tx, accumulate=2)(
+        fg.init_train_state(params, tx), mbs)
+    assert "learning_rate" not in metrics
+
+
+# --- a schedule the step cannot read (issue 24, point 5.1) -------------------------------------
+
+_UNREAD = (r"(?s)schedule that the step cannot read.*opt_state\[{index}\].*no \"learning_rate\""
+           r".*optax\.inject_hyperparams\(optax\.sgd\)\(learning_rate=schedule\)")
+
+
+def test_a_schedule_passed_straight_into_optax_is_said_once_and_still_applied():
+    # optax.sgd(schedule) is chain(identity, scale_by_learning_rate(schedule)): its state is
+    # (EmptyState(), ScaleByScheduleState(count)), so the count is opt_state[1] (optax's
+    # structure, the second method for the path the warning names). The rate itself is
+    # computed inside the update and kept nowhere: no "learning_rate" in the metrics.
+    params, batch = _params(), _examples(16)
+    parts = _split(batch, [4] * 4)
+    tx = optax.sgd(optax.linear_schedule(0.1, 0.01, 10))
+    step = make_train_step(per_example_loss, tx, accumulate=2)
+    state = fg.init_train_state(params, tx)
+    with pytest.warns(UserWarning, match=_UNREAD.format(index=1)) as caught:
+        new, metrics = step(state, stack_microbatches(parts))
+        # A second call with another shape traces the step again: it is not said twice.
+        step(new, stack_microbatches(parts[:2]))
+    assert len([w for w in caught if "cannot read" in str(w.message)]) == 1
+    assert caught[0].filename == __file__  # at the user's line, not inside funcgrad or JAX
+    assert "learning_rate" not in metrics
+    # Training is unaffected: linear_schedule(0.1, 0.01, 10) gives 0.1 at count 0 and
+    # 0.1 - 0.009 = 0.091 at count 1 (the count advances per update, one per 2 micro-batches).
+    # Second method: plain SGD on the full-batch gradient of each group at those rates.
+    hand = params
+    for u, rate in enumerate([0.1, 0.091]):
+        grads = full_grad(hand, _concat(parts[2 * u:2 * u + 2]))
+        hand = jax.tree.map(lambda p, g, rate=rate: p - rate * g, hand, grads)
+    assert _rel_err(new.params, hand) < 1e-5
+
+
+def test_fit_says_so_at_the_users_line_and_a_readable_rate_is_not_warned_about():
+    x, y = _examples(16)["x"], _examples(16)["y"]
+    # optax.adam(schedule) keeps its count after adam's state: (ScaleByAdamState,
+    # ScaleByScheduleState) -> opt_state[1]; without accumulation the same.
+    tx = optax.adam(_halving)
+    with pytest.warns(UserWarning, match=_UNREAD.format(index=1)) as caught:
+        result = fg.fit(make_train_step(mean_loss, tx), fg.init_train_state(_params(), tx),
+                        x, y, epochs=1, batch_size=8, progress=False)
+    assert caught[0].filename == __file__
+    assert result.history.step_learning_rate == []
+    # The same schedule made readable, both ways the warning names: no warning (an error
+    # here), and fit records the two rates, 0.1 * 0.5**0 and 0.1 * 0.5**1.
+    for readable in (optax.inject_hyperparams(optax.adam)(learning_rate=_halving),
+                     fg.make_optimizer("adam", _halving)):
+        result = fg.fit(make_train_step(mean_loss, readable),
+                        fg.init_train_state(_params(), readable), x, y, epochs=1,
+                        batch_size=8, progress=False)
+        np.testing.assert_allclose(result.history.step_learning_rate, [0.1, 0.05], rtol=1e-7)
 
 
 def test_fit_runs_a_scheduled_accumulating_step():
