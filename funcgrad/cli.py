@@ -15,12 +15,45 @@ from typing import Any, NamedTuple
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr (exit status 2), no usage dump."""
+    """An ArgumentParser whose errors are one line on stderr (exit status 2), no usage dump,
+    and which takes no abbreviations: argparse would read ``--epoch 3`` as ``--epochs 3``
+    (a prefix of one flag), so a typo or a flag of another version would silently mean
+    another one; here it is an unrecognized argument, with the flag it may have meant."""
 
     train_parser: argparse.ArgumentParser  # the top-level parser's "train" subparser
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # noqa: D401 - argparse's hook
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)} "
+                     f"(see {self.prog} --help)\n")
+
+    def _suggestion(self, message: str) -> str:
+        """"; did you mean --epochs?" for an unrecognized ``--epoch`` (a prefix of one flag, or
+        close to one), else ""."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        import difflib
+
+        parsers = [self, getattr(self, "train_parser", None)]
+        known = sorted({flag for parser in parsers if parser is not None
+                        for action in parser._actions for flag in action.option_strings
+                        if flag.startswith("--")})
+        meant = []
+        for word in message[len(prefix):].split():
+            flag = word.split("=", 1)[0]
+            if not flag.startswith("--") or flag in known:
+                continue
+            close = ([k for k in known if k.startswith(flag)]
+                     or difflib.get_close_matches(flag, known, n=1, cutoff=0.75))
+            if len(close) == 1:
+                meant.append((close[0], flag))
+        if len(meant) == 1:
+            return f"; did you mean {meant[0][0]}?"
+        return f"; did you mean {', '.join(f'{k} for {f}' for k, f in meant)}?" if meant else ""
 
 
 def _checked(kind, ok, expected: str):

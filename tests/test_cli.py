@@ -206,13 +206,20 @@ def test_cnn_nonfinite_run_is_located(tmp_path, capsys):
     (["train", "--model", "cnn", "--dropout", "1"],
      "argument --dropout: expected a number in [0, 1), got '1'"),
     (["train", "--model", "rnn"], "argument --model: invalid choice: 'rnn'"),
+    # No abbreviations: argparse took --epoch as --epochs (its only flag with that prefix).
+    # (With --out a file, a parser that took it would fail on --out instead, at once.)
+    (["train", "--epoch", "3", "--out", __file__],
+     "unrecognized arguments: --epoch 3; did you mean --epochs? (see funcgrad --help)"),
+    (["train", "--no-prog", "--batchsize=8", "--out", __file__],
+     "unrecognized arguments: --no-prog --batchsize=8; did you mean --no-progress for "
+     "--no-prog, --batch-size for --batchsize?"),
 ], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
         "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype",
         "accumulate",
         "remat_zero", "remat_too_long", "cnn_remat",
         "momentum_without_momentum_optimizer", "out_is_a_file", "no_command", "cnn_hidden",
         "cnn_activation", "mlp_dropout", "mlp_channels", "cnn_too_many_blocks",
-        "cnn_dropout_one", "unknown_model"])
+        "cnn_dropout_one", "unknown_model", "abbreviated_flag", "misspelt_flags"])
 def test_bad_flags_give_one_line(argv, message, capsys):
     # In-process: the parser is the same object `python -m funcgrad` runs (its entry point is
     # checked in a subprocess below), and a subprocess per flag cost an import of JAX each.
