@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/funcgrad train --out runs/demo
+	$(BIN)/funcgrad train --out runs/demo --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal

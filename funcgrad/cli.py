@@ -156,7 +156,15 @@ def _build_parser() -> _Parser:
                         "group is applied too) (default: 1)")
     t.add_argument("--test-size", type=_fraction, default=0.2,
                    help="held-out fraction of the 1,797 digits (default: 0.2)")
-    t.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
+    t.add_argument("--out", default="runs/latest",
+                   help="output folder (default: runs/latest). One that holds an earlier run "
+                        "(what funcgrad train writes there: metrics.json, training.png or "
+                        "checkpoints/) is refused before training: continue that run with "
+                        "--resume DIR, pick another --out, or pass --overwrite")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the earlier run in --out: delete its metrics.json, "
+                        "training.png and checkpoints/ before training (other files there are "
+                        "left alone)")
     t.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="folder for what a later run can reuse: the digits split (digits/) and "
                         "JAX's compiled programs (jax/, unless JAX_COMPILATION_CACHE_DIR or "
@@ -227,16 +235,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.train_parser.error(
                 f"argument --resume: {args.resume} holds no checkpoints/ folder; pass the --out "
                 "folder of an earlier funcgrad train run")
-        _resumed_settings(parser.train_parser, args,
-                          list(argv if argv is not None else sys.argv[1:]))
+        resumed = _resumed_settings(parser.train_parser, args,
+                                    list(argv if argv is not None else sys.argv[1:]))
+    else:
+        resumed = None
     if args.command == "train":
         _model_flags(parser.train_parser, args)
     if args.command == "train" and os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                                   "pass a folder path (it is created if missing)")
     if args.command == "train":
+        _check_out(parser.train_parser, args)
         try:
-            return _train(args)
+            return _train(args, resumed)
         except KeyboardInterrupt:
             print("funcgrad: interrupted", file=sys.stderr)
             return 130
@@ -251,41 +262,146 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2  # pragma: no cover - argparse requires a command
 
 
+#: What funcgrad train writes into --out: a folder holding any of them holds an earlier run,
+#: and --overwrite deletes exactly these.
+_RUN_FILES = ("metrics.json", "training.png", "checkpoints")
+
+
+def _earlier_run(out: str) -> list[str]:
+    """The entries of `_RUN_FILES` that `out` holds (an earlier run's), in that order."""
+    return [name for name in _RUN_FILES if os.path.lexists(os.path.join(out, name))]
+
+
+def _listed(names: list[str]) -> str:
+    """"metrics.json, checkpoints/": `_RUN_FILES` entries as a folder listing shows them."""
+    return ", ".join(name + "/" if name == "checkpoints" else name for name in names)
+
+
+def _check_out(train_parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses (exit 2, before anything is loaded or trained) an --out that holds an earlier
+    run, unless --resume continues that very run there; with --overwrite, deletes that run's
+    files instead (only those: `_RUN_FILES`)."""
+    here = (args.resume is not None
+            and os.path.realpath(args.resume) == os.path.realpath(args.out))
+    if here and args.overwrite:
+        train_parser.error(f"argument --overwrite: it would delete the run that --resume "
+                           f"{args.resume} continues in {args.out}; drop --overwrite (or "
+                           "continue it into a new folder with --out DIR)")
+    found = [] if here else _earlier_run(args.out)
+    if not found:
+        return
+    if not args.overwrite:
+        train_parser.error(
+            f"argument --out: {args.out} holds an earlier run ({_listed(found)}); continue "
+            f"it with --resume {args.out}, write this run elsewhere with another --out DIR, "
+            "or replace it with --overwrite")
+    import shutil
+
+    for name in found:
+        path = os.path.join(args.out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    print(f"funcgrad: note: --overwrite: deleted the earlier run's {_listed(found)} in "
+          f"{args.out}", file=sys.stderr)
+
+
 #: What --resume may change about a run: how long, where, and how it reports; not what it
 #: trains (model, data, optimizer, batches), which must stay the run's own.
 _RESUME_MAY_CHANGE = {"epochs", "out", "no_progress", "cache_dir", "resume", "checkpoint_every",
-                      "memory_report", "detect_anomaly", "on_nonfinite"}
+                      "memory_report", "detect_anomaly", "on_nonfinite", "overwrite"}
 
 
 def _resumed_settings(train_parser: argparse.ArgumentParser, args: argparse.Namespace,
-                      argv: list[str]) -> None:
-    """--resume DIR: the run's own settings (DIR/metrics.json's config) for every flag not
-    given; a given flag that would change what the run trains is an error (exit 2), and so is
-    --epochs not beyond the epochs done. --out defaults to DIR."""
+                      argv: list[str]) -> tuple[int, dict] | None:
+    """--resume DIR: the run's own settings for every flag not given, and the (step, metadata)
+    of its latest checkpoint (None when it has none yet: the run starts over there).
+
+    The settings come from DIR/metrics.json's config, except those the checkpoint records
+    itself (what decides the batches: --seed, --batch-size, --accumulate, and through the
+    train split's size --test-size), which must match it: a metrics.json that says otherwise
+    is another run's (written over the checkpointed one), and the error says which flag to
+    give. A given flag that would change what the run trains is an error (exit 2), and so is
+    --epochs not beyond the epochs done. --out defaults to DIR. Errors name the flags."""
+    metrics = os.path.join(args.resume, "metrics.json")
     try:
-        with open(os.path.join(args.resume, "metrics.json")) as f:
+        with open(metrics) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         saved = {}
-    config, done = saved.get("config") or {}, len(saved.get("epochs") or [])
+    config = saved.get("config") or {}
+    checkpoints = os.path.join(args.resume, "checkpoints")
+    try:
+        from funcgrad.train.checkpoint import _latest_meta
+        latest = _latest_meta(checkpoints)
+    except (ImportError, OSError, ValueError) as e:
+        train_parser.error(f"argument --resume: cannot read the checkpoints in {checkpoints}: "
+                           f"{str(e).splitlines()[0]}")
+    position = (latest[1].get("position") or {}) if latest else {}
+    done = (position["epoch"] if "epoch" in position else len(saved.get("epochs") or []))
     given = _given_flags(train_parser, argv[argv.index("train") + 1:] if "train" in argv
                          else argv)
     if "out" not in given:
         args.out = args.resume
+    # What the checkpoint recorded (fit's position: the settings that decide the batches).
+    recorded = {name: position[key] for name, key in (("seed", "seed"),
+                ("batch_size", "batch_size"), ("accumulate", "accumulate"),
+                ("test_size", "examples")) if key in position}
     for name, value in config.items():
         flag = "--" + name.replace("_", "-")
         if name not in given:
             if name not in _RESUME_MAY_CHANGE or name == "epochs":
                 setattr(args, name, value)
-        elif name not in _RESUME_MAY_CHANGE and getattr(args, name) != value:
+        # A given flag must be the run's own value: the checkpoint's where it records one
+        # (checked below; metrics.json may be another run's), else metrics.json's.
+        elif (name not in _RESUME_MAY_CHANGE and name not in recorded
+              and getattr(args, name) != value):
             train_parser.error(
                 f"argument {flag}: the run in {args.resume} trained with {flag} {value}; "
                 "--resume continues that run with its own settings (drop the flag, or start "
-                "a new run with --out)")
+                "a new run with another --out)")
+    step = latest[0] if latest else None
+    for name, had in recorded.items():
+        if name not in given and name not in config and name != "test_size":
+            setattr(args, name, had)  # no metrics.json: the checkpoint's is the run's own
+    # The flags typed first: an error about one of them is the one to fix first.
+    for name, had in sorted(recorded.items(), key=lambda item: item[0] not in given):
+        now = getattr(args, name)
+        if (_train_digits(now) if name == "test_size" else now) == had:
+            continue
+        flag = "--" + name.replace("_", "-")
+        ran = (f"on {had} train digits" if name == "test_size" else f"with {flag} {had}")
+        this = (f"{flag} {now} leaves {_train_digits(now)}" if name == "test_size"
+                else f"{flag} {now}")
+        if name in given:
+            train_parser.error(
+                f"argument {flag}: the run in {args.resume} trained {ran} (its checkpoint at "
+                f"step {step}), not {this}; --resume continues that run with its own settings "
+                "(drop the flag, or start a new run with another --out)")
+        source = (f"{metrics}'s config, which is then another run's (one written into "
+                  f"{args.resume} over it)" if name in config else
+                  f"the default ({args.resume} has no metrics.json that gives it)")
+        fix = ("the --test-size that run used" if name == "test_size" else f"{flag} {had}")
+        train_parser.error(
+            f"argument --resume: the checkpoints in {checkpoints} were trained {ran}, but "
+            f"{this} comes from {source}; continue the checkpointed run by passing {fix}, or "
+            "start a new run with another --out")
     if done and args.epochs <= done:
         train_parser.error(
             f"argument --epochs: the run in {args.resume} has done {done} epochs; pass --epochs "
             f"above {done} to train more (the total, counting the epochs done)")
+    return latest
+
+
+#: The digits scikit-learn bundles; --test-size holds out a fraction of them.
+_DIGITS = 1797
+
+
+def _train_digits(test_size: float) -> int:
+    """The train split's size for `test_size`: scikit-learn's train_test_split holds out
+    ceil(test_size * n) examples (0.2: ceil(359.4) = 360 of 1797, leaving 1437)."""
+    return _DIGITS - math.ceil(test_size * _DIGITS)
 
 
 def _given_flags(train_parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -328,7 +444,10 @@ def _model_flags(train_parser: argparse.ArgumentParser, args: argparse.Namespace
                            f"3 blocks; got {len(args.channels)}")
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) -> int:
+    """The run `args` asks for (main has checked its flags); `resumed`: the (step, metadata)
+    of the --resume checkpoint, checked against the state these flags build. The exit status.
+    """
     import jax.numpy as jnp
 
     from funcgrad.train.coupling import CoupledExamplesWarning
@@ -389,6 +508,8 @@ def _train(args: argparse.Namespace) -> int:
                                monitor=monitor)
         state = init_train_state(model.params, tx, loss_scale=loss_scale, monitor=monitor,
                                  **model.state_kwargs)
+        if resumed is not None:
+            _check_resumable(args, state, resumed)
         memory = _memory_report(step, state, data, args.batch_size, accumulate) \
             if args.memory_report else None
         clock.lap("setup")
@@ -435,16 +556,34 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_resumable(args: argparse.Namespace, state, resumed: tuple[int, dict]) -> None:
+    """ValueError, in the flags' terms, when the --resume checkpoint is not of the state these
+    flags build (another model or optimizer: its metrics.json is another run's, or missing)."""
+    from funcgrad.train.checkpoint import _check_like
+
+    step, meta = resumed
+    try:
+        _check_like(meta, state, step, f"--resume {args.resume}",
+                    theirs="the flags' state", hint=False)
+    except ValueError as e:
+        metrics = os.path.join(args.resume, "metrics.json")
+        source = (f"they come from {metrics}'s config, which is then another run's"
+                  if os.path.exists(metrics) else
+                  f"{args.resume} has no metrics.json to take them from")
+        raise ValueError(
+            f"{e} The model and optimizer flags (--model, --hidden or --channels, --optimizer, "
+            f"--loss-scale, --no-monitor) build another state than the checkpointed run's: "
+            f"{source}. Pass the flags that run was started with, or start a new run with "
+            "another --out.") from None
+
+
 def _fit_keeping_everything(fit, args, step, state, x, y, **kwargs):
     """`fit` with checkpoints in OUT/checkpoints (resumed from --resume DIR); a crash inside
     it still writes metrics.json with the history so far before the error propagates."""
     checkpoints = os.path.join(args.out, "checkpoints")
-    if args.resume is not None and os.path.abspath(args.resume) != os.path.abspath(args.out):
+    if args.resume is not None and os.path.realpath(args.resume) != os.path.realpath(args.out):
         import shutil
-        if os.path.exists(checkpoints):
-            raise ValueError(f"--out {args.out} already holds checkpoints; resume into the "
-                             f"run's own folder (--resume {args.resume} without --out) or a new "
-                             "folder")
+        # main's _check_out refused an --out holding an earlier run (or --overwrite cleared it)
         shutil.copytree(os.path.join(args.resume, "checkpoints"), checkpoints)
     try:
         return fit(step, state, x, y, checkpoint_dir=checkpoints, resume=args.resume is not None,

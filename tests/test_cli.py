@@ -526,3 +526,111 @@ def test_resume_keeps_the_runs_settings_and_refuses_changes(tmp_path, capsys):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["config"]["lr"] == 0.01 and metrics["config"]["hidden"] == [8]
     assert metrics["epochs"][-1]["steps"] == 12 and len(metrics["epochs"]) == 2
+
+
+# --- issue 24, point 5.2: an earlier run in --out; resume errors in the flags' terms ---------
+
+def _exit_2(argv, capsys) -> str:
+    """The one line of a parser error (exit status 2), raised before anything is trained."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_an_out_folder_with_an_earlier_run_is_refused_before_training(tmp_path, capsys,
+                                                                      monkeypatch):
+    import os
+
+    import funcgrad.cli as cli
+    out = tmp_path / "run"
+    assert main([*_SMALL, "--out", str(out)]) == 0  # batch 256: ceil(1437 / 256) = 6 steps
+    (out / "notes.txt").write_text("the user's own file")
+    before = {name: (out / name).read_bytes() for name in ("metrics.json", "training.png")}
+    # The same command again: refused before training (a _train call would fail the test),
+    # naming what is there and the three ways on; the folder is left as it was.
+    monkeypatch.setattr(cli, "_train", lambda *a: pytest.fail("trained"))
+    line = _exit_2([*_SMALL, "--out", str(out)], capsys)
+    assert line == (f"funcgrad train: error: argument --out: {out} holds an earlier run "
+                    f"(metrics.json, training.png, checkpoints/); continue it with --resume "
+                    f"{out}, write this run elsewhere with another --out DIR, or replace it "
+                    "with --overwrite (see funcgrad train --help)")
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert sorted(os.listdir(out / "checkpoints")) == ["6"]
+    # Any one of the three counts: a checkpoints/ folder alone (a run that crashed early).
+    (tmp_path / "crashed" / "checkpoints").mkdir(parents=True)
+    assert "holds an earlier run (checkpoints/)" in _exit_2(
+        [*_SMALL, "--out", str(tmp_path / "crashed")], capsys)
+    # Resuming into another folder that holds a run: refused the same way (it was a
+    # ValueError after loading the data, exit 1).
+    assert "argument --out: " + str(tmp_path / "crashed") + " holds an earlier run" in _exit_2(
+        ["train", "--resume", str(out), "--epochs", "2", "--out", str(tmp_path / "crashed"),
+         "--no-progress"], capsys)
+    # --overwrite with --resume into the run's own folder would delete what it resumes.
+    assert "argument --overwrite: it would delete the run that --resume" in _exit_2(
+        ["train", "--resume", str(out), "--epochs", "2", "--overwrite"], capsys)
+    monkeypatch.undo()
+    # --overwrite: the earlier run's three entries go before training, the user's file stays.
+    # 2 epochs of 6 steps end at step 12; with the old checkpoints kept the folder would also
+    # hold "6" (and a later run of 1 epoch, step 6, could not checkpoint at all).
+    assert main([*_SMALL, "--epochs", "2", "--out", str(out), "--overwrite"]) == 0
+    assert "--overwrite: deleted the earlier run's metrics.json, training.png, checkpoints/" \
+        in capsys.readouterr().err
+    assert sorted(os.listdir(out / "checkpoints")) == ["12"]
+    assert (out / "notes.txt").read_text() == "the user's own file"
+    assert len(json.loads((out / "metrics.json").read_text())["epochs"]) == 2
+
+
+def test_resume_names_the_flags_when_metrics_json_is_another_runs(tmp_path, capsys):
+    import shutil
+    out, other = tmp_path / "run", tmp_path / "other"
+    assert main([*_SMALL, "--out", str(out)]) == 0                             # batch 256
+    assert main([*_SMALL, "--batch-size", "128", "--out", str(other)]) == 0    # batch 128
+    # The folder of the issue: the checkpoints of one run beside another run's metrics.json.
+    shutil.copy(other / "metrics.json", out / "metrics.json")
+    line = _exit_2(["train", "--resume", str(out), "--epochs", "2"], capsys)
+    assert line == (
+        f"funcgrad train: error: argument --resume: the checkpoints in {out / 'checkpoints'} "
+        "were trained with --batch-size 256, but --batch-size 128 comes from "
+        f"{out / 'metrics.json'}'s config, which is then another run's (one written into {out} "
+        "over it); continue the checkpointed run by passing --batch-size 256, or start a new "
+        "run with another --out (see funcgrad train --help)")
+    assert "resume=True" not in line and "batch_size" not in line  # fit's words
+    # A given flag that differs from the checkpoint: named with the checkpoint's value.
+    assert ("argument --batch-size: the run in " + str(out) + " trained with --batch-size 256 "
+            "(its checkpoint at step 6), not --batch-size 64") in _exit_2(
+        ["train", "--resume", str(out), "--epochs", "2", "--batch-size", "64"], capsys)
+    # --test-size through the train split's size: 0.5 holds out ceil(898.5) = 899 of 1797.
+    assert ("trained on 1437 train digits (its checkpoint at step 6), not --test-size 0.5 "
+            "leaves 898") in _exit_2(
+        ["train", "--resume", str(out), "--epochs", "2", "--test-size", "0.5"], capsys)
+    # The fix the message names works: 2 epochs of ceil(1437 / 256) = 6 steps, 12 in all.
+    assert main(["train", "--resume", str(out), "--epochs", "2", "--batch-size", "256",
+                 "--no-progress"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["epochs"][-1]["steps"] == 12 and metrics["config"]["batch_size"] == 256
+
+
+def test_resume_without_the_runs_flags_names_them(tmp_path, capsys):
+    # A run's metrics.json lost: what the checkpoint records (batch 256) is taken from it, the
+    # other flags fall back to their defaults (hidden 128, monitor on), which build another
+    # state than the checkpoint's (hidden 16, no monitor).
+    out = tmp_path / "run"
+    assert main([*_SMALL, "--out", str(out)]) == 0
+    (out / "metrics.json").unlink()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--epochs", "2", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"funcgrad: error: --resume {out}: the checkpoint at step 6 does not "
+                          "have the structure of the flags' state")
+    assert ("(--model, --hidden or --channels, --optimizer, --loss-scale, --no-monitor) build "
+            f"another state than the checkpointed run's: {out} has no metrics.json to take them "
+            "from. Pass the flags that run was started with") in err
+    assert "like" not in err.replace("likewise", "")  # restore_checkpoint's word for it
+    # With them, it resumes.
+    assert main(["train", "--resume", str(out), "--epochs", "2", "--hidden", "16",
+                 "--no-monitor", "--no-progress"]) == 0
+    # 2 epochs of ceil(1437 / 256) = 6 steps: the checkpoint's batch size, not the default 32.
+    assert json.loads((out / "metrics.json").read_text())["epochs"][-1]["steps"] == 12

@@ -199,8 +199,33 @@ def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
-def _check_like(meta: dict, like: TrainState, step: int, where: str) -> list[dict]:
-    """The saved leaf entries, after checking `like` has the same paths, dtypes and shapes."""
+def _latest_meta(directory: str | os.PathLike) -> tuple[int, dict] | None:
+    """(step, JSON metadata) of the latest complete checkpoint in `directory` (its position,
+    history and leaf descriptions; the module docstring), without restoring any array; None
+    when it holds none. ValueError if that checkpoint is not funcgrad's."""
+    directory = os.path.abspath(os.fspath(directory))
+    step = latest_checkpoint_step(directory)
+    if step is None:
+        return None
+    ocp = _orbax()
+    path = os.path.join(directory, str(step))
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        meta = checkpointer.restore(
+            path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found != FORMAT:
+        raise ValueError(f"{path} is not a funcgrad checkpoint of format {FORMAT} (its format "
+                         f"entry is {found!r}); save_checkpoint writes them.")
+    return step, meta
+
+
+def _check_like(meta: dict, like: TrainState, step: int, where: str, *,
+                theirs: str = "like", hint: bool = True) -> list[dict]:
+    """The saved leaf entries, after checking `like` has the same paths, dtypes and shapes
+    (ValueError naming the first difference, calling `like` `theirs`; with `hint`, how to
+    build `like`)."""
+    advice = f" {_LIKE_HINT}" if hint else ""
+    named = "`like`" if theirs == "like" else theirs
     saved, wanted = meta["leaves"], [_describe(p, leaf) for p, leaf in
                                      zip(key_paths(like), jax.tree.leaves(like))]
     if [s["path"] for s in saved] != [w["path"] for w in wanted]:
@@ -210,17 +235,17 @@ def _check_like(meta: dict, like: TrainState, step: int, where: str) -> list[dic
         at = lambda entries: entries[first]["path"] if first < len(entries) else "nothing"
         had = lambda fields: ", ".join(k for k, n in fields.items() if n) or "none"
         raise ValueError(
-            f"{where}: the checkpoint at step {step} does not have the structure of `like`: its "
-            f"leaf {first} is {at(saved)} where like has {at(wanted)} ({len(saved)} saved leaves, "
-            f"{len(wanted)} in like; fields set when saved: {had(meta['fields'])}; in like: "
-            f"{had(_fields(like))}). {_LIKE_HINT}")
+            f"{where}: the checkpoint at step {step} does not have the structure of {named}: "
+            f"its leaf {first} is {at(saved)} where {theirs} has {at(wanted)} ({len(saved)} saved "
+            f"leaves, {len(wanted)} in {theirs}; fields set when saved: {had(meta['fields'])}; "
+            f"in {theirs}: {had(_fields(like))}).{advice}")
     for s, w in zip(saved, wanted):
         if (s["dtype"], s["shape"], s["key_impl"]) != (w["dtype"], w["shape"], w["key_impl"]):
             kind = lambda e: (f"a typed PRNG key ({e['key_impl']}) with key data " if e["key_impl"]
                               else "") + f"{e['dtype']} of shape {tuple(e['shape'])}"
             raise ValueError(
-                f"{where}: {s['path']} was saved as {kind(s)}, but like has {kind(w)}; restoring "
-                f"does not convert dtypes or shapes. {_LIKE_HINT}")
+                f"{where}: {s['path']} was saved as {kind(s)}, but {theirs} has {kind(w)}; "
+                f"restoring does not convert dtypes or shapes.{advice}")
     return saved
 
 
