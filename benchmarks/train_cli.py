@@ -71,8 +71,10 @@ def main() -> None:
                                env=env, cwd=tmp, capture_output=True, text=True, check=True)
         funcgrad_file = where.stdout.strip()
         load_before = os.getloadavg()
-        cold = _run(os.path.join(tmp, "run"), env, tmp)
-        warm = [_run(os.path.join(tmp, "run"), env, tmp) for _ in range(args.runs)]
+        # A new --out each time: funcgrad train refuses a folder that holds an earlier run
+        # (and one run's end-of-run checkpoint would collide with the next's).
+        cold = _run(os.path.join(tmp, "run0"), env, tmp)
+        warm = [_run(os.path.join(tmp, f"run{i + 1}"), env, tmp) for i in range(args.runs)]
         load_after = os.getloadavg()
 
     columns = [c for c in ("wall_s", "cpu_s", "startup_s", "data_s", "compile_s", "train_s",
