@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad._library_objects import check_params
+from funcgrad._paths import key_paths, slash_path
 from funcgrad.train._chunks import ChunkRunner, alert_flag, epoch_order, owned_copy, to_device
 from funcgrad.train.data import rows
 from funcgrad.train.microbatches import Microbatches, group_microbatches, stack_microbatches
@@ -53,6 +54,17 @@ class NonFiniteReport(NamedTuple):
         the step's ``explain_skipped_update``); "" otherwise.
       examples: with array data, the indices (rows of the dataset) of that step's examples,
         in batch order; None for a loader's batch.
+      bad_examples: with array data and a non-finite loss, the examples among them whose loss
+        is not finite on its own (the step's loss evaluated on each example as a batch of
+        one, at the state the step started from), at most 8, each a dict: ``"row"`` (its row
+        of the dataset), ``"loss"``, each data leaf that holds one number per example (a
+        class label: ``"y": 10``), ``"nonfinite_inputs"`` (the leaves with NaN/inf in that
+        row) and, for each such number, how many rows of the whole dataset hold it
+        (``"rows_with_y": 1``) and its smallest and largest value there (``"range_of_y":
+        [0, 10]``); ``bad_count`` says how many such examples there were in all. Empty
+        when no example alone is non-finite (a loss that couples the batch) or it could not
+        be evaluated per example.
+      bad_count: how many examples of the step are non-finite alone (see `bad_examples`).
     """
     step: int
     epoch: int
@@ -63,6 +75,8 @@ class NonFiniteReport(NamedTuple):
     batches: int = 1
     update: str = ""
     examples: tuple[int, ...] | None = None
+    bad_examples: tuple[dict[str, Any], ...] = ()
+    bad_count: int = 0
 
     def __str__(self) -> str:
         where = (f"batch {self.batch}" if self.batches == 1 else
@@ -70,6 +84,9 @@ class NonFiniteReport(NamedTuple):
         these = 'that batch' if self.batches == 1 else 'those batches'
         if self.update:
             hint = self.update
+        elif self.bad_examples:
+            hint = _bad_examples_hint(self.bad_examples, self.bad_count,
+                                      len(self.examples or ()))
         elif not math.isfinite(self.loss) and math.isfinite(self.grad_norm):
             # The gradient is fine, so no update blew up: the loss itself made the NaN/inf.
             hint = (f"The gradient norm is finite, so the loss itself is not: check the "
@@ -93,7 +110,40 @@ class NonFiniteReport(NamedTuple):
         return self._asdict() | {"anomaly": None if self.anomaly is None
                                  else self.anomaly.to_dict(),
                                  "examples": None if self.examples is None
-                                 else [int(i) for i in self.examples]}
+                                 else [int(i) for i in self.examples],
+                                 "bad_examples": [dict(e) for e in self.bad_examples]}
+
+
+def _bad_examples_hint(bad: tuple[dict[str, Any], ...], count: int, of: int) -> str:
+    """The report's last sentences when some examples are non-finite alone: which rows, their
+    one-number leaves (labels) and non-finite inputs, and what to check."""
+    def one(e: dict[str, Any]) -> str:
+        values = [f"{k}={e[k]!r}" for k in e if k not in ("row", "loss", "nonfinite_inputs")
+                  and not k.startswith(("rows_with_", "range_of_"))]
+        values += [f"NaN/inf in {k}" for k in e["nonfinite_inputs"]]
+        return f"{e['row']}" + (f" ({', '.join(values)})" if values else "")
+    named = ", ".join(one(e) for e in bad) + (f", ... ({count} in all)" if count > len(bad)
+                                              else "")
+    several = count > 1
+    text = (f"The loss{'es' if several else ''} of row{'s' if several else ''} {named} alone "
+            f"{'are' if several else 'is'} not finite ({count} of the step's {of} examples, "
+            "each evaluated as a batch of one)")
+    if any(e["nonfinite_inputs"] for e in bad):
+        return (text + f": fix or drop {'those rows' if several else 'that row'} of the data "
+                "(NaN/inf inputs).")
+    labels = dict.fromkeys((k[len("rows_with_"):], e[k[len("rows_with_"):]], e[k])
+                           for e in bad for k in e if k.startswith("rows_with_"))
+    if labels:
+        counts = "; ".join(f"{name}={value!r} in {n} row{'s' if n != 1 else ''} of the data"
+                           for name, value, n in labels)
+        spans = "; ".join(dict.fromkeys(
+            f"{k[len('range_of_'):]} spans {e[k][0]!r}..{e[k][1]!r} in the data"
+            for e in bad for k in e if k.startswith("range_of_")))
+        return (text + f": check {'those values' if len(labels) > 1 else 'that value'} "
+                f"({counts}; {spans}). A class label outside [0, classes) of the model's outputs "
+                "(labels numbered from 1, or a class the model does not have) makes "
+                "softmax_cross_entropy NaN.")
+    return text + ": check those rows of the data."
 
 
 @dataclasses.dataclass
@@ -704,8 +754,13 @@ class _Run:
             # The chunk ran the plain step: the located run is the step with its anomaly
             # detection, once, on this step's state and batch.
             anomaly = _called(self.step, self.state, call, first=False)[1].get("anomaly")
+        culprits: tuple[dict[str, Any], ...] = ()
+        count = 0
+        if not math.isfinite(loss) and examples is not None and self.source.tree is not None:
+            culprits, count = _examples_not_finite(self.step, self.state, self.source.tree,
+                                                   examples)
         return NonFiniteReport(self.run_step, epoch, batch_index, loss, norm, anomaly,
-                               batches, update, examples), len(taken)
+                               batches, update, examples, culprits, count), len(taken)
 
     def _layout(self, ys):
         for runner in (self.fast, self.runner):
@@ -947,6 +1002,62 @@ def _restore(directory, like):
         return None
     restored = restore_checkpoint(directory, like)
     return restored.state, History._from_state(restored.history or {}), restored.position
+
+
+#: Most examples `_examples_not_finite` describes (the count says how many there were).
+_MAX_BAD_EXAMPLES = 8
+
+
+def _examples_not_finite(step, state: TrainState, tree: PyTree, examples: tuple[int, ...]
+                         ) -> tuple[tuple[dict[str, Any], ...], int]:
+    """(descriptions, count) of the `examples` (rows of the dataset `tree`) whose loss alone
+    is not finite: the step's loss (``step.loss``, a `funcgrad.Loss`) evaluated on each as a
+    batch of one, vmapped, at `state` (its model state; the key the step drew). Each
+    description is a dict (see `NonFiniteReport.bad_examples`). ((), 0) when every example
+    is finite alone, or when that evaluation fails (a loss that needs more than one example)."""
+    loss = getattr(step, "loss", None)
+    if loss is None or not hasattr(loss, "bind"):
+        return (), 0
+    index = np.asarray(examples)
+    batch = take_rows(tree, index)
+    key = (jax.random.fold_in(state.key, state.step)
+           if getattr(loss, "takes_key", False) and state.key is not None else None)
+    one = loss.bind(state.model_state, key)
+
+    def alone(params, row):
+        return jnp.reshape(one(params, jax.tree.map(lambda a: a[None], row)), (-1,))
+    try:
+        with warnings.catch_warnings():  # the step's own trace said what it had to say
+            warnings.simplefilter("ignore")
+            losses = np.asarray(jax.jit(jax.vmap(alone, in_axes=(None, 0)))(state.params,
+                                                                              batch))
+    except Exception:  # noqa: BLE001 - a loss that cannot run on one example: no rows named
+        return (), 0
+    if losses.ndim != 2 or losses.shape[0] != len(index):
+        return (), 0
+    bad = np.flatnonzero(~np.isfinite(losses).all(axis=1))
+    if len(bad) == 0:
+        return (), 0
+    paths = [slash_path(p) or "data" for p in key_paths(tree)]
+    leaves = jax.tree.leaves(batch)
+    whole = jax.tree.leaves(tree)
+    found = []
+    for i in bad[:_MAX_BAD_EXAMPLES]:
+        entry: dict[str, Any] = {"row": int(index[i]), "loss": float(losses[i].sum())}
+        nonfinite = []
+        for name, leaf, data in zip(paths, leaves, whole):
+            value = np.asarray(leaf)[i]
+            if value.ndim == 0 and value.dtype.kind in "iub":
+                entry[name] = value.item()
+                entry[f"rows_with_{name}"] = int(np.count_nonzero(np.asarray(data) == value))
+                entry[f"range_of_{name}"] = [np.min(data).item(), np.max(data).item()]
+            elif value.ndim == 0 and value.dtype.kind == "f":
+                entry[name] = value.item()
+            if value.dtype.kind in "fc" and not np.isfinite(value).all():
+                nonfinite.append(name)
+        entry["nonfinite_inputs"] = nonfinite
+        found.append(entry)
+    return tuple(found), len(bad)
 
 
 @jax.jit

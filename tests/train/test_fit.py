@@ -155,6 +155,79 @@ def test_a_nan_loss_with_a_finite_gradient_points_at_the_targets():
     assert "label outside [0, classes)" in str(report) and "Try a lower learning" not in str(report)
 
 
+def test_a_label_out_of_range_is_named_by_its_row_and_value():
+    # Issue 24, point 5.2: the whole digits train split (1437 rows) in batches of 32, with
+    # y[1000] = 10 for a model of 10 outputs. The report named the 32 rows of the step and
+    # none of them as the bad one. The row and the value are ours (set here): the second
+    # method is the data itself; the hand count: 10 appears in y once, and y spans 0..10.
+    data = fg.load_digits(seed=0)
+    y = data.y_train.copy()
+    y[1000] = 10
+    tx = optax.adam(1e-3)
+    loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
+    state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 16, 10)), tx)
+    with pytest.warns(RuntimeWarning, match=r"The loss of row 1000 \(y=10\) alone is not "
+                                            r"finite \(1 of the step's 32 examples"):
+        result = fg.fit(fg.make_train_step(loss, tx), state, data.x_train, y, epochs=2,
+                        batch_size=32, progress=False)
+    report = result.nonfinite
+    assert 1000 in report.examples and report.bad_count == 1
+    (bad,) = report.bad_examples
+    assert (bad["row"], bad["y"], bad["rows_with_y"], bad["range_of_y"]) == (1000, 10, 1, [0, 10])
+    assert math.isnan(bad["loss"]) and bad["nonfinite_inputs"] == []
+    assert "check that value (y=10 in 1 row of the data; y spans 0..10 in the data)" in str(report)
+    assert report.to_dict()["bad_examples"] == [bad]
+
+
+def test_labels_numbered_from_one_and_a_nan_input_are_named_with_accumulation():
+    # Labels 1..10 instead of 0..9: every row of class 9 becomes a 10 (y = 9 holds 144 of the
+    # 1437 train digits: counted below from the data, the second method). With accumulate=2
+    # the loss is per example (optax's), the step spans 2 batches of 16.
+    data = fg.load_digits(seed=0)
+    y = data.y_train + 1
+    tens = int(np.count_nonzero(data.y_train == 9))
+    tx = optax.adam(1e-3)
+    per_example = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+        fg.mlp_apply(p, b["x"]), b["y"])
+    state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 16, 10)), tx)
+    step = fg.make_train_step(per_example, tx, accumulate=2)
+    with pytest.warns(RuntimeWarning):
+        result = fg.fit(step, state, data.x_train, y, epochs=1, batch_size=16, progress=False)
+    report = result.nonfinite
+    # The bad rows are exactly the step's examples whose label is 10.
+    expected = [r for r in report.examples if y[r] == 10]
+    assert [e["row"] for e in report.bad_examples] == expected[:8]
+    assert report.bad_count == len(expected) >= 1
+    assert all(e["rows_with_y"] == tens and e["range_of_y"] == [1, 10]
+               for e in report.bad_examples)
+    assert f"y=10 in {tens} rows of the data; y spans 1..10 in the data" in str(report)
+    # A NaN pixel in row 7: named as an input, with the fix.
+    x = data.x_train.copy()
+    x[7, 3] = np.nan
+    loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
+    with pytest.warns(RuntimeWarning, match=r"row 7 \(y=\d, NaN/inf in x\) alone is not "
+                                            r"finite.*fix or drop that row of the data"):
+        result = fg.fit(fg.make_train_step(loss, tx), state, x, data.y_train, epochs=1,
+                        batch_size=32, progress=False)
+    assert [e["nonfinite_inputs"] for e in result.nonfinite.bad_examples] == [["x"]]
+
+
+def test_a_loss_no_single_example_makes_non_finite_names_no_row():
+    # A loss that is inf for any batch of more than one example and 0 for a batch of one
+    # (a stand-in for a loss coupled through the batch): no example is at fault alone, so
+    # none is named and the report keeps its general advice.
+    tx = optax.sgd(0.1)
+    loss = lambda p, b: jnp.sum(p * b["x"]) * 0 + (jnp.inf if b["x"].shape[0] > 1 else 0.0)
+    x, y = np.ones((8, 1), np.float32), np.zeros(8, np.int32)
+    state = fg.init_train_state(jnp.float32(1.0), tx)
+    with pytest.warns(RuntimeWarning):
+        result = fg.fit(fg.make_train_step(loss, tx), state, x, y, epochs=1, batch_size=4,
+                        progress=False)
+    report = result.nonfinite
+    assert math.isinf(report.loss) and report.bad_examples == () and report.bad_count == 0
+    assert "alone" not in str(report) and "check the targets and inputs" in str(report)
+
+
 def test_fit_takes_python_lists():
     # Hand: one SGD step (lr 0.5) on mean((w x - y)^2) from w = 0 with x = y = [1, 1]:
     # gradient -2 mean(x (y - w x)) = -2, so w = 1 and the next loss is 0.
