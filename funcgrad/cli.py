@@ -814,8 +814,10 @@ def _plot(history, path: str) -> str:
         from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter, NullLocator
     except ImportError as e:
-        raise ImportError("the training plot needs matplotlib: "
-                          "pip install 'funcgrad[examples]'") from e
+        raise ImportError(f"the training plot needs matplotlib, one of funcgrad's "
+                          f"dependencies, and importing it failed ({e}): this environment's "
+                          "installation is incomplete or broken. Install it with: pip install "
+                          "'matplotlib>=3.8'") from e
     import numpy as np
 
     layers = bool(getattr(history, "layer_names", ()))

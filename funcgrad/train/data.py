@@ -16,8 +16,9 @@ import jax
 import numpy as np
 
 _INSTALL_HINT = (
-    "funcgrad's datasets need scikit-learn, which is an optional dependency. "
-    "Install it with: pip install 'funcgrad[examples]'")
+    "load_digits needs scikit-learn, one of funcgrad's dependencies, and importing it failed "
+    "({error}): this environment's installation is incomplete or broken. Install it with: "
+    "pip install 'scikit-learn>=1.3'")
 
 
 class Dataset(NamedTuple):
@@ -87,7 +88,7 @@ def _split_digits(test_size: float, seed: int) -> Dataset:
         from sklearn.model_selection import train_test_split
         from sklearn.preprocessing import StandardScaler
     except ImportError as e:  # pragma: no cover - exercised by hiding sklearn in a test
-        raise ImportError(_INSTALL_HINT) from e
+        raise ImportError(_INSTALL_HINT.format(error=e)) from e
     x, y = _sk_load_digits(return_X_y=True)
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=test_size, random_state=seed, stratify=y)

@@ -1,4 +1,5 @@
 """The digits split, its standardisation and the seeded batch iterator."""
+import re
 import sys
 
 import numpy as np
@@ -71,9 +72,26 @@ def test_bad_arguments():
 
 
 def test_missing_scikit_learn_says_how_to_install(monkeypatch):
+    # scikit-learn is a dependency of funcgrad (pyproject): missing, the install is broken,
+    # and the message gives the pip command for it (not an extra) with the import's error.
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # makes the import fail
-    with pytest.raises(ImportError, match=r"pip install 'funcgrad\[examples\]'"):
+    with pytest.raises(ImportError, match=r"one of funcgrad's dependencies, and importing it "
+                                          r"failed \(import of sklearn.datasets halted.*"
+                                          r"pip install 'scikit-learn>=1.3'$"):
         fg.load_digits()
+
+
+def test_a_plain_install_has_what_funcgrad_train_needs():
+    # `pip install funcgrad` must be enough for `funcgrad train` (digits via scikit-learn, the
+    # plot via matplotlib): both are main dependencies, and [examples] stays as an (empty)
+    # alias so that existing install commands keep working. Read from pyproject.toml, the
+    # source of the wheel's metadata (the wheel check builds and installs it).
+    import pathlib
+    import tomllib
+    project = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
+    names = lambda specs: {re.split(r"[<>=!~\[;]", s, maxsplit=1)[0].strip() for s in specs}
+    assert {"scikit-learn", "matplotlib"} <= names(project["project"]["dependencies"])
+    assert project["project"]["optional-dependencies"]["examples"] == []
 
 
 def _same_bits(a, b):
