@@ -96,8 +96,12 @@ def _runtime_true(*trees: Any) -> jax.Array:
     """A predicate that is true unless an element is NaN, which XLA cannot fold: the first
     element of the first floating leaf of `trees` compared with itself."""
     for leaf in jax.tree.leaves(trees):
-        if jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size:
-            x = leaf.reshape(-1)[0]
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not hasattr(leaf, "size"):  # a Python float (JAX's TypedFloat)
+            leaf = jnp.asarray(leaf)
+            dtype = leaf.dtype
+        if jnp.issubdtype(dtype, jnp.inexact) and jnp.size(leaf):
+            x = jnp.ravel(leaf)[0]
             return x == x
     return jnp.bool_(True)
 
