@@ -1,11 +1,12 @@
 # Two commands from a fresh clone: `make demo` (the main job) and `make test` (the suite).
+# `make docs` builds the documentation site into site/.
 # Each creates .venv on first use; nothing else needs to be installed by hand.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "funcgrad needs Python >= 3.11; run make PYTHON=python3.11 ...")'
@@ -19,6 +20,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+
+# mkdocs.yml: the pages under docs/, the API reference from the docstrings. --strict makes a
+# broken link or cross-reference an error. NO_MKDOCS_2_WARNING=1 hides Material's notice
+# about MkDocs 2 (printed on every build; it is not about this site).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
@@ -35,4 +42,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/micro.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs site .pytest_cache .hypothesis
