@@ -29,7 +29,8 @@ MARKDOWN = Sybil(parsers=[PythonCodeBlockParser(), SkipParser()],
 
 class MarkdownFile(pytest.File):
     def collect(self):
-        yield CodeBlocks.from_parent(self, name="code blocks")
+        if any(True for _ in MARKDOWN.parse(self.path).examples()):  # pages with Python only
+            yield CodeBlocks.from_parent(self, name="code blocks")
 
 
 class CodeBlocks(pytest.Item):
