@@ -75,6 +75,43 @@ def summarise(verdicts):
     return out
 
 
+def markdown(summary, jax_version) -> str:
+    """The README's table: per dtype and mode, false failures and caught fractions."""
+    def frac(row, key):
+        return row.get(key) or "-"
+    lines = [f"jax {jax_version}:", "",
+             "| dtype the op computes in | mode | false failures | 1e-2 caught | 1e-4 caught "
+             "| jax.test_util.check_grads 1e-2 / 1e-4 |", "|---|---|---|---|---|---|"]
+    for r in sorted(summary, key=lambda r: (r["dtype"] != "float64", r["mode"])):
+        dtype = r["dtype"] + (" (lifted)" if r["dtype"] != "float64" else "")
+        caught = [f"{frac(r, f'caught_{d:g}')} ({frac(r, f'must_catch_caught_{d:g}')} above "
+                  "the stated resolution)" for d in DELTAS]
+        jax_ = (f"{frac(r, 'jax_caught_0.01')} / {frac(r, 'jax_caught_0.0001')}"
+                if r["mode"] == "full" else "")
+        lines.append(f"| {dtype} | {r['mode']} | {r['false_failures']} of "
+                     f"{r['correct_checks']} | {caught[0]} | {caught[1]} | {jax_} |")
+    return "\n".join(lines)
+
+
+def merge(paths, out) -> None:
+    """Summary of several shards' results (same JAX), printed and written to `out`."""
+    import json
+    parts = [json.load(open(p)) for p in paths]
+    versions = {p["jax"] for p in parts}
+    if len(versions) != 1:
+        raise SystemExit(f"--merge: the shards ran on different JAX versions {versions}")
+    verdicts = [v for p in parts for v in p["rows"]]
+    summary = summarise([v for v in verdicts if v.get("order", 1) == 1])
+    problems = [line for p in parts for line in p["problems"]]
+    print(markdown(summary, versions.pop()))
+    print(f"{sum(p['ops'] for p in parts)} op configurations, "
+          f"{max(p['seconds'] for p in parts):.0f} s (the slowest shard); "
+          f"{len(problems)} problem(s)" + "".join(f"\n  {line}" for line in problems))
+    write_results(out, verdicts, summary=summary, flax=parts[0]["flax"], problems=problems,
+                  seconds=max(p["seconds"] for p in parts),
+                  ops=sum(p["ops"] for p in parts), shards=list(paths))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="", help="only ops whose name contains this")
@@ -82,7 +119,13 @@ def main() -> None:
     parser.add_argument("--no-flax", action="store_true")
     parser.add_argument("--shard", default="0/1", help="i/k: every k-th op from the i-th")
     parser.add_argument("--out", default="benchmarks/results/gradcheck_ops.json")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="combine the results of shards (--shard i/k runs) into one "
+                             "table, printed as Markdown and written to --out")
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     i, k = (int(a) for a in args.shard.split("/"))
     ops = [op for op in table.OPS if args.ops in op.name][i::k]
     start = time.perf_counter()

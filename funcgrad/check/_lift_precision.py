@@ -22,47 +22,73 @@ from funcgrad._jaxpr import sub_jaxprs
 def narrowest_float(jaxpr) -> str | None:
     """The narrowest real floating dtype produced by an equation of `jaxpr` on the
     differentiated path: it depends on the first input (theta, the differentiated vector)
-    through floating values, and an output depends on it (nested jaxprs of such an equation
-    count whole). Returned as a name; None if no equation is on that path.
+    through floating values, and an output depends on it through floating values. A call
+    (jit, checkpoint, a custom rule's primal program) is followed inside with the same rule;
+    the nested jaxprs of other equations on the path (scan, cond, while) count whole.
+    Returned as a name; None if no equation is on that path.
 
     Left out, since they do not round the derivative being checked: work on constants (data
     prepared in float32 inside fn); values computed after an integer or boolean result
     (``(logits.argmax(-1) == y).mean()`` is float32 even under x64, and carries no tangent);
-    and values no output uses (an accuracy returned as aux, dropped from the checked output).
+    values that reach the outputs only through integer or boolean results (a float bitcast
+    to its bits, cast to int, compared: ``jnp.frexp`` inside jax 0.12's ``ndtri``); and values
+    no output uses (an accuracy returned as aux, dropped from the checked output).
     """
-    found = set()
-
-    def note(v):
-        dtype = getattr(v.aval, "dtype", None)
-        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            found.add(str(dtype))
-
-    def walk_all(j):
-        for eqn in j.eqns:
-            for v in eqn.outvars:
-                note(v)
-            for _, sub, _ in sub_jaxprs(eqn):
-                walk_all(sub)
-
-    is_var = lambda v: not ji.is_literal(v)
-    used = {v for v in jaxpr.outvars if is_var(v)}  # what the outputs depend on, backwards
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in used for v in eqn.outvars):
-            used.update(v for v in eqn.invars if is_var(v))
-    live = {jaxpr.invars[0]}
-    for eqn in jaxpr.eqns:
-        if any(is_var(v) and v in live for v in eqn.invars):
-            # A tangent flows on through floating outputs only (an int or bool has none).
-            live.update(v for v in eqn.outvars if jnp.issubdtype(
-                getattr(v.aval, "dtype", np.int32), jnp.inexact))
-            if not any(v in used for v in eqn.outvars):
-                continue
-            for v in eqn.outvars:
-                note(v)
-            for _, sub, _ in sub_jaxprs(eqn):
-                walk_all(sub)
+    found: set[str] = set()
+    _narrow(jaxpr, [i == 0 for i in range(len(jaxpr.invars))], [True] * len(jaxpr.outvars),
+            found)
     return min(found, key=lambda d: jnp.finfo(d).bits) if found else None
 
+
+def _is_var(v) -> bool:
+    return not ji.is_literal(v)
+
+
+def _inexact(v) -> bool:
+    return bool(jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.inexact))
+
+
+def _note(v, found: set) -> None:
+    dtype = getattr(v.aval, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        found.add(str(dtype))
+
+
+def _note_all(jaxpr, found: set) -> None:
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            _note(v, found)
+        for _, sub, _ in sub_jaxprs(eqn):
+            _note_all(sub, found)
+
+
+def _narrow(jaxpr, live_in: list, used_out: list, found: set) -> None:
+    """`narrowest_float` on `jaxpr` whose inputs `live_in` carry theta's tangent and whose
+    outputs `used_out` reach the checked output; adds the floats on that path to `found`."""
+    # What the used outputs depend on through values that carry a cotangent, backwards.
+    used = {v for v, u in zip(jaxpr.outvars, used_out) if u and _is_var(v) and _inexact(v)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in used for v in eqn.outvars):
+            used.update(v for v in eqn.invars if _is_var(v) and _inexact(v))
+    live = {v for v, flag in zip(jaxpr.invars, live_in) if flag}
+    for eqn in jaxpr.eqns:
+        ins_live = [_is_var(v) and v in live for v in eqn.invars]
+        if not any(ins_live):
+            continue
+        # A tangent flows on through floating outputs only (an int or bool has none).
+        live.update(v for v in eqn.outvars if _inexact(v))
+        outs_used = [v in used for v in eqn.outvars]
+        if not any(outs_used):
+            continue
+        called = ji.body(eqn)
+        if called is not None and len(called[0].outvars) == len(eqn.outvars):
+            sub = called[0]
+            _narrow(sub, ins_live[len(ins_live) - len(sub.invars):], outs_used, found)
+            continue
+        for v in eqn.outvars:
+            _note(v, found)
+        for _, sub, _ in sub_jaxprs(eqn):
+            _note_all(sub, found)
 
 
 def lift_precision_of(prob, lift, modes, rtol_as_computed):
