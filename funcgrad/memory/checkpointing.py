@@ -6,7 +6,8 @@ trading about one extra forward pass for memory; Chen et al. 2016, "Training dee
 sublinear memory cost": sqrt(n) segments of n layers keep O(sqrt n) activations.
 
 **Why ``jax.checkpoint`` often saves nothing on XLA:CPU (jax 0.10.2; with jax 0.12.0.1's
-XLA the barrier survives and ``jax.checkpoint`` alone saves, see the README's table).**
+XLA the barrier survives and ``jax.checkpoint`` alone saves, see the table in
+docs/guide/memory.md).**
 ``jax.checkpoint`` puts an
 ``optimization_barrier`` on the recomputation's inputs so that XLA's common-subexpression
 elimination (CSE) does not merge the recomputed forward with the original one. XLA:CPU's

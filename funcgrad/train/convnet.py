@@ -11,7 +11,7 @@ dropout are functions below, and what a framework keeps in a module lives in two
                ...}``, updated in training and used at evaluation time.
 
 The loss `cnn_loss` follows funcgrad's loss contract with model state and a key
-(`funcgrad.train.loss`; the README's "Models with state, randomness and aux outputs"):
+(`funcgrad.train.loss`; docs/guide/train.md, "Models with state, randomness and aux outputs"):
 ``loss(params, batch, *, model_state, key) -> (loss, new_model_state)``.
 """
 from __future__ import annotations
