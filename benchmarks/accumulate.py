@@ -24,9 +24,9 @@ import argparse
 
 import jax
 import optax
+from _timing import medians, paired_ratio, rounds, step_runner, write_results
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, rounds, step_runner, write_results
 
 COUNTS = (4, 8, 16, 32)
 

@@ -26,9 +26,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from _timing import medians, paired_ratio, rounds, write_results
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, rounds, write_results
 
 BATCH, WIDTH = 64, 256
 CARRY_BYTES = BATCH * WIDTH * 4
@@ -87,8 +87,8 @@ def main() -> None:
             row[f"{name}_autonomous_bytes"], row[f"{name}_autonomous_carries"] = _carries(
                 auto.compile())
             grads[name] = jax.block_until_ready(compiled(w, h0, xs))
-            runs[name] = (lambda c: lambda n: [jax.block_until_ready(c(w, h0, xs))
-                                               for _ in range(n)])(compiled)
+            runs[name] = (lambda c, inputs: lambda n: [jax.block_until_ready(c(*inputs))
+                                                       for _ in range(n)])(compiled, (w, h0, xs))
         with jax.enable_x64(True):  # the same gradients in float64, scoped
             grads64 = {name: jax.jit(jax.grad(_loss(scan, steps), argnums=(0, 2)))(
                 *(a.astype(jnp.float64) for a in (w, h0, xs))) for name, scan in METHODS.items()}

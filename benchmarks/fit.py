@@ -25,11 +25,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+from _timing import have_torch as torch_installed
+from _timing import medians, paired_ratio, ratio_quartiles, rounds, write_results
 
 import funcgrad as fg
-from _timing import have_torch as torch_installed, medians, paired_ratio, ratio_quartiles, rounds, write_results
 
 
 def _loss_fn(params, batch):

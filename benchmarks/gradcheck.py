@@ -14,6 +14,7 @@ the same FLOPs run as one forward on a 2n-times larger batch, and at the float64
     $ python benchmarks/gradcheck.py [--repeats 5] [--out benchmarks/results/gradcheck.json]
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -22,10 +23,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import have_torch as torch_installed
 from jax.test_util import check_grads as jax_check_grads
 
 import funcgrad as fg
-from _timing import have_torch as torch_installed
 
 
 def _loss(params, x, y):
@@ -168,24 +169,28 @@ def main() -> None:
             x64 = jnp.asarray(x, jnp.float64)
         n = sum(int(np.size(v)) for p in params for v in p.values())
         results = {}
-        first, med, rep = _timed(lambda: fg.check_grads(_loss, params, x, y), args.repeats)
+        first, med, rep = _timed(functools.partial(fg.check_grads, _loss, params, x, y),
+                                 args.repeats)
         results["funcgrad full"] = (first, med, max(r.max_abs_error for r in rep.rows), rep.ok)
-        first, med, rep = _timed(lambda: fg.check_grads(_loss, params, x, y, mode="directional",
-                                                        num_directions=1), args.repeats)
-        results["funcgrad directional (1 dir)"] = (first, med, max(r.max_abs_error for r in rep.rows),
-                                                   rep.ok)
+        first, med, rep = _timed(functools.partial(fg.check_grads, _loss, params, x, y,
+                                                   mode="directional", num_directions=1),
+                                 args.repeats)
+        results["funcgrad directional (1 dir)"] = (
+            first, med, max(r.max_abs_error for r in rep.rows), rep.ok)
 
-        def jax_tu():
+        def jax_tu(params=params, x64=x64):
             with jax.enable_x64(True):
-                jax_check_grads(lambda p: _loss(p, x64, y), (params,), order=1, modes=("fwd", "rev"))
+                jax_check_grads(lambda q: _loss(q, x64, y), (params,), order=1,
+                                modes=("fwd", "rev"))
             return True
         first, med, _ = _timed(jax_tu, args.repeats)
         results["jax.test_util.check_grads"] = (first, med, None, True)
         if have_torch:
             torch, f, inputs = _torch_case(params, x, y)
-            for name, kw in (("torch gradcheck", {}), ("torch gradcheck fast_mode", {"fast_mode": True})):
-                first, med, ok = _timed(lambda kw=kw: torch.autograd.gradcheck(f, inputs, **kw),
-                                        args.repeats)
+            for name, kw in (("torch gradcheck", {}),
+                             ("torch gradcheck fast_mode", {"fast_mode": True})):
+                first, med, ok = _timed(
+                    functools.partial(torch.autograd.gradcheck, f, inputs, **kw), args.repeats)
                 results[name] = (first, med, _torch_max_error(torch, f, inputs), bool(ok))
         limit = _flop_limit(params, x64, y, args.repeats)
         limits.append({"h": h, "params": n, "full_s": results["funcgrad full"][1], **limit})

@@ -27,16 +27,14 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "check"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests",
+                                "check"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _op_judge as judge  # noqa: E402
 import _op_table as table  # noqa: E402
-from _timing import write_results  # noqa: E402
-
 from _flax_cases import flax_cases  # noqa: E402
+from _timing import write_results  # noqa: E402
 
 DELTAS = (1e-2, 1e-4)
 

@@ -18,15 +18,23 @@ funcgrad / "hand, same" isolates the adapter and funcgrad's code from the guard'
 several times slower than ``jax.jit`` at depth, and the adapter splits once, outside the step.
 Shuffled rounds, medians (`_timing`). Prints a table and writes JSON.
 
-    $ python benchmarks/interop.py [--steps 50] [--repeats 41] [--out benchmarks/results/interop.json]
+    $ python benchmarks/interop.py [--steps 50] [--repeats 41] \
+          [--out benchmarks/results/interop.json]
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+from _timing import (
+    medians,
+    paired_ratio,
+    ratio_quartiles,
+    rounds,
+    step_args,
+    step_runner,
+    write_results,
+)
 
 import funcgrad as fg
-from _timing import medians, paired_ratio, ratio_quartiles, rounds, step_args, step_runner, write_results
 
 LIMIT = 1.05
 BATCH = 32

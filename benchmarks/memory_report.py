@@ -16,12 +16,12 @@ The report's figure is ``new_bytes = output + temp - alias``: the estimated peak
 The first call also allocates workspaces of XLA:CPU's library fusions (YNNPACK/XNNPACK: a
 whole tanh-MLP forward becomes one ``ynn_fusion`` whose intermediates the library allocates
 itself), which no ``memory_analysis`` counts; the report flags such fusions
-(``MemoryReport.library_fusions``). When compilation's own high-water mark is above the call's, ``peak`` cannot see the call and
-the row says so (``masked``). On a GPU (none here) the same comparison uses
-``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` minus ``bytes_in_use`` before the call,
-which the child reports instead of RSS when the default backend is "gpu".
+(``MemoryReport.library_fusions``). When compilation's own high-water mark is above the call's,
+``peak`` cannot see the call and the row says so (``masked``). On a GPU (none here) the same
+comparison uses ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` minus ``bytes_in_use``
+before the call, which the child reports instead of RSS when the default backend is "gpu".
 
-    $ python benchmarks/memory_report.py            # prints a table, writes benchmarks/results/memory_report.json
+    $ python benchmarks/memory_report.py  # prints a table, writes the JSON in benchmarks/results/
 """
 import json
 import os

@@ -18,9 +18,9 @@ both times of a round share it).
 """
 import jax
 import optax
+from _timing import medians, paired_ratio, rounds, step_args, step_runner, write_results
 
 import funcgrad as fg
-from _timing import step_args, medians, paired_ratio, rounds, step_runner, write_results
 from funcgrad.train.monitor import grad_monitor
 
 LIMIT = 1.10

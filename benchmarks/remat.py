@@ -1,13 +1,14 @@
-"""Remat on XLA: compiled memory and step time of `funcgrad.memory.checkpointing` against no remat and
-``jax.checkpoint`` (issue 14, point 2 and its targets). Prints tables and writes JSON.
+"""Remat on XLA: compiled memory and step time of `funcgrad.memory.checkpointing` against no remat
+and ``jax.checkpoint`` (issue 14, point 2 and its targets). Prints tables and writes JSON.
 
 1. The 16-layer tanh MLP, width 512, batch 2048, ``jit(grad(0.5 * mean(h**2)))``: ``temp +
    output`` of ``memory_analysis()``, and the median step time (ratios against no remat, in
    this process), for no remat, ``jax.checkpoint`` per layer and per 4-layer segment (the
    naive use), and ``fg`` remat_sequential (sqrt n = 4 segments of 4, last kept; sizes
-   6, 5, 4, 1; two levels, each half cut into 3, 3, 2; "log", halved down to single layers). Each of no remat and fg's sqrt plan is also run in a fresh process, whose peak
-   RSS above the RSS before the call confirms the compiled figure (it adds a constant of
-   about 16-19 MiB here: the runtime's own first-call allocations).
+   6, 5, 4, 1; two levels, each half cut into 3, 3, 2; "log", halved down to single layers). Each of
+   no remat and fg's sqrt plan is also run in a fresh process, whose peak RSS above the RSS before
+   the call confirms the compiled figure (it adds a constant of about 16-19 MiB here: the runtime's
+   own first-call allocations).
 2. Budget: `plan_remat` for b in {0.25, 0.5, 0.75}.
    ``jax.checkpoint`` per 4 layers is also compiled in fresh processes with XLA passes
    disabled: without ``cse_barrier_expander`` (the barrier kept) it saves as much as fg's remat;
@@ -21,7 +22,6 @@
 import argparse
 import functools
 import json
-import math
 import os
 import pathlib
 import subprocess

@@ -12,9 +12,9 @@ time is the median over repeats of (repeat time / calls). Prints a table and wri
 import argparse
 
 import jax
+from _timing import medians, rounds, write_results
 
 import funcgrad as fg
-from _timing import medians, rounds, write_results
 
 
 def _forward(tapped: bool):

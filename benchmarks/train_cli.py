@@ -75,8 +75,8 @@ def main() -> None:
         warm = [_run(os.path.join(tmp, "run"), env, tmp) for _ in range(args.runs)]
         load_after = os.getloadavg()
 
-    columns = [c for c in ("wall_s", "cpu_s", "startup_s", "data_s", "compile_s", "train_s", "plot_s",
-                           "peak_rss_mib") if c in cold]
+    columns = [c for c in ("wall_s", "cpu_s", "startup_s", "data_s", "compile_s", "train_s",
+                           "plot_s", "peak_rss_mib") if c in cold]
     print(f"funcgrad train --out DIR (defaults; {funcgrad_file}), {args.runs} warm runs "
           "after one cold; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")

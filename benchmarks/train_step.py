@@ -20,20 +20,29 @@ each of which costs dispatch time on the host on every call (see docs/benchmarks
 The cases: the 64-128-10 MLP at batch 32 (the CLI's default), at batch 256, with clipping, and
 a 64-1024-1024-10 MLP (1.1M parameters) at batch 32, where a step is compute-bound and the
 launch cost of a few kernels no longer matters (it is timed with fewer steps and rounds).
-Each case runs every step on the same model, batch and optimizer in one process, in short repeats whose order is
-shuffled every round (`_timing.rounds`). Times are medians over rounds; ratios are medians over
-rounds of the ratio of two times measured in the same round (the load of a shared machine
-drifts between rounds), with the 25th-75th percentile range of those ratios. Prints a table and
-writes JSON.
+Each case runs every step on the same model, batch and optimizer in one process, in short repeats
+whose order is shuffled every round (`_timing.rounds`). Times are medians over rounds; ratios are
+medians over rounds of the ratio of two times measured in the same round (the load of a shared
+machine drifts between rounds), with the 25th-75th percentile range of those ratios. Prints a table
+and writes JSON.
 
-    $ python benchmarks/train_step.py [--steps 50] [--repeats 101] [--out benchmarks/results/train_step.json]
+    $ python benchmarks/train_step.py [--steps 50] [--repeats 101] \
+          [--out benchmarks/results/train_step.json]
 """
 import jax
 import jax.numpy as jnp
 import optax
+from _timing import (
+    medians,
+    paired_ratio,
+    ratio_quartiles,
+    rounds,
+    step_args,
+    step_runner,
+    write_results,
+)
 
 import funcgrad as fg
-from _timing import step_args, medians, paired_ratio, ratio_quartiles, rounds, step_runner, write_results
 
 LIMIT = 1.05
 
@@ -126,7 +135,8 @@ def main() -> None:
         lo, hi = r["ratio_to_hand_quartiles"]
         ratios = f"{r['ratio_to_hand']:>8.3f} ({lo:.2f}-{hi:.2f})"
         ratios += f"{r['ratio_to_hand+norm']:>12.3f}"
-        ratios += f"{r['ratio_to_hand, same']:>13.3f}" if "ratio_to_hand, same" in r else f"{'-':>13}"
+        ratios += (f"{r['ratio_to_hand, same']:>13.3f}" if "ratio_to_hand, same" in r
+                   else f"{'-':>13}")
         ratios += (f"{r['guard_cost']:>12.3f}" if "guard_cost" in r else f"{'-':>12}")
         verdict = "ok" if r["ratio_to_hand"] <= LIMIT else "over"
         if "ratio_to_hand, same" in r:

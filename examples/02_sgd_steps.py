@@ -4,7 +4,6 @@ There is no zero_grad: each step's gradient is computed fresh from the current p
 
     $ python examples/02_sgd_steps.py
 """
-import jax
 import jax.numpy as jnp
 from _check import Check
 

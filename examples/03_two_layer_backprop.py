@@ -26,7 +26,7 @@ def main() -> None:
         for loss, t in targets.items():
             reference = getattr(fg, loss)
 
-            def loss_fn(p):
+            def loss_fn(p, reference=reference, t=t):
                 return reference(fg.mlp_apply(p, x), t)
 
             auto_loss, auto = jax.value_and_grad(loss_fn)(params)

@@ -37,7 +37,9 @@ def main() -> None:
     x, y = data.x_train[:16], data.y_train[:16]
     params = fg.mlp_init(jax.random.key(0), (64, 16, 10), activation="tanh")
 
-    def loss(params, x, y, dense=make_dense()):
+    correct = make_dense()
+
+    def loss(params, x, y, dense=correct):
         h = jnp.tanh(dense(params[0]["w"], params[0]["b"], x))
         return fg.softmax_cross_entropy(make_dense()(params[1]["w"], params[1]["b"], h), y)
 
@@ -57,7 +59,8 @@ def main() -> None:
     c.row("audit: leaves that pass", sum(r.ok for r in audit.rows), 4)
     c.below("audit: max abs error", max(r.max_abs_error for r in audit.rows), 1e-7)
     c.row("planted bug: failing leaves", len(failing), 1)
-    located = bool(failing) and failing[0].path == "params[0]['w']" and failing[0].worst_index == bug
+    located = (bool(failing) and failing[0].path == "params[0]['w']"
+               and failing[0].worst_index == bug)
     c.row("bug located at [0]['w'][5, 3]", located, True)
     # d = 2 * true derivative: the analytic/numeric ratio at the located element is 2.
     c.row("analytic / numeric there", failing[0].analytic / failing[0].numeric if failing else 0,

@@ -10,7 +10,6 @@ value). The hand formulas of the two-layer MLP (B §2.3) give the reference:
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 from _check import Check
 
 import funcgrad as fg
@@ -40,7 +39,7 @@ def main() -> None:
 
         c = Check("d(loss)/d(intermediate) from taps vs the hand formulas (batch 16, 64-32-10)",
                   right="bound")
-        print(f"  tap shapes: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in taps.items()))
+        print("  tap shapes: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in taps.items()))
         c.below("max |dlogits - hand|", err(taps["logits"], dlogits), 1e-12)
         c.below("max |dh - dlogits W2ᵀ|", err(taps["h"], dh), 1e-12)
         c.below("max |dz - dh ⊙ (z > 0)|", err(taps["z"], dz), 1e-12)

@@ -41,7 +41,8 @@ def main() -> None:
     print("jax.grad gives zeros for all but one of them:",
           {k: float(jnp.linalg.norm(jnp.ravel(g))) for k, g in grads.items()}, end="\n\n")
 
-    c = Check("status of each leaf (left: explain_grads, right: by construction)", left="", right="")
+    c = Check("status of each leaf (left: explain_grads, right: by construction)", left="",
+              right="")
     expected = {"live": "connected", "dead": "numerically_zero",
                 "frozen": "blocked_by_stop_gradient", "rounded": "blocked_by_zero_derivative_op",
                 "spare": "unused"}

@@ -34,7 +34,8 @@ def main() -> None:
     bad = {"a": jnp.array([3.0]), "b": jnp.array([jnp.nan])}
     poisoned, _ = optax.clip_by_global_norm(1.0).update(bad, optax.EmptyState())
     kept, info = clip_by_global_norm(bad, 1.0, zero_nonfinite=True)
-    print("\n  optax alone on a tree with one NaN leaf:", {k: float(v[0]) for k, v in poisoned.items()})
+    print("\n  optax alone on a tree with one NaN leaf:",
+          {k: float(v[0]) for k, v in poisoned.items()})
     c.same("optax: leaf a after clipping", str(float(poisoned["a"][0])), "nan")
     c.row("zero_nonfinite: leaf a", kept["a"][0], 1.0, tol=1e-6)
     c.row("zero_nonfinite: leaf b", kept["b"][0], 0.0)

@@ -24,7 +24,6 @@ from _check import Check
 import funcgrad as fg
 from funcgrad.check.custom import custom_vjp
 
-
 # --- 1. clipped identity: c is a Python float, passed to bwd first (nondiff_argnums) -----------
 
 @functools.partial(custom_vjp, nondiff_argnums=(1,))
@@ -84,7 +83,8 @@ scale.defvjp(lambda x, w: (x * w, (x, w)), scale_bwd_forgetful)
 
 def main() -> None:
     x = jnp.array([0.2, 1.7, -0.6])
-    c = Check("clipped identity, c = 1: loss = sum(w * y), y = x", left="funcgrad", right="expected")
+    c = Check("clipped identity, c = 1: loss = sum(w * y), y = x", left="funcgrad",
+              right="expected")
 
     # dL/dy = w; the rule returns clip(w, -1, 1), the true derivative is w (y = x).
     w_in = jnp.array([0.5, -0.25, 0.75])            # |w| < c: the rule is the true derivative

@@ -14,7 +14,6 @@ the gradient of another mask.
 
     $ python examples/22_checkpointing.py
 """
-import functools
 import time
 
 import jax
@@ -79,8 +78,8 @@ def memory_and_time(c: Check, params, x) -> None:
     # The gradient is the same computation, recompiled: equal to float32 rounding.
     for name in ("jax.checkpoint, 3 segments", "fg.remat_sequential, sqrt"):
         c.row(f"{name}: grad rel. diff", rel_diff(rows[name][2], base_grads), 0.0, tol=1e-5)
-    # Counting 256 KiB activations (funcgrad/memory/checkpointing.py): no remat keeps all 9; 3 segments
-    # of 3 (sqrt 9) with the last kept hold at worst 2 segment inputs, 3 activations and a
+    # Counting 256 KiB activations (funcgrad/memory/checkpointing.py): no remat keeps all 9; 3
+    # segments of 3 (sqrt 9) with the last kept hold at worst 2 segment inputs, 3 activations and a
     # cotangent or two, about 6 of the 9.
     ratio = rows["fg.remat_sequential, sqrt"][0] / base_bytes
     c.row("fg remat memory <= 0.75x (1 = yes)", float(ratio <= 0.75), 1.0)
@@ -90,7 +89,8 @@ def memory_and_time(c: Check, params, x) -> None:
     print(f"  jax {jax.__version__}: jax.checkpoint alone keeps {naive_ratio:.2f}x of no remat"
           + (" (XLA merged its recomputation back)" if naive_ratio >= 0.95 else ""))
     c.row("fg remat <= jax.checkpoint's bytes (1 = yes)",
-          float(rows["fg.remat_sequential, sqrt"][0] <= 1.05 * rows["jax.checkpoint, 3 segments"][0]),
+          float(rows["fg.remat_sequential, sqrt"][0]
+                <= 1.05 * rows["jax.checkpoint, 3 segments"][0]),
           1.0)
 
 

@@ -11,76 +11,30 @@ of public names: type checkers and IDEs read it as imports, `_lazy_names` reads 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from funcgrad.train.clipping import global_norm as global_norm
-    from funcgrad.train.data import Dataset as Dataset
-    from funcgrad.train.data import batches as batches
-    from funcgrad.train.data import load_digits as load_digits
-    from funcgrad.check.manual import two_layer_grads as two_layer_grads
-    from funcgrad.train.nn import MLPParams as MLPParams
-    from funcgrad.train.nn import accuracy as accuracy
-    from funcgrad.train.nn import mean_squared_error as mean_squared_error
-    from funcgrad.train.nn import mlp_apply as mlp_apply
-    from funcgrad.train.nn import mlp_init as mlp_init
-    from funcgrad.train.nn import softmax_cross_entropy as softmax_cross_entropy
-    from funcgrad.train.convnet import cnn_apply as cnn_apply
-    from funcgrad.train.convnet import cnn_init as cnn_init
-    from funcgrad.train.convnet import cnn_loss as cnn_loss
-    from funcgrad.train.fit import FitResult as FitResult
-    from funcgrad.train.fit import History as History
-    from funcgrad.train.fit import NonFiniteReport as NonFiniteReport
-    from funcgrad.train.step import TrainState as TrainState
-    from funcgrad.train.loss import Loss as Loss
-    from funcgrad.train.loss import LossOutput as LossOutput
-    from funcgrad.train.loss import as_loss as as_loss
-    from funcgrad.train.fit import fit as fit
-    from funcgrad.train.checkpoint import Restored as Restored
-    from funcgrad.train.checkpoint import latest_checkpoint_step as latest_checkpoint_step
-    from funcgrad.train.checkpoint import restore_checkpoint as restore_checkpoint
-    from funcgrad.train.checkpoint import save_checkpoint as save_checkpoint
-    from funcgrad.train.step import init_train_state as init_train_state
-    from funcgrad.train.step import make_optimizer as make_optimizer
-    from funcgrad.train.step import make_train_step as make_train_step
-    from funcgrad.train.precision import LossScale as LossScale
-    from funcgrad.train.precision import LossScaleState as LossScaleState
-    from funcgrad.train.precision import all_finite as all_finite
-    from funcgrad.train.precision import cast_floating as cast_floating
-    from funcgrad.train.precision import dynamic_loss_scale as dynamic_loss_scale
-    from funcgrad.train.precision import scaled_value_and_grad as scaled_value_and_grad
+    from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
+    from funcgrad import memory as memory
+    from funcgrad._jax_internals import TESTED_JAX as TESTED_JAX
+    from funcgrad._jax_internals import JaxInternalsError as JaxInternalsError
+    from funcgrad._jax_internals import JaxVersionWarning as JaxVersionWarning
+    from funcgrad._traced import TracedValueError as TracedValueError
+    from funcgrad.check._lift_precision import LiftError as LiftError
+    from funcgrad.check.custom import CustomVJP as CustomVJP
+    from funcgrad.check.custom import DroppedCotangentWarning as DroppedCotangentWarning
+    from funcgrad.check.custom import custom_vjp as custom_vjp
     from funcgrad.check.grads import audit as audit
     from funcgrad.check.grads import check_grads as check_grads
+    from funcgrad.check.manual import two_layer_grads as two_layer_grads
     from funcgrad.check.report import GradCheckReport as GradCheckReport
     from funcgrad.check.report import LeafCheck as LeafCheck
+    from funcgrad.debug.anomaly import AnomalyReport as AnomalyReport
+    from funcgrad.debug.anomaly import find_nonfinite as find_nonfinite
     from funcgrad.debug.diagnose import GradExplanation as GradExplanation
     from funcgrad.debug.diagnose import explain_grads as explain_grads
     from funcgrad.debug.graph import Graph as Graph
     from funcgrad.debug.graph import trace as trace
-    from funcgrad.train.masks import freeze as freeze
-    from funcgrad.train.masks import requires_grad as requires_grad
-    from funcgrad.train.masks import trainable_mask as trainable_mask
-    from funcgrad.train.masks import value_and_grad_trainable as value_and_grad_trainable
     from funcgrad.debug.taps import intermediate_grads as intermediate_grads
-    from funcgrad.debug.vjp import backward as backward
-    from funcgrad._traced import TracedValueError as TracedValueError
     from funcgrad.debug.taps import tap as tap
-    from funcgrad.train.accumulate import AccumulatedGrads as AccumulatedGrads
-    from funcgrad.train.accumulate import accumulate_grads as accumulate_grads
-    from funcgrad.train.accumulate import group_microbatches as group_microbatches
-    from funcgrad.train.accumulate import make_accumulating_step as make_accumulating_step
-    from funcgrad.train.accumulate import stack_microbatches as stack_microbatches
-    from funcgrad.train.accumulate import Microbatches as Microbatches
-    from funcgrad.train.coupling import CoupledExamplesWarning as CoupledExamplesWarning
-    from funcgrad.debug.anomaly import AnomalyReport as AnomalyReport
-    from funcgrad.debug.anomaly import find_nonfinite as find_nonfinite
-    from funcgrad.check.custom import CustomVJP as CustomVJP
-    from funcgrad.check.custom import DroppedCotangentWarning as DroppedCotangentWarning
-    from funcgrad.train.monitor import Alert as Alert
-    from funcgrad.train.monitor import GradMonitor as GradMonitor
-    from funcgrad.train.monitor import MonitorMetrics as MonitorMetrics
-    from funcgrad.train.monitor import MonitorState as MonitorState
-    from funcgrad.train.monitor import grad_monitor as grad_monitor
-    from funcgrad.train.monitor import monitor_alerts as monitor_alerts
-    from funcgrad.train.monitor import with_dead_relu as with_dead_relu
-    from funcgrad.check.custom import custom_vjp as custom_vjp
+    from funcgrad.debug.vjp import backward as backward
     from funcgrad.memory.checkpointing import RematPlan as RematPlan
     from funcgrad.memory.checkpointing import plan_remat as plan_remat
     from funcgrad.memory.checkpointing import remat as remat
@@ -88,12 +42,58 @@ if TYPE_CHECKING:
     from funcgrad.memory.report import MemoryReport as MemoryReport
     from funcgrad.memory.report import memory_report as memory_report
     from funcgrad.memory.scan import checkpointed_scan as checkpointed_scan
-    from funcgrad import memory as memory
-    from funcgrad._jax_internals import JaxInternalsError as JaxInternalsError
-    from funcgrad._jax_internals import JaxVersionWarning as JaxVersionWarning
-    from funcgrad._jax_internals import TESTED_JAX as TESTED_JAX
-    from funcgrad.check._lift_precision import LiftError as LiftError
-    from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
+    from funcgrad.train.accumulate import AccumulatedGrads as AccumulatedGrads
+    from funcgrad.train.accumulate import Microbatches as Microbatches
+    from funcgrad.train.accumulate import accumulate_grads as accumulate_grads
+    from funcgrad.train.accumulate import group_microbatches as group_microbatches
+    from funcgrad.train.accumulate import make_accumulating_step as make_accumulating_step
+    from funcgrad.train.accumulate import stack_microbatches as stack_microbatches
+    from funcgrad.train.checkpoint import Restored as Restored
+    from funcgrad.train.checkpoint import latest_checkpoint_step as latest_checkpoint_step
+    from funcgrad.train.checkpoint import restore_checkpoint as restore_checkpoint
+    from funcgrad.train.checkpoint import save_checkpoint as save_checkpoint
+    from funcgrad.train.clipping import global_norm as global_norm
+    from funcgrad.train.convnet import cnn_apply as cnn_apply
+    from funcgrad.train.convnet import cnn_init as cnn_init
+    from funcgrad.train.convnet import cnn_loss as cnn_loss
+    from funcgrad.train.coupling import CoupledExamplesWarning as CoupledExamplesWarning
+    from funcgrad.train.data import Dataset as Dataset
+    from funcgrad.train.data import batches as batches
+    from funcgrad.train.data import load_digits as load_digits
+    from funcgrad.train.fit import FitResult as FitResult
+    from funcgrad.train.fit import History as History
+    from funcgrad.train.fit import NonFiniteReport as NonFiniteReport
+    from funcgrad.train.fit import fit as fit
+    from funcgrad.train.loss import Loss as Loss
+    from funcgrad.train.loss import LossOutput as LossOutput
+    from funcgrad.train.loss import as_loss as as_loss
+    from funcgrad.train.masks import freeze as freeze
+    from funcgrad.train.masks import requires_grad as requires_grad
+    from funcgrad.train.masks import trainable_mask as trainable_mask
+    from funcgrad.train.masks import value_and_grad_trainable as value_and_grad_trainable
+    from funcgrad.train.monitor import Alert as Alert
+    from funcgrad.train.monitor import GradMonitor as GradMonitor
+    from funcgrad.train.monitor import MonitorMetrics as MonitorMetrics
+    from funcgrad.train.monitor import MonitorState as MonitorState
+    from funcgrad.train.monitor import grad_monitor as grad_monitor
+    from funcgrad.train.monitor import monitor_alerts as monitor_alerts
+    from funcgrad.train.monitor import with_dead_relu as with_dead_relu
+    from funcgrad.train.nn import MLPParams as MLPParams
+    from funcgrad.train.nn import accuracy as accuracy
+    from funcgrad.train.nn import mean_squared_error as mean_squared_error
+    from funcgrad.train.nn import mlp_apply as mlp_apply
+    from funcgrad.train.nn import mlp_init as mlp_init
+    from funcgrad.train.nn import softmax_cross_entropy as softmax_cross_entropy
+    from funcgrad.train.precision import LossScale as LossScale
+    from funcgrad.train.precision import LossScaleState as LossScaleState
+    from funcgrad.train.precision import all_finite as all_finite
+    from funcgrad.train.precision import cast_floating as cast_floating
+    from funcgrad.train.precision import dynamic_loss_scale as dynamic_loss_scale
+    from funcgrad.train.precision import scaled_value_and_grad as scaled_value_and_grad
+    from funcgrad.train.step import TrainState as TrainState
+    from funcgrad.train.step import init_train_state as init_train_state
+    from funcgrad.train.step import make_optimizer as make_optimizer
+    from funcgrad.train.step import make_train_step as make_train_step
 
 
 def _lazy_names() -> dict[str, str]:
@@ -106,6 +106,7 @@ def _lazy_names() -> dict[str, str]:
                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
     names = {}
     for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.module, "the block only re-exports"
         for alias in node.names:
             names[alias.asname or alias.name] = (
                 node.module if node.module != "funcgrad" else f"funcgrad.{alias.name}")
@@ -141,6 +142,8 @@ from funcgrad._jax_internals import warn_if_untested as _warn_if_untested  # noq
 
 _warn_if_untested()
 
+from types import ModuleType as _ModuleType  # noqa: E402  (the type of every module)
+
 # Modules that moved into the subpackages (check, debug, train) keep their old dotted names:
 # ``funcgrad.masks.freeze`` and ``import funcgrad.monitor`` still work, each importing the
 # module it names when first asked for, as the names above do.
@@ -166,7 +169,10 @@ class _MovedModules:
         if prefix != "funcgrad" or old not in _MOVED:
             return None
         import importlib.util
-        return importlib.util.spec_from_loader(fullname, cls)
+        # The class is the loader (create_module, exec_module: PEP 451); typeshed's
+        # LoaderProtocol also asks for the legacy load_module, which the import system never
+        # calls on a loader that has exec_module.
+        return importlib.util.spec_from_loader(fullname, cls)  # type: ignore[arg-type]
 
     @staticmethod
     def create_module(spec):
@@ -180,7 +186,7 @@ class _MovedModules:
         module.__spec__ = module.__spec__.loader_state
 
 
-class _Package(type(__import__("sys"))):
+class _Package(_ModuleType):
     """funcgrad's module type: ``import funcgrad.fit`` (the old path of the module) leaves
     ``funcgrad.fit``, the function, in place (the import system sets a submodule as an
     attribute of its package)."""

@@ -252,6 +252,16 @@ def body(eqn: Any) -> tuple[Any, tuple] | None:
     return closed_parts(param(eqn, key))
 
 
+def call_body(eqn: Any) -> tuple[Any, tuple]:
+    """`body` of an equation its caller has found call-like (a kind in `CALL_KINDS` or
+    `CUSTOM_KINDS`); any other equation is a ValueError."""
+    found = body(eqn)
+    if found is None:
+        raise ValueError(f"{name(eqn)} is not a call-like equation (jit, call, checkpoint, "
+                         "custom_jvp, custom_vjp): it has no body")
+    return found
+
+
 def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, Any, tuple]]:
     """The jaxprs nested in `eqn`'s parameters as ``(param name, jaxpr, consts)``; a
     tuple-valued parameter (cond's ``branches``) yields ``branches[i]`` per element."""

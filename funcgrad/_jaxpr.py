@@ -1,7 +1,7 @@
 """Small, shared readers of jaxprs and argument pytrees (private).
 
-Used by `funcgrad.check.grads`, `funcgrad.debug.graph` and `funcgrad.debug.diagnose` to name leaves by pytree
-path (``params[0]['w']``), to say where an equation came from (``file.py:12``) and to find
+Used by `funcgrad.check.grads`, `funcgrad.debug.graph` and `funcgrad.debug.diagnose` to name leaves
+by pytree path (``params[0]['w']``), to say where an equation came from (``file.py:12``) and to find
 the jaxprs nested in an equation's parameters (jit, custom_jvp/vjp, scan, cond, remat, while).
 Everything here that reads JAX's internals calls `funcgrad._jax_internals`.
 """
@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad._jax_internals import (bind, closed_parts, is_literal, source_summary,  # noqa: F401
-                                     sub_jaxprs)
+from funcgrad._jax_internals import bind, is_literal, source_summary
+from funcgrad._jax_internals import closed_parts as closed_parts  # re-exported
+from funcgrad._jax_internals import sub_jaxprs as sub_jaxprs  # re-exported
 from funcgrad._paths import arg_leaf_paths, keystr
 
 

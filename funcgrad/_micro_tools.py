@@ -6,6 +6,7 @@ there (``micro.check_grad``, ``micro.to_dot``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -43,7 +44,8 @@ def check_grad(fn: Callable[..., Tensor], *tensors: Tensor, eps: float = 1e-6,
                 down = fn(*tensors).item()
             t.data[i] = keep
             numeric = (up - down) / (2 * eps)
-            ratio = abs(analytic[i] - numeric) / (atol + rtol * abs(numeric))
+            # analytic[i] is a NumPy float64 scalar, a float (NumPy's stubs type it an array).
+            ratio = cast(float, abs(analytic[i] - numeric) / (atol + rtol * abs(numeric)))
             if ratio > 1:
                 raise ValueError(f"check_grad: input {k} ({t.name or 'unnamed'}) at index {i}: "
                                  f"backward gives {analytic[i]!r}, central differences "

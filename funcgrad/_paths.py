@@ -37,7 +37,7 @@ def _drop_value(path: KeyPath) -> KeyPath:
 def key_paths(tree: PyTree) -> list[KeyPath]:
     """The key path of every leaf of `tree`, in ``jax.tree.leaves(tree)`` order, with each nnx
     Variable's ``.value`` level left out (see the module docstring)."""
-    out = []
+    out: list[KeyPath] = []
     for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_nnx_variable)[0]:
         if is_nnx_variable(node):
             out.extend(path + _drop_value(inner)
@@ -53,7 +53,8 @@ def keystr(path: KeyPath) -> str:
 
 
 def slash_path(path: KeyPath) -> str:
-    """The ``bn1/scale``, ``layers/2/weight`` form of a key path (`funcgrad.train.masks` patterns)."""
+    """The ``bn1/scale``, ``layers/2/weight`` form of a key path (`funcgrad.train.masks` patterns).
+    """
     parts = []
     for k in path:
         for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey

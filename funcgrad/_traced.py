@@ -28,7 +28,7 @@ import linecache
 import os
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import cast
 
 import jax
 import jax.extend
@@ -42,7 +42,8 @@ _CONCRETE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerInteger
                     jax.errors.TracerArrayConversionError)
 
 _FUNCGRAD_DIR = os.path.dirname(os.path.abspath(__file__))
-_JAX_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in (jax, jax.numpy)) + (
+_JAX_DIRS = tuple(os.path.dirname(os.path.abspath(cast(str, m.__file__)))
+                  for m in (jax, jax.numpy)) + (
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(jax.__file__))), "jaxlib"),)
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
 _SITE = tuple({os.path.abspath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")})
@@ -87,7 +88,8 @@ def _user_frame(error: BaseException):
             installed.append((file, line, name))
         elif not path.startswith(_STDLIB + os.sep):
             own.append((file, line, name))
-    return (own or installed or [None])[-1]
+    found = own or installed
+    return found[-1] if found else None
 
 
 def _what(error: BaseException) -> tuple[str, str]:
@@ -218,8 +220,8 @@ def explain(where: str, error: BaseException, fn: Callable | None = None, args: 
                f"a setting (a count, a flag), {static_fix}; if it is "
                f"data, keep it traced: {traced_fix}.")
     else:
-        diff = ", ".join(names[i] for i in differentiated if i < len(names)) or "the arguments"
-        fix = (f"If the value is computed from {diff} (what {where} differentiates), it must "
+        diffed = ", ".join(names[i] for i in differentiated if i < len(names)) or "the arguments"
+        fix = (f"If the value is computed from {diffed} (what {where} differentiates), it must "
                f"stay traced: {traced_fix}. If it is a setting passed as an argument (a count, "
                f"a flag), {static_fix}.")
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

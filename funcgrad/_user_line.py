@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 from typing import NamedTuple
 
 from funcgrad._traced import _FUNCGRAD_DIR, _JAX_DIRS, _SITE, _STDLIB
@@ -29,7 +30,7 @@ def user_location() -> Location | None:
     """The innermost frame of the current stack that is the user's (module docstring), or
     None when every frame is funcgrad's, JAX's or the standard library's."""
     installed = None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     try:
         while frame is not None:
             file = frame.f_code.co_filename

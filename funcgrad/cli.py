@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (exit status 2), no usage dump."""
 
+    train_parser: argparse.ArgumentParser  # the top-level parser's "train" subparser
+
     def error(self, message: str):  # noqa: D401 - argparse's hook
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -63,13 +65,13 @@ def _remat_segments(text: str):
     return k
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> _Parser:
+    from funcgrad import __version__
     from funcgrad.train.nn import ACTIVATIONS
     from funcgrad.train.step import OPTIMIZERS
 
-    from funcgrad import __version__
-
-    parser = _Parser(prog="funcgrad", description="funcgrad: see, check and trust gradients in JAX.")
+    parser = _Parser(prog="funcgrad",
+                     description="funcgrad: see, check and trust gradients in JAX.")
     parser.add_argument("--version", action="version", version=f"funcgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     t = sub.add_parser(
@@ -97,12 +99,16 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="CNN only: dropout rate before the dense head (default: 0.25)")
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam",
                    help="optax optimizer (default: adam)")
-    t.add_argument("--lr", type=_positive(float), default=1e-3, help="learning rate (default: 1e-3)")
+    t.add_argument("--lr", type=_positive(float), default=1e-3,
+                   help="learning rate (default: 1e-3)")
     t.add_argument("--momentum", type=_unit_interval, default=None,
                    help="momentum coefficient, only for --optimizer momentum (default: 0.9)")
-    t.add_argument("--epochs", type=_positive(int), default=30, help="passes over the train split (default: 30)")
-    t.add_argument("--batch-size", type=_positive(int), default=32, help="examples per step (default: 32)")
-    t.add_argument("--seed", type=_seed, default=0, help="seed of the init, split and batch order (default: 0)")
+    t.add_argument("--epochs", type=_positive(int), default=30,
+                   help="passes over the train split (default: 30)")
+    t.add_argument("--batch-size", type=_positive(int), default=32,
+                   help="examples per step (default: 32)")
+    t.add_argument("--seed", type=_seed, default=0,
+                   help="seed of the init, split and batch order (default: 0)")
     t.add_argument("--clip-norm", type=_positive(float), default=None,
                    help="clip gradients to this global norm (default: no clipping)")
     t.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -294,9 +300,9 @@ def _train(args: argparse.Namespace) -> int:
 
     from funcgrad.train.coupling import CoupledExamplesWarning
     from funcgrad.train.data import load_digits
+    from funcgrad.train.fit import fit
     from funcgrad.train.monitor import grad_monitor
     from funcgrad.train.precision import dynamic_loss_scale
-    from funcgrad.train.fit import fit
     from funcgrad.train.step import init_train_state, make_optimizer, make_train_step
 
     clock = _Clock()
@@ -449,9 +455,9 @@ class _Clock:
             _Clock._listening = True
 
     @staticmethod
-    def _span(event: str, start: float, end: float, **_) -> None:
+    def _span(event: str, start_time: float, end_time: float, **_) -> None:
         if _Clock._current is not None and event in _Clock._EVENTS:
-            _Clock._current.spans.append((start, end))
+            _Clock._current.spans.append((start_time, end_time))
 
     def lap(self, name: str) -> None:
         now = self.now()
@@ -495,7 +501,8 @@ def _use_caches(flag: str | None) -> str | None:
         return None
     import jax
 
-    if not jax.config.jax_compilation_cache_dir:
+    # jax 0.10's Config stub lacks the (dynamically added) option attributes; 0.12's has them.
+    if not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined,unused-ignore]
         jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
             # JAX's default (1 s) would keep none of these programs: each compiles in 0.01-1 s.
@@ -635,7 +642,8 @@ def _plot(history, path: str) -> str:
         from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter, NullLocator
     except ImportError as e:
-        raise ImportError("the training plot needs matplotlib: pip install 'funcgrad[examples]'") from e
+        raise ImportError("the training plot needs matplotlib: "
+                          "pip install 'funcgrad[examples]'") from e
     import numpy as np
 
     layers = bool(getattr(history, "layer_names", ()))
@@ -699,7 +707,7 @@ def _alert_spans(alerts, n_steps: int, *, max_spans: int = _MAX_SPANS):
     and doubles until the bands fit. Each band is at least 0.5% of the run wide, so a
     one-step alert stays visible on 200,000 steps.
     """
-    by_kind = {}
+    by_kind: dict[str, list[int]] = {}
     for alert in alerts:
         by_kind.setdefault(alert.kind, []).append(alert.step)
     gap = max(1, n_steps // 100)

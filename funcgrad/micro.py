@@ -54,7 +54,8 @@ class Tensor:
     __array_priority__ = 100  # ndarray (op) Tensor defers to Tensor's reflected operators
 
     def __init__(self, data, requires_grad: bool = False, *, dtype=np.float64, name: str = ""):
-        self.data = np.asarray(data.data if isinstance(data, Tensor) else data, dtype=dtype)
+        self.data: np.ndarray = np.asarray(data.data if isinstance(data, Tensor) else data,
+                                           dtype=dtype)
         self.requires_grad = bool(requires_grad)
         self.grad: np.ndarray | None = None
         self.parents: tuple[Tensor, ...] = ()
@@ -396,4 +397,6 @@ def softmax_cross_entropy(logits, labels) -> Tensor:
     return _node(-logp[rows, labels].mean(), (logits,), "softmax_cross_entropy", rule)
 
 
-from funcgrad._micro_tools import check_grad, to_dot  # noqa: E402  (they use Tensor, no_grad)
+# Re-exported; imported last, as they use Tensor and no_grad.
+from funcgrad._micro_tools import check_grad as check_grad  # noqa: E402
+from funcgrad._micro_tools import to_dot as to_dot  # noqa: E402

@@ -12,6 +12,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
@@ -34,7 +36,6 @@ os.environ.setdefault("FUNCGRAD_CACHE_DIR",
                       os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "funcgrad"))
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads it when it starts)
-import pytest
 
 
 def pytest_unconfigure(config):

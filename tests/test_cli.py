@@ -12,7 +12,8 @@ from funcgrad.cli import main
 
 def test_train_writes_metrics_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
-    status = main(["train", "--epochs", "2", "--batch-size", "64", "--out", str(out), "--no-progress"])
+    status = main(["train", "--epochs", "2", "--batch-size", "64", "--out", str(out),
+                   "--no-progress"])
     assert status == 0
     printed = capsys.readouterr().out
     assert "epoch   2" in printed and "eval/test_accuracy" in printed
@@ -51,7 +52,8 @@ def test_float16_with_dynamic_loss_scale(tmp_path, capsys):
     row = metrics["epochs"][-1]
     # The scale starts at 2**15 and only halves (a skip) or doubles (after 2000 finite steps,
     # more than the 23 steps here): it stays a power of two no larger than 2**15.
-    assert row["loss_scale"] <= 2 ** 15 and math.log2(row["loss_scale"]) == int(math.log2(row["loss_scale"]))
+    assert (row["loss_scale"] <= 2 ** 15
+            and math.log2(row["loss_scale"]) == int(math.log2(row["loss_scale"])))
     assert row["skipped"] == len(metrics["skipped_steps"])
     assert row["steps"] == 23 and 0.5 < row["eval/test_accuracy"] <= 1.0
 
@@ -172,7 +174,8 @@ def test_cnn_nonfinite_run_is_located(tmp_path, capsys):
     (["train", "--lr", "-1"], "argument --lr: expected a positive float, got '-1'"),
     (["train", "--epochs", "two"], "argument --epochs: expected a positive int, got 'two'"),
     (["train", "--optimizer", "rmsprop"], "argument --optimizer: invalid choice: 'rmsprop'"),
-    (["train", "--momentum", "1.5"], "funcgrad train: error: argument --momentum: expected a number in [0, 1)"),
+    (["train", "--momentum", "1.5"],
+     "funcgrad train: error: argument --momentum: expected a number in [0, 1)"),
     (["train", "--hidden"], "argument --hidden: expected at least one argument"),
     (["train", "--test-size", "1"], "argument --test-size: expected a number in (0, 1)"),
     (["train", "--test-size", "0.001"], "at least 10 of the 1797 digits in each split"),
@@ -204,7 +207,8 @@ def test_cnn_nonfinite_run_is_located(tmp_path, capsys):
      "argument --dropout: expected a number in [0, 1), got '1'"),
     (["train", "--model", "rnn"], "argument --model: invalid choice: 'rnn'"),
 ], ids=["negative_lr", "word_epochs", "unknown_optimizer", "momentum_range", "empty_hidden",
-        "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype", "accumulate",
+        "test_size", "tiny_test_size", "negative_seed", "infinite_lr", "unknown_flag", "dtype",
+        "accumulate",
         "remat_zero", "remat_too_long", "cnn_remat",
         "momentum_without_momentum_optimizer", "out_is_a_file", "no_command", "cnn_hidden",
         "cnn_activation", "mlp_dropout", "mlp_channels", "cnn_too_many_blocks",
@@ -242,7 +246,8 @@ def test_version():
 def test_unwritable_output_folder_is_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    proc = subprocess.run([sys.executable, "-m", "funcgrad", "train", "--out", str(blocker / "run")],
+    proc = subprocess.run([sys.executable, "-m", "funcgrad", "train", "--out",
+                           str(blocker / "run")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("funcgrad: error:") and "Traceback" not in proc.stderr

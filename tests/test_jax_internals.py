@@ -94,6 +94,9 @@ def test_call_bodies_and_kinds():
     assert [ji.name(e) for e in ck.body.eqns] == ["cos"] and ck.policy is None
     assert ck.prevent_cse is True
     assert ji.body(eqns[kinds.index("add")]) is None  # a primitive has no body
+    assert [ji.name(e) for e in ji.call_body(jit_eqn)[0].eqns] == ["sin", "mul"]
+    with pytest.raises(ValueError, match="add is not a call-like equation"):
+        ji.call_body(eqns[kinds.index("add")])
 
 
 def test_custom_jvp_and_vjp_rules():

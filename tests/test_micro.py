@@ -2,11 +2,11 @@
 (accumulation, retain_grad, no_grad, detach, retain_graph) and the errors that teach."""
 import math
 
+import _micro_programs as programs
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-import _micro_programs as programs
 from funcgrad import micro
 from funcgrad.micro import Tensor
 

@@ -1,14 +1,13 @@
 """Custom VJP rules that drop a cotangent, found by probing each rule's pullback (private).
 
-Used by `funcgrad.debug.diagnose`: a ``custom_vjp`` rule whose ``bwd`` returns None (or zeros that do
-not depend on the output cotangent) for a floating input that the function's output depends
+Used by `funcgrad.debug.diagnose`: a ``custom_vjp`` rule whose ``bwd`` returns None (or zeros that
+do not depend on the output cotangent) for a floating input that the function's output depends
 on cuts every gradient upstream of that input. `explain_grads` names the rule as the blocker.
 """
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
 
 import jax
 
@@ -59,9 +58,9 @@ def _probe(eqn, flow, diff_path, where) -> dict[int, str]:
     except Exception:  # noqa: BLE001 - a rule that cannot be traced abstractly: no verdict
         return {}
     n_in = len(ins)
-    seeds = [{} for _ in range(n_in)] + [{0: diff_path} for _ in outs]
+    seeds: list[dict] = [{} for _ in range(n_in)] + [{0: diff_path} for _ in outs]
     cts = flow(closed.jaxpr, seeds)
-    sub, _ = ji.body(eqn)
+    sub, _ = ji.call_body(eqn)
     primal = flow(sub, [{k: diff_path} for k in range(len(sub.invars))])
     used = set().union(*(set(d) for d in primal))
     offset = n_in - len(sub.invars)  # leading consts, if any
@@ -73,7 +72,7 @@ def _probe(eqn, flow, diff_path, where) -> dict[int, str]:
 
 
 def _describe(eqn, k, where) -> str:
-    info = getattr(ji.body(eqn)[0], "debug_info", None)
+    info = getattr(ji.call_body(eqn)[0], "debug_info", None)
     src = getattr(info, "func_src_info", None) or ""  # "scale at /path/file.py:3"
     name, _, at = src.partition(" at ")
     name = name or str(ji.param(eqn, "name", "")) or "a custom_vjp function"
@@ -85,8 +84,8 @@ def _describe(eqn, k, where) -> str:
     bwd = inspect.unwrap(bwd) if callable(bwd) else bwd
     bwd_name = getattr(bwd, "__name__", "bwd")
     try:
-        file = os.path.basename(inspect.getsourcefile(bwd))
-        bwd_at = f" ({file}:{inspect.getsourcelines(bwd)[1]})"
+        file = inspect.getsourcefile(bwd)  # None (or a TypeError) where the source is unknown
+        bwd_at = f" ({os.path.basename(file)}:{inspect.getsourcelines(bwd)[1]})" if file else ""
     except (TypeError, OSError):
         bwd_at = ""
     return (f"the custom_vjp rule of {name} called at {where or '?'}: its bwd {bwd_name}"

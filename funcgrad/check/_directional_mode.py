@@ -1,6 +1,6 @@
 """Directional mode of `funcgrad.check.grads` (private): random unit tangents per leaf, or per block
-of a leaf (`funcgrad.check._directions`), compared with jvp and <grad, v>; a failing leaf is bisected
-over element ranges (O(log n) evaluations) to name the element.
+of a leaf (`funcgrad.check._directions`), compared with jvp and <grad, v>; a failing leaf is
+bisected over element ranges (O(log n) evaluations) to name the element.
 """
 from __future__ import annotations
 
@@ -14,10 +14,20 @@ import numpy as np
 
 from funcgrad.check import _directions, _noise
 from funcgrad.check import _objective as obj
-from funcgrad.check._shared import (_CHUNK_ELEMENTS, _FWD_ONLY_CUSTOM_VJP, _NO_FWD_NOTE,
-                                    _check_finite_output, _masked_kernel, _reference_grad,
-                                    _roundoff_scale, _see_through_grad, _segments, _sg_note)
+from funcgrad.check._shared import (
+    _CHUNK_ELEMENTS,
+    _FWD_ONLY_CUSTOM_VJP,
+    _NO_FWD_NOTE,
+    _check_finite_output,
+    _masked_kernel,
+    _reference_grad,
+    _roundoff_scale,
+    _see_through_grad,
+    _segments,
+    _sg_note,
+)
 from funcgrad.check.report import LeafCheck, classify_elements, coarse_note
+
 
 class _Tangents(NamedTuple):
     """Unit tangents described, not stored: tangent t is ``raw[row[t]]`` restricted to
@@ -177,7 +187,7 @@ def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=No
                                                numeric, k, 2 * atol_abs - atol, rtol)
     notes.append(_directions.resolution_note(k, len(blocks) > len(first) - 1))
     rows = []
-    for li, (lo, hi) in enumerate(_segments(prob)):
+    for li, (lo, _hi) in enumerate(_segments(prob)):
         sel = slice(first[li] * k, first[li + 1] * k)  # this leaf's blocks' tangents
         row = LeafCheck.from_directions(
             prob["paths"][li], prob["shapes"][li], prob["dtype_used"],

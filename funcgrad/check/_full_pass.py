@@ -1,8 +1,8 @@
 """Full mode's 2n perturbed forward passes, run in blocks so a long check shows its progress.
 
-Private to `funcgrad.check.grads`. The perturbations e_i (one per element of the flat parameter vector
-theta) run in vmapped chunks of c; chunks are grouped into at most `_MAX_BLOCKS` equal blocks,
-each one call of the same compiled kernel (the block's number is an argument, so nothing is
+Private to `funcgrad.check.grads`. The perturbations e_i (one per element of the flat parameter
+vector theta) run in vmapped chunks of c; chunks are grouped into at most `_MAX_BLOCKS` equal
+blocks, each one call of the same compiled kernel (the block's number is an argument, so nothing is
 recompiled per block, and the last block is padded with indices >= n that perturb nothing).
 After the second block the time left is extrapolated from it (the first includes compilation);
 when the whole check would take longer than `SLOW_SECONDS`, a line on stderr says so and

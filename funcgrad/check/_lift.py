@@ -104,7 +104,7 @@ def evaluate(jaxpr, consts, args, flags: Flags) -> list:
         if kind == "stop_gradient" and flags.see_through_stop_gradient:
             return ins
         if kind in ji.CALL_KINDS:
-            return evaluate(*ji.body(eqn), ins, flags)
+            return evaluate(*ji.call_body(eqn), ins, flags)
         if kind in _LOOPS:
             return _LOOPS[kind](eqn, [_up(x) for x in ins] if flags.lift_precision else ins,
                                 flags)
@@ -178,7 +178,7 @@ _LOOPS = {"scan": _scan, "cond": _cond, "while": _while}
 # --- custom rules: inlined, or rebuilt lifted -----------------------------------------------
 
 def _custom_jvp(eqn, ins, flags):
-    call, call_consts = ji.body(eqn)
+    call, call_consts = ji.call_body(eqn)
     if flags.inline_custom_rules:
         return evaluate(call, call_consts, ins, flags)
     if not flags.lift_precision:
@@ -221,7 +221,7 @@ def _zero_tangent(x):
 
 
 def _custom_vjp(eqn, ins, flags):
-    call, call_consts = ji.body(eqn)
+    call, call_consts = ji.call_body(eqn)
     if flags.inline_custom_rules:
         return evaluate(call, call_consts, ins, flags)
     if not flags.lift_precision:

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad.check import _objective as obj
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import sub_jaxprs
+from funcgrad.check import _objective as obj
 
 
 def narrowest_float(jaxpr) -> str | None:

@@ -1,9 +1,9 @@
 """The error of a gradient check's central differences: a round-off floor, and probes measuring it.
 
-Private to `funcgrad.check.grads`. The central difference D(h) = (f(x+h) - f(x-h)) / 2h of a function
-evaluated with absolute error at most e carries a round-off error at most e/h and a truncation
-error h²/6·|f'''| (Nocedal & Wright, Numerical Optimization, 2nd ed., §8.1, eq. 8.5). A check
-must not fail an element on that error, and must not excuse a real one by scaling its floor
+Private to `funcgrad.check.grads`. The central difference D(h) = (f(x+h) - f(x-h)) / 2h of a
+function evaluated with absolute error at most e carries a round-off error at most e/h and a
+truncation error h²/6·|f'''| (Nocedal & Wright, Numerical Optimization, 2nd ed., §8.1, eq. 8.5). A
+check must not fail an element on that error, and must not excuse a real one by scaling its floor
 with |f| (``sin(x) + 1e5`` rounds to 1.5e-11, so D(1e-6) is good to 1e-5, not to 1e5 x atol).
 
 So the check judges element i against ``atol + rtol·|numeric_i| + noise_i`` where noise_i is
@@ -145,8 +145,8 @@ def smaller_step(prob, f0: float, candidates: np.ndarray, eps: float, numeric: n
     """
     h = eps / SMALLER
     out = probe(prob, candidates, np.full(len(candidates), h), (1.0, -1.0), chunk_elements)
-    r, l = (out[:, 0] - f0) / h, (f0 - out[:, 1]) / h
-    gap, gap_h = np.abs(right - left)[candidates], np.abs(r - l)
+    r_h, l_h = (out[:, 0] - f0) / h, (f0 - out[:, 1]) / h
+    gap, gap_h = np.abs(right - left)[candidates], np.abs(r_h - l_h)
     shrank = gap_h < gap / 2
     numeric, right, left = numeric.copy(), right.copy(), left.copy()
     smooth, jumped = np.zeros(len(numeric), bool), np.zeros(len(numeric), bool)
@@ -154,7 +154,7 @@ def smaller_step(prob, f0: float, candidates: np.ndarray, eps: float, numeric: n
     smooth[at] = True
     jumped[candidates[shrank & (SMALLER * gap_h < gap / 2)]] = True
     numeric[at] = ((out[:, 0] - out[:, 1]) / (2 * h))[shrank]
-    right[at], left[at] = r[shrank], l[shrank]
+    right[at], left[at] = r_h[shrank], l_h[shrank]
     return numeric, right, left, smooth, jumped
 
 

@@ -28,7 +28,7 @@ class Spec(NamedTuple):
     order: int
     scalar_output: bool
     see_through_stop_gradient: bool = False
-    lift_precision: bool = False       # low-precision casts lifted to float64 (funcgrad.check._lift)
+    lift_precision: bool = False       # narrow float casts lifted to float64 (funcgrad.check._lift)
     inline_custom_rules: bool = False  # custom_jvp/custom_vjp replaced by their primal
     # The differentiated leaves' own dtypes, when fn only runs with them (a flax nn.RNN's carry
     # is made in its param dtype): theta's float64 pieces are cast back before fn sees them,
@@ -49,16 +49,16 @@ def unflatten(spec: Spec, theta: jax.Array, leaves: tuple) -> tuple:
 
 
 def _args(spec: Spec, pieces: list, leaves: tuple) -> tuple:
-    leaves = list(leaves)
+    placed = list(leaves)
     if spec.cast_to is not None:
         pieces = [p.astype(d) for p, d in zip(pieces, spec.cast_to)]
     for pos, piece in zip(spec.diff_positions, pieces):
-        leaves[pos] = piece
-    return jax.tree.unflatten(spec.treedef, leaves)
+        placed[pos] = piece
+    return jax.tree.unflatten(spec.treedef, placed)
 
 
 def output_vector(spec: Spec, theta: jax.Array, leaves: tuple) -> jax.Array:
-    """The function's output at theta, all output leaves raveled into one vector (its dtype kept)."""
+    """The function's output at theta, all output leaves raveled into one vector (dtype kept)."""
     return _output(spec, _args(spec, split(spec, theta), leaves))
 
 

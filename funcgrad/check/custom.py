@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -106,16 +106,17 @@ def custom_vjp(fun: Callable | None = None, *,
     Returns:
       a `CustomVJP`: call it like `fun`; attach the rule with ``.defvjp(fwd, bwd)``.
     Raises:
-      TypeError: when a backward pass through the function is traced: ``bwd`` returned something other than a tuple or list, a tuple of the wrong
-        length, a cotangent whose pytree structure differs from its input's, a leaf that is not
-        an array, or a floating array for an integer or boolean input. The message names the
-        input (``params['w']``) and gives the expected and the received structure.
+      TypeError: when a backward pass through the function is traced: ``bwd`` returned
+        something other than a tuple or list, a tuple of the wrong length, a cotangent whose
+        pytree structure differs from its input's, a leaf that is not an array, or a floating
+        array for an integer or boolean input. The message names the input (``params['w']``)
+        and gives the expected and the received structure.
       ValueError: when a backward pass is traced: a cotangent leaf's shape or dtype differs
         from its primal's; the message names every such leaf with the expected and received
         ``dtype[shape]``.
     Warns:
-      DroppedCotangentWarning: when a backward pass is traced: bwd returned None for an input leaf the output depends on,
-        not declared in ``zero_cotangents``.
+      DroppedCotangentWarning: when a backward pass is traced: bwd returned None for an
+        input leaf the output depends on, not declared in ``zero_cotangents``.
     Example:
       >>> @custom_vjp
       ... def clipped_identity(x):
@@ -125,7 +126,7 @@ def custom_vjp(fun: Callable | None = None, *,
       Array(1., dtype=float32, weak_type=True)
     """
     if fun is None:
-        return functools.partial(custom_vjp, nondiff_argnums=nondiff_argnums)
+        return functools.partial(CustomVJP, nondiff_argnums=nondiff_argnums)
     return CustomVJP(fun, nondiff_argnums=nondiff_argnums)
 
 
@@ -216,7 +217,7 @@ class CustomVJP:
             cts = _check_cotangents(spec, user_bwd(*bwd_args))
             _warn_dropped(spec, cts, fun, args, self.nondiff_argnums, declared, at)
             return cts
-        checked_bwd.input_names = spec.names  # read by explain_grads to name an input
+        cast(Any, checked_bwd).input_names = spec.names  # read by explain_grads to name an input
 
         # A fresh jax.custom_vjp per call: checked_bwd closes over this call's primals, whose
         # shapes and dtypes are static even when they are tracers (inside jit or vmap).
@@ -320,7 +321,8 @@ def _depends(fun, args, nondiff_argnums, leaves) -> list[bool]:
         return [False] * len(leaves)
     n_seed = len(seed_avals)
     n_all = len(closed.jaxpr.invars)
-    in_deps = [{} for _ in range(n_all - n_seed)] + [{n: _Path(_DIFF, "")} for n in range(n_seed)]
+    in_deps: list[dict] = ([{} for _ in range(n_all - n_seed)]
+                           + [{n: _Path(_DIFF, "")} for n in range(n_seed)])
     reached = set()
     for deps in _flow(closed.jaxpr, in_deps):
         reached |= set(deps)
@@ -411,7 +413,8 @@ def _check_cotangents(spec: _Spec, cts: Any) -> Any:
             f"{spec.where} returned {len(cts)} cotangent(s), but {spec.fun_name} has {n} "
             f"differentiable input(s) ({expected}); return one per input, in order, with None "
             f"for an input that gets no gradient.{hint}\nSee funcgrad.check.custom.BWD_CONTRACT.")
-    shape_errors, kind_errors = [], []
+    shape_errors: list[str] = []
+    kind_errors: list[str] = []
     for name, primal, ct in zip(spec.names, spec.primals, cts):
         if ct is None:
             continue

@@ -1,10 +1,10 @@
-"""Gradient checking by central finite differences, in float64, that says which leaf and element is wrong.
+"""Gradient checking by central finite differences in float64, naming the wrong leaf and element.
 
 Concept 19 (article A §4.5, B §3.2-3.3). Two modes:
 
 * ``mode="full"`` perturbs every element of every differentiated leaf: the 2n forward
-  evaluations run in ``vmap``-ed chunks inside few compiled calls (`funcgrad.check._full_pass`, which
-  also times a long check and shows its progress), and the reverse-mode gradient is compared
+  evaluations run in ``vmap``-ed chunks inside few compiled calls (`funcgrad.check._full_pass`,
+  which also times a long check and shows its progress), and the reverse-mode gradient is compared
   element by element; forward mode (``jvp``) is compared along random tangents restricted to
   each leaf against the same numerical gradient.
 * ``mode="directional"`` (`funcgrad.check._directional_mode`) checks random unit tangents v: the
@@ -22,8 +22,8 @@ Step size and tolerances come from the floating dtype the function actually comp
 about u·|f|/h for unit round-off u, so the best h is near (3u)^(1/3) and the attainable
 error near u^(2/3)·|f| (Nocedal & Wright, Numerical Optimization, §8.1). A function that
 computes in a narrower float on the differentiated path is checked with those casts lifted to
-float64 (`funcgrad.check._lift_precision`, `funcgrad.check._lift`), so float64's step and tolerances apply.
-At a kink inside a custom rule, the rule's value is compared with JAX's own convention there
+float64 (`funcgrad.check._lift_precision`, `funcgrad.check._lift`), so float64's step and tolerances
+apply. At a kink inside a custom rule, the rule's value is compared with JAX's own convention there
 (the gradient with the custom rules inlined).
 """
 from __future__ import annotations
@@ -33,23 +33,32 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad.check import _directions, _full_pass, _noise
-from funcgrad.check import _objective as obj
-from funcgrad.check._shared import (_CHUNK_ELEMENTS, _FWD_ONLY_CUSTOM_VJP, _NO_FWD_NOTE,
-                                    _check_finite_output, _reference_grad, _roundoff_scale,
-                                    _see_through_grad, _segments, _sg_note)
-from funcgrad.check._directional_mode import _random_tangents, _run_directional
+from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._library_objects import split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
-from funcgrad.check._lift_precision import lift_precision_of, narrowest_float
 from funcgrad._traced import traced_values
+from funcgrad.check import _directions, _full_pass, _noise
+from funcgrad.check import _objective as obj
+from funcgrad.check._directional_mode import _random_tangents, _run_directional
+from funcgrad.check._lift_precision import lift_precision_of, narrowest_float
+from funcgrad.check._shared import (
+    _CHUNK_ELEMENTS,
+    _FWD_ONLY_CUSTOM_VJP,
+    _NO_FWD_NOTE,
+    _check_finite_output,
+    _reference_grad,
+    _roundoff_scale,
+    _see_through_grad,
+    _segments,
+    _sg_note,
+)
 from funcgrad.check.report import GradCheckReport, LeafCheck, classify_elements
 
 #: dtype the function computed in -> (eps, rtol, atol). An element passes when
@@ -119,9 +128,9 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
       respect_stop_gradient: deprecated spelling (funcgrad 0.1); True means
         ``allow_stop_gradient=True``.
       progress: full mode first runs two chunks of its 2n forward passes (the first compiles,
-        the second is timed), so it knows how long the rest takes. A check expected to run over 10 s prints that estimate on
-        stderr with a suggestion of directional mode, and (progress None or True) shows a tqdm
-        bar; True shows the bar for any check, False never.
+        the second is timed), so it knows how long the rest takes. A check expected to run over 10 s
+        prints that estimate on stderr with a suggestion of directional mode, and (progress None or
+        True) shows a tqdm bar; True shows the bar for any check, False never.
       lift_precision: when fn computes in a float narrower than float64 on the differentiated
         path (a bfloat16 layer, an ``astype(jnp.float32)``), check the same program with those
         casts lifted to float64, custom_jvp/custom_vjp rules included (`funcgrad.check._lift`), at
@@ -140,11 +149,11 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     Raises:
       ValueError: for an unknown mode, a block_size that is not a positive int or None (or
         one given in full mode), an eps that is not a finite number > 0, an rtol or atol
-        that is not a finite number >= 0, a negative seed, an argnum out of range, a selected argument that is an
-        integer or boolean array, nothing floating to differentiate, a non-finite output at
-        the primal point (the message names the output leaf and the argument shapes), "rev"
-        with a ``while_loop`` that depends on the arguments (JAX cannot reverse it), or
-        ``modes=("fwd",)`` with a ``custom_vjp`` (JAX cannot forward-differentiate it).
+        that is not a finite number >= 0, a negative seed, an argnum out of range, a selected
+        argument that is an integer or boolean array, nothing floating to differentiate, a
+        non-finite output at the primal point (the message names the output leaf and the argument
+        shapes), "rev" with a ``while_loop`` that depends on the arguments (JAX cannot reverse it),
+        or ``modes=("fwd",)`` with a ``custom_vjp`` (JAX cannot forward-differentiate it).
       funcgrad.check.LiftError: lifting fn to float64 failed inside funcgrad (never a silent
         check at the narrow dtype instead); `funcgrad.JaxInternalsError`: a JAX internal
         funcgrad reads is missing in the installed JAX.
@@ -159,10 +168,12 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     if mode not in ("full", "directional"):
         raise ValueError(f"check_grads: mode must be 'full' or 'directional', got {mode!r}.")
     if not set(modes) <= {"rev", "fwd"} or not modes:
-        raise ValueError(f"check_grads: modes must be a non-empty subset of ('rev', 'fwd'), got {modes!r}.")
+        raise ValueError(f"check_grads: modes must be a non-empty subset of ('rev', 'fwd'), got "
+                         f"{modes!r}.")
     if order not in (1, 2):
         raise ValueError(f"check_grads: order must be 1 or 2, got {order!r}.")
-    if isinstance(num_directions, bool) or not isinstance(num_directions, int) or num_directions < 1:
+    if (isinstance(num_directions, bool) or not isinstance(num_directions, int)
+            or num_directions < 1):
         raise ValueError(f"check_grads: num_directions must be a positive int, got "
                          f"{num_directions!r}.")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
@@ -191,7 +202,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         raise TypeError(f"check_grads: argnums must be an int or a non-empty tuple of ints (the "
                         f"positions of the arguments to differentiate, e.g. argnums=(0, 1)), got "
                         f"{argnums!r}.")
-    argnums_t = (int(argnums),) if is_int(argnums) else tuple(dict.fromkeys(int(a) for a in argnums))
+    argnums_t = ((int(argnums),) if isinstance(argnums, (int, np.integer))  # is_int: checked
+                 else tuple(dict.fromkeys(int(a) for a in argnums)))
     fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
     names = arg_names(fn, len(args))
     check_array_args("check_grads", args, names)
@@ -200,10 +212,19 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                       "allow_stop_gradient=True (or the paths of the leaves meant to be "
                       "detached) instead.", DeprecationWarning, stacklevel=2)
         allow_stop_gradient = bool(respect_stop_gradient)
+    with traced_values("check_grads", fn, args, names, argnums_t):
+        x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64  # the caller's mode
+        as_run = None if x64 else _as_run(fn, args, has_aux)
     with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
         prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
         prob = lift_precision_of(prob, lift_precision, modes,
                                  _tolerances(prob["dtype_used"], eps, rtol, atol)[1:])
+        if as_run is not None:
+            prob = _as_the_user_runs_it(
+                prob, as_run, lift_precision, modes,
+                lambda dtype: _tolerances(dtype, eps, rtol, atol)[1:],
+                lambda program: _setup(program, args, argnums_t, has_aux, order, names, seed,
+                                       force_cast=True))
         allowed = _allowed_stop_gradient(allow_stop_gradient, prob["paths"])
         cfg_tol = _tolerances(prob["dtype_used"], eps, rtol, atol)
         run = (_run_full if mode == "full" else
@@ -274,7 +295,8 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
         raise ValueError(f"audit: max_evaluations must be a positive int (function "
                          f"evaluations of the directional check) or None, got "
                          f"{max_evaluations!r}.")
-    loss_fn, (params, *batch) = split_equinox_args(loss_fn, (params, *batch))
+    loss_fn, split_args = split_equinox_args(loss_fn, (params, *batch))
+    params, batch = split_args[0], split_args[1:]
     sizes = [int(np.size(x)) for x in jax.tree.leaves(params)
              if jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x) > 0]
     n = sum(sizes)
@@ -291,7 +313,7 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
     block = _directions.choose_block_size(sizes, k, per_tangent, budget) if valid_k else None
     report = check_grads(loss_fn, params, *batch, argnums=0, mode="directional",
                          block_size=block, **kwargs)
-    worst = max(report.rows, key=lambda r: r.resolution)
+    worst = max(report.rows, key=lambda r: cast(float, r.resolution))  # set in directional mode
     used = 2 + ("fwd" in report.modes)  # fwd is skipped (with a note) for a custom_vjp
     note = _directions.describe(block, sizes, k, used, budget, worst.resolution, worst.path)
     return dataclasses.replace(report, notes=[note, *report.notes])
@@ -308,10 +330,113 @@ def _promote(x):
     return np.asarray(x).astype(np.float64)
 
 
-def _setup(fn, args, argnums, has_aux, order, names, seed):
+class _AsRun(NamedTuple):
+    """fn as the caller runs it (the caller's x64 setting): its program, traced once, and its
+    checked output there (raveled, float64) with the narrowest float it computes in."""
+    program: Callable
+    value: np.ndarray
+    dtype: str
+
+
+def _as_run(fn, args, has_aux) -> _AsRun:
+    """`_AsRun` of `fn` at `args`, traced and run outside check_grads' float64 scope. With x64
+    off (JAX's default) a Python float is float32 and ``jax.random.bernoulli(key, 0.5, s)``
+    draws 32 random bits per element; traced under x64 it draws 64 and keeps another mask:
+    another function. The program traced here keeps the caller's dtypes wherever it is run."""
+    with warnings.catch_warnings():  # a second run of fn: what it warns, the check's run warns
+        warnings.simplefilter("ignore")
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    jaxpr, consts = ji.closed_parts(closed)
+    body = ji.as_fun(jaxpr, consts)
+    out_tree = jax.tree.structure(out_shape)
+
+    def program(*a):
+        return jax.tree.unflatten(out_tree, body(*jax.tree.leaves(a)))
+    program.__name__ = getattr(fn, "__name__", "fn")
+    program.__qualname__ = getattr(fn, "__qualname__", program.__name__)
+
+    def checked(*a):
+        out = program(*a)
+        out = out[0] if has_aux and isinstance(out, (tuple, list)) else out
+        return [jnp.ravel(o) for o in jax.tree.leaves(out)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            value = np.concatenate([np.asarray(o, np.float64) for o in jax.jit(checked)(*args)])
+    except (TypeError, ValueError):  # an output that cannot be checked: _setup says why
+        value = np.zeros(0)
+    floats = [str(v.aval.dtype) for e in jaxpr.eqns for v in e.outvars
+              if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)]
+    floats += [str(jnp.result_type(o)) for o in jax.tree.leaves(out_shape)
+               if jnp.issubdtype(o.dtype, jnp.floating)]
+    dtype = min(floats, key=lambda d: jnp.finfo(d).bits) if floats else "float64"
+    return _AsRun(program, value, dtype)
+
+
+def _primal(prob) -> np.ndarray:
+    """The checked output of the check's own program at its point (lifted or not), float64."""
+    spec = prob["spec"]
+    out = jax.jit(lambda t, lv: obj.output_vector(spec, t, lv).astype(jnp.float64))(
+        prob["theta"], prob["leaves"])
+    return np.asarray(out, np.float64)
+
+
+def _agree(got: np.ndarray, want: np.ndarray, dtype: str) -> tuple[bool, float]:
+    """Whether the check's program computes the user's value to `dtype`'s precision (relative
+    error of the output vector under sqrt(eps): float32 3.5e-4, bfloat16 0.088, float16
+    0.031); the relative error."""
+    if got.shape != want.shape or not want.size:
+        return got.shape == want.shape, 0.0
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), finite):  # non-finite elsewhere: another function
+        return False, math.inf
+    got, want = got[finite], want[finite]  # (a non-finite output is reported by the check)
+    scale = float(np.linalg.norm(want))
+    err = float(np.linalg.norm(got - want))
+    rel = err / scale if scale > 0 else err
+    return rel <= math.sqrt(float(jnp.finfo(dtype).eps)) or err <= 1e-12, rel
+
+
+def _as_the_user_runs_it(prob, as_run, lift, modes, tolerances, rebuild):
+    """`prob` unchanged when the check's program computes fn's value as the caller runs it;
+    otherwise the check rebuilt on the program traced as the caller runs it (its random
+    draws, its dtypes), lifted to float64 when the lifted program still computes that value,
+    else checked as computed; a note says which and why."""
+    if not as_run.value.size:
+        return prob
+    same, rel = _agree(_primal(prob), as_run.value, as_run.dtype)
+    if same:
+        return prob
+    why = (f"traced with float64 inputs (as the check computes), fn's value differs from "
+           f"the value fn computes as you run it by {rel:.3g} relative, more than "
+           f"{as_run.dtype} rounding (a random draw or dtype default that follows the float "
+           "width, e.g. jax.random.bernoulli(key, 0.5, ...) draws another mask)")
+    rebuilt = lift_precision_of(rebuild(as_run.program), lift, modes,
+                                tolerances(as_run.dtype))
+    if rebuilt["lifted_from"]:
+        same, rel2 = _agree(_primal(rebuilt), as_run.value, as_run.dtype)
+        if same:
+            return dict(rebuilt, notes=[f"{why}; the check used fn's program as you run it, "
+                                        f"lifted to float64 (its value agrees to {rel2:.2g}).",
+                                        *rebuilt["notes"]])
+        why += (f"; lifted to float64 that program's value moves by {rel2:.3g} relative, so "
+                "it was checked as computed")
+        rebuilt = lift_precision_of(rebuild(as_run.program), False, modes,
+                                    tolerances(as_run.dtype))
+    low = rebuilt["dtype_used"]
+    rtol, atol = tolerances(low)
+    notes = [n for n in rebuilt["notes"] if not n.startswith("fn computes in")]
+    return dict(rebuilt, weaker=f"checked in {low}, not float64: {why}" if low != "float64"
+                else None, notes=[f"{why}; the check used fn's program as you run it, at "
+                                  f"{low}'s tolerances (errors below {atol:g} + "
+                                  f"{rtol:g}·|derivative| pass unseen).", *notes])
+
+
+def _setup(fn, args, argnums, has_aux, order, names, seed, force_cast=False):
     for a in argnums:
         if not -len(args) <= a < len(args):
-            raise ValueError(f"check_grads: argnums={a} is out of range for {len(args)} positional args.")
+            raise ValueError(f"check_grads: argnums={a} is out of range for {len(args)} "
+                             "positional args.")
     argnums = tuple(a % len(args) for a in argnums)
     for a in argnums:
         if isinstance(args[a], (jax.Array, np.ndarray, int, bool)) and not jnp.issubdtype(
@@ -329,9 +454,11 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
             if jnp.issubdtype(dtype, jnp.floating) and np.size(leaf) == 0:
                 skipped.append(f"{name} (shape {tuple(np.shape(leaf))}: empty, nothing to check)")
             elif jnp.issubdtype(dtype, jnp.floating):
-                diff.append(pos), paths.append(name)
+                diff.append(pos)
+                paths.append(name)
             elif jnp.issubdtype(dtype, jnp.complexfloating):
-                raise ValueError(f"check_grads: {name} is complex; complex leaves are not supported.")
+                raise ValueError(f"check_grads: {name} is complex; complex leaves are not "
+                                 "supported.")
             else:
                 skipped.append(f"{name} ({dtype}, not differentiated)")
     if not diff:
@@ -343,6 +470,9 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     shapes = tuple(tuple(leaves[p].shape) for p in diff)
     theta = np.concatenate([np.ravel(leaves[p]) for p in diff])
     probe = obj.Spec(fn, has_aux, treedef, tuple(diff), shapes, 1, True)
+    if force_cast:  # fn is a program traced in its own dtypes (`_as_run`): give it those
+        probe = probe._replace(cast_to=tuple(str(jnp.result_type(flat[p])) for p in diff))
+        leaves = tuple(leaf if pos in diff else flat[pos] for pos, leaf in enumerate(leaves))
     try:
         out_tree = jax.eval_shape(lambda t, lv: _raw_output(probe, t, lv), theta, leaves)
     except TypeError as error:
@@ -363,7 +493,8 @@ def _setup(fn, args, argnums, has_aux, order, names, seed):
     traced, out = jax.make_jaxpr(lambda t, lv: obj.output_vector(probe, t, lv),
                                  return_shape=True)(theta, leaves)
     if not jnp.issubdtype(out.dtype, jnp.floating):
-        raise ValueError(f"check_grads: fn returned dtype {out.dtype}; it must return floating values.")
+        raise ValueError(f"check_grads: fn returned dtype {out.dtype}; it must return floating "
+                         "values.")
     spec = probe._replace(order=order, scalar_output=out.size == 1)
     rng = np.random.default_rng(seed)  # NumPy draws: nothing to compile
     cotangents = (rng.standard_normal(out.shape), rng.standard_normal(theta.shape))
@@ -450,8 +581,8 @@ def _check_number(name: str, value: Any, positive: bool = False) -> None:
                           "leaves; None picks one for the dtype (TOLERANCES), e.g. 1e-3 in "
                           "float32",
                    "rtol": "a relative tolerance; None uses TOLERANCES, e.g. 1e-2 in float32",
-                   "atol": "an absolute tolerance, in the derivative's units; None uses TOLERANCES, "
-                           "e.g. 1e-3 in float32"}[name]
+                   "atol": "an absolute tolerance, in the derivative's units; None uses "
+                           "TOLERANCES, e.g. 1e-3 in float32"}[name]
         raise ValueError(f"check_grads: {name} must be a finite number "
                          f"{'> 0' if positive else '>= 0'} or None, got {value!r}: it is "
                          f"{meaning}.")

@@ -23,7 +23,8 @@ from funcgrad.train.nn import Params
 LOSSES = ("softmax_cross_entropy", "mean_squared_error")
 
 
-def dlogits_softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+def dlogits_softmax_cross_entropy(logits: jax.Array,
+                                  labels: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Loss and d(loss)/d(logits) for the batch-mean softmax cross-entropy.
 
     loss = -(1/B) Σ_i log softmax(logits_i)[y_i]; differentiating log-sum-exp gives
@@ -42,10 +43,12 @@ def dlogits_softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple
     return loss, (jnp.exp(log_p) - onehot) / batch
 
 
-def dlogits_mean_squared_error(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+def dlogits_mean_squared_error(logits: jax.Array,
+                               targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Loss and d(loss)/d(logits) for the mean squared error over every element.
 
-    loss = (1/(B·K)) Σ_ik (logits_ik - t_ik)²  so  d(loss)/d(logits_ik) = 2 (logits_ik - t_ik) / (B·K).
+    loss = (1/(B·K)) Σ_ik (logits_ik - t_ik)²,
+    so d(loss)/d(logits_ik) = 2 (logits_ik - t_ik) / (B·K).
 
     Args:
       logits: (batch, out), floating.

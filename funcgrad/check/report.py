@@ -64,7 +64,8 @@ def classify_elements(grad, numeric, right, left, see_through, atol_abs, rtol, e
     if see_through is None:
         sg = np.zeros_like(fail)
     else:
-        sg = fail & ~kink & (np.abs(see_through - numeric) <= tol) & (np.abs(grad - see_through) > tol)
+        sg = (fail & ~kink & (np.abs(see_through - numeric) <= tol)
+              & (np.abs(grad - see_through) > tol))
     return dict(grad=grad, numeric=numeric, right=right, left=left, err=err, tol=tol, fail=fail,
                 kink=kink, sg=sg, explained=kink | sg, convention=convention,
                 reference=reference)
@@ -146,7 +147,8 @@ class LeafCheck:
         if considered.any():
             ratio = np.where(considered, err / tol, -1.0)
             w = int(np.argmax(ratio))
-            worst = (tuple(int(i) for i in np.unravel_index(w, shape)), float(grad[w]), float(num[w]))
+            worst = (tuple(int(i) for i in np.unravel_index(w, shape)), float(grad[w]),
+                     float(num[w]))
             abs_err = float(err[considered].max())
             rel_err = float(_rel(err, grad, num)[considered].max())
         if fwd is not None:
@@ -171,7 +173,8 @@ class LeafCheck:
                          f"the one-sided derivatives are {kinks[0][1]:.6g} (left) and "
                          f"{kinks[0][2]:.6g} (right) and JAX's value {kinks[0][3]:.6g} is "
                          f"{kinks[0][4]}")
-        wrong = np.flatnonzero(c["convention"][s]) if "convention" in c else ()
+        wrong = (np.flatnonzero(c["convention"][s]) if "convention" in c
+                 else np.zeros(0, np.intp))
         if len(wrong):
             i = wrong[0]
             ref = c["reference"][s][i]
@@ -201,15 +204,16 @@ class LeafCheck:
             notes.append(f"{int(sg.sum())} element(s) differ from the central difference only "
                          "because of stop_gradient (which finite differences see through)")
         status = _status(failed, bool(sg.any()), allowed, bool(kinks))
-        return cls(path, tuple(shape), dtype, status, abs_err, rel_err,
-                   *(worst if worst else (None, None, None)), kinks, tuple(notes), resolution)
+        worst_index, worst_analytic, worst_numeric = worst if worst else (None, None, None)
+        return cls(path, tuple(shape), dtype, status, abs_err, rel_err, worst_index,
+                   worst_analytic, worst_numeric, kinks, tuple(notes), resolution)
 
     @classmethod
     def from_directions(cls, path, shape, dtype, analytic, numeric, right, left, see_through,
                         atol_abs, rtol, eps, allowed, reference=None) -> LeafCheck:
         notes, abs_err, rel_err, failed = [], 0.0, 0.0, False
         any_kink = any_sg = False
-        worst = (None, None, None)
+        worst: tuple[None, None, None] | tuple[None, float, float] = (None, None, None)
         for m, a in analytic.items():
             c = classify_elements(a, numeric, right, left, see_through, atol_abs, rtol, eps,
                                   reference=reference)
@@ -239,11 +243,15 @@ class LeafCheck:
             notes.append("differs from the central difference along some tangents only because "
                          "of stop_gradient (which finite differences see through)")
         if any_kink:
-            notes.append("a tangent crosses a non-differentiable point (one-sided differences disagree)")
+            notes.append("a tangent crosses a non-differentiable point (one-sided differences "
+                         "disagree)")
         status = _status(failed, any_sg, allowed, any_kink)
-        return cls(path, tuple(shape), dtype, status, abs_err, rel_err, *worst, (), tuple(notes))
+        _, worst_analytic, worst_numeric = worst
+        return cls(path, tuple(shape), dtype, status, abs_err, rel_err, None, worst_analytic,
+                   worst_numeric, (), tuple(notes))
 
-    def located(self, flat_index: int, analytic: float, numeric: float, evaluations: int) -> LeafCheck:
+    def located(self, flat_index: int, analytic: float, numeric: float,
+                evaluations: int) -> LeafCheck:
         """This row with its worst element set to the one found by bisection."""
         index = tuple(int(i) for i in np.unravel_index(flat_index, self.shape))
         return dataclasses.replace(
@@ -348,7 +356,8 @@ class GradCheckReport:
         when the check was weaker than asked (`weaker`: checked at a narrow float's
         tolerances because fn could not be lifted to float64)."""
         if not self.ok:
-            raise AssertionError(f"gradient check failed for {len(self.failures)} leaf/leaves:\n{self}")
+            raise AssertionError(f"gradient check failed for {len(self.failures)} "
+                                 f"leaf/leaves:\n{self}")
         if strict and self.weaker:
             raise AssertionError(f"gradient check was weaker than asked ({self.weaker}); "
                                  f"strict=True treats that as a failure:\n{self}")
@@ -356,7 +365,8 @@ class GradCheckReport:
     def __str__(self) -> str:
         lifted = f" (lifted from {self.lifted_from})" if self.lifted_from else ""
         head = (f"gradient check ({self.mode}, {'+'.join(self.modes)}, order {self.order}, "
-                f"{self.dtype_used}{lifted}, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}): "
+                f"{self.dtype_used}{lifted}, eps={self.eps:g}, rtol={self.rtol:g}, "
+                f"atol={self.atol:g}): "
                 f"{'OK' if self.ok else 'FAILED'}"
                 f"{' (WEAKER THAN ASKED: ' + self.weaker + ')' if self.weaker else ''}")
         cols = ("leaf", "shape", "max abs err", "max rel err", "resolution", "worst element",

@@ -1,4 +1,5 @@
-"""pytest helpers: assert that a function's gradients match finite differences, failing with the table."""
+"""pytest helpers: assert that gradients match finite differences, or fail with the check's table.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable

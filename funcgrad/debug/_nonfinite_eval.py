@@ -95,7 +95,7 @@ class _Origin:
                                                              # operands' non-finite elements
 
     def reaches(self, reached: set) -> bool:
-        o = self
+        o: _Origin | None = self
         while o is not None and o not in reached:
             o = o.into
         return o is not None
@@ -199,7 +199,7 @@ class _Evaluator:
         name, kind = ji.name(eqn), ji.kind(eqn)
         step = _Step("prim", eqn, ins, [], frame)
         if kind in ji.CALL_KINDS:
-            sub, consts = ji.body(eqn)
+            sub, consts = ji.call_body(eqn)
             outs, tape = self.forward(sub, consts, ins[len(ins) - len(sub.invars):],
                                       frame.enter(_at(_label(eqn), frame.loc)), record)
             step.kind, step.sub = "call", (sub, tape)
@@ -218,7 +218,7 @@ class _Evaluator:
             if kind == "while":
                 orgs = [v.org for v in self._while(eqn, ins, frame)]
             elif kind in ji.CUSTOM_KINDS:  # look inside; differentiate as a whole
-                sub, consts = ji.body(eqn)
+                sub, consts = ji.call_body(eqn)
                 inner, _ = self.forward(sub, consts, ins[len(ins) - len(sub.invars):],
                                         frame.enter(_at(_label(eqn), frame.loc)), False)
                 orgs = None  # the inner evaluation's per-element origins, on the bound values
@@ -444,7 +444,8 @@ class _Evaluator:
         got = pullback([(cts[j].x if cts[j] is not None else jnp.zeros_like(step.outs[j]))
                         .astype(jnp.result_type(step.outs[j])) for j in floats])
         incoming = _earliest(*(c.org for c in cts if c is not None))
-        result, origin = [None] * n, None
+        result: list[_V | None] = [None] * n
+        origin = None
         for i, g in zip(idx, got):
             if not _finite(g):
                 origin = origin or incoming or self._backward_origin(step, cts, floats, g, i)
@@ -460,7 +461,7 @@ class _Evaluator:
         sources = []  # where the operands' non-finite elements came from (a NaN data row?)
         for v in step.ins:
             if v.org is not None:
-                seqs = [] if v.ids is None else np.unique(np.asarray(v.ids))
+                seqs: list[int] | np.ndarray = [] if v.ids is None else np.unique(np.asarray(v.ids))
                 sources += [self.by_seq[s] for s in seqs if s >= 0] or [v.org]
         return self.new("backward", name, step.frame, operands, produced,
                         f"cotangent of operand {i}", forward_out=[step.outs[j] for j in floats],
@@ -477,14 +478,15 @@ class _Evaluator:
         s, iterations = step.sub
         nc, nk, length = s.num_consts, s.num_carry, s.length
         carry, ys = cts[:nk], cts[nk:]
-        consts, xs = [None] * nc, {}
+        consts: list[_V | None] = [None] * nc
+        xs: dict[int, list[_V | None]] = {}
         for t, tape in reversed(iterations):
             ys_t = [None if c is None else _V(c.x[t], c.org if not _finite(c.x[t]) else None, True)
                     for c in ys]
             got = self.backward(s.body, tape, [*carry, *ys_t])
             consts = [_sum(a, b) for a, b in zip(consts, got[:nc])]
             carry, xs[t] = got[nc:nc + nk], got[nc + nk:]
-        stacked = []
+        stacked: list[_V | None] = []
         for j, x in enumerate(step.ins[nc + nk:]):
             parts = [xs[t][j] for t in range(length)]
             if all(c is None for c in parts):

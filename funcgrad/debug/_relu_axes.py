@@ -1,7 +1,7 @@
 """Which ``max(x, 0)`` of a program are ReLUs, and along which axis their units lie (private).
 
-Shared by `funcgrad.debug.diagnose` (dead units in `explain_grads`) and `funcgrad.debug.dead_relu` (the
-monitor's dead-unit counts). A ReLU's *units* are the feature axis of the layer that feeds it:
+Shared by `funcgrad.debug.diagnose` (dead units in `explain_grads`) and `funcgrad.debug.dead_relu`
+(the monitor's dead-unit counts). A ReLU's *units* are the feature axis of the layer that feeds it:
 the output feature dimension of a ``conv_general_dilated`` (from its dimension numbers, so
 channel-first NCHW as in equinox and PyTorch gives axis 1, flax's NHWC gives the last axis), or
 the free dimension of the weight operand of a ``dot_general`` (the operand that depends on the
@@ -97,7 +97,7 @@ class ReluAxes:
     def _walk(self, jaxpr, ins, consts=()):
         env: dict[Any, tuple] = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, ins))
-        producer = {}
+        producer: dict[Any, Any] = {}  # var -> the equation that made it
         for eqn in jaxpr.eqns:
             vals = [_NONE if ji.is_literal(v) else env.get(v, _UNKNOWN)
                     for v in eqn.invars]
@@ -182,11 +182,9 @@ def _out_axis(eqn, vals) -> tuple[int, int] | None:
         kept = dims[a:z] == list(range(b, b + z - a)) and out_shape[b:b + z - a] == src[a:z]
         return (b, b + z - a) if kept else None
     if name == "squeeze":
-        dims = {d % len(src) for d in p["dimensions"]}
-        return _removed(src, a, z, dims)
+        return _removed(src, a, z, {d % len(src) for d in p["dimensions"]})
     if name in _REDUCE or name.startswith("reduce_") or name.startswith("argm"):
-        dims = {int(d) for d in p.get("axes", p.get("dimensions", ()))}
-        return _removed(src, a, z, dims)
+        return _removed(src, a, z, {int(d) for d in p.get("axes", p.get("dimensions", ()))})
     if name == "reshape":
         return _reshaped(src, out_shape, a, z)
     if len(out_shape) == len(src) and out_shape[a:z] == src[a:z]:  # elementwise, slices, pads

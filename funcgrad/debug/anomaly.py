@@ -62,14 +62,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 
-from funcgrad._library_objects import split_equinox_args
 from funcgrad._jaxpr import arg_names, leaf_paths
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._paths import arg_leaf_paths
-from funcgrad.debug._nonfinite_eval import (_Evaluator, _finite, _Frame, _is_float, _Loc, _Origin,
-                                     _rank, _V)
-from funcgrad._traced import traced_values
-
-from funcgrad._traced import _FUNCGRAD_DIR  # the package's folder, all its subpackages
+from funcgrad._traced import (
+    _FUNCGRAD_DIR,  # the package's folder, all its subpackages
+    traced_values,
+)
+from funcgrad.debug._nonfinite_eval import (
+    _V,
+    _Evaluator,
+    _finite,
+    _Frame,
+    _is_float,
+    _Loc,
+    _Origin,
+    _rank,
+)
 
 # Lines of this file are never "the user's line".
 source_info_util.register_exclusion(__file__)
@@ -418,9 +427,10 @@ def _has_minus_inf_mask(ev: _Evaluator) -> bool:
 
 def _own(origin: _Origin) -> bool:
     """Whether `origin` sits in funcgrad's own code (e.g. the label guard of
-    `funcgrad.train.nn.softmax_cross_entropy`, a NaN constant that only a bad label lets through)."""
+    `funcgrad.train.nn.softmax_cross_entropy`, a NaN constant that only a bad label lets
+    through)."""
     file = origin.loc.file
-    return bool(file) and os.path.abspath(file).startswith(_FUNCGRAD_DIR + os.sep)
+    return bool(file and os.path.abspath(file).startswith(_FUNCGRAD_DIR + os.sep))
 
 
 def _report(origin: _Origin, nonfinite, value, checked, masked,
@@ -545,7 +555,8 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats,
         big = float(jnp.finfo(produced.dtype).max)
         if name == "convert_element_type":
             return (f"a value beyond {produced.dtype}'s range (largest finite {big:.4g}) was "
-                    f"cast to {produced.dtype}: the operand reaches {max(abs(inputs[0].min), abs(inputs[0].max)):.4g}. "
+                    f"cast to {produced.dtype}: the operand reaches "
+                    f"{max(abs(inputs[0].min), abs(inputs[0].max)):.4g}. "
                     "A mask constant such as -1e9 does not fit in float16: use "
                     "jnp.finfo(dtype).min, or cast after masking.")
         if any(max(abs(s.min), abs(s.max)) >= big / 4 for s in inputs):

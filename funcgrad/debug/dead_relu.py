@@ -22,8 +22,8 @@ import numpy as np
 
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, interpret, source_line
-from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
 from funcgrad._traced import traced_values
+from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
 
 
 @dataclasses.dataclass(frozen=True)

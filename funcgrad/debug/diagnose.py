@@ -54,12 +54,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad.check._custom_rules import dropped_inputs
-from funcgrad._library_objects import split_equinox_args
-from funcgrad._jaxpr import arg_names, check_array_args, interpret, leaf_paths, source_line
 from funcgrad import _jax_internals as ji
-from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
+from funcgrad._jaxpr import arg_names, check_array_args, interpret, leaf_paths, source_line
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._traced import traced_values
+from funcgrad.check._custom_rules import dropped_inputs
+from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
             "numerically_zero", "nonfinite", "not_differentiable")
@@ -282,7 +282,8 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     """
     if not callable(loss_fn):
         raise TypeError(f"explain_grads needs a callable loss_fn, got {type(loss_fn).__name__}.")
-    loss_fn, (params, *args) = split_equinox_args(loss_fn, (params, *args))
+    loss_fn, split_args = split_equinox_args(loss_fn, (params, *args))
+    params, args = split_args[0], split_args[1:]
     names = arg_names(loss_fn, 1 + len(args))
     check_array_args("explain_grads", (params, *args), names)
     paths = leaf_paths((params,), names[:1])

@@ -12,17 +12,17 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from funcgrad.debug import _graph_draw
-from funcgrad._library_objects import split_equinox_args
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, is_float, leaf_paths, source_line, sub_jaxprs
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._traced import TracedValueError, traced_values
+from funcgrad.debug import _graph_draw
 
 PyTree = Any
 
@@ -297,13 +297,13 @@ def _unwrap_jit(closed) -> tuple[Any, tuple] | None:
     ``(jaxpr, consts)``: a jaxpr whose only equation is a ``jit`` (pjit) taking its inputs in
     order and returning its outputs. None otherwise. Nested levels of such wrapping are all
     removed."""
-    found = None
+    found: tuple[Any, tuple] | None = None
     jaxpr, consts = ji.closed_parts(closed)
     while (len(jaxpr.eqns) == 1 and not jaxpr.constvars
            and ji.kind(jaxpr.eqns[0]) == "jit"
            and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
            and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)):
-        found = ji.body(jaxpr.eqns[0])
+        found = ji.call_body(jaxpr.eqns[0])
         jaxpr, consts = found
     return found
 
@@ -358,10 +358,11 @@ def _build(jaxpr, in_names: list[str], out_names: list[str], name: str, prefix: 
         nodes.append(Node(nid, ji.name(eqn), label, source_line(eqn), inputs,
                           tuple(outputs), any(v in live for v in eqn.outvars
                                               if not ji.is_dropvar(v)), subgraphs))
-    outputs = []
+    graph_outputs = []
     for k, (v, n) in enumerate(zip(jaxpr.outvars, out_names)):
         vid = use(v, n)
-        outputs.append(Output(f"{prefix}o{k}", n, vid, values[vid]["shape"], values[vid]["dtype"]))
+        graph_outputs.append(Output(f"{prefix}o{k}", n, vid, values[vid]["shape"],
+                                    values[vid]["dtype"]))
     vals = {k: Value(**{**d, "consumers": tuple(d["consumers"])}) for k, d in values.items()}
     leaves = tuple(Leaf(vals[i].name, i, vals[i].shape, vals[i].dtype, v in live)
                    for i, v in zip(leaf_ids, jaxpr.invars))
@@ -369,7 +370,7 @@ def _build(jaxpr, in_names: list[str], out_names: list[str], name: str, prefix: 
                       for v in vals.values() if len(v.consumers) > 1
                       and v.kind in ("leaf", "intermediate") and is_float(v.dtype)),
                      key=lambda f: -f.uses)
-    return Graph(name, tuple(nodes), vals, leaves, tuple(outputs), tuple(fanouts))
+    return Graph(name, tuple(nodes), vals, leaves, tuple(graph_outputs), tuple(fanouts))
 
 
 def _sub_arg_names(jaxpr) -> list[str]:
@@ -427,6 +428,7 @@ def _residuals(fn, args, paths, graph, inner=None) -> tuple[Residual, ...]:
             full[i] = x
         return fn(*jax.tree.unflatten(treedef, full))
 
+    positions: Sequence[int]
     try:
         found, positions = saved_residuals(on_leaves, *leaves), range(len(leaves))
     except Exception:  # noqa: BLE001 - some JAX versions refuse vjp of non-float inputs

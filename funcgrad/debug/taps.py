@@ -43,9 +43,9 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 
-from funcgrad._library_objects import split_equinox_args
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, interpret, source_line
+from funcgrad._library_objects import split_equinox_args
 from funcgrad._traced import traced_values
 
 tap_p = jex_core.Primitive("tap")
@@ -113,7 +113,7 @@ def _find_sites(jaxpr, prefix: tuple[int, ...], sites: dict[str, _Site]) -> None
                 _twice(sites[tap_name], site)
             sites[tap_name] = site
         elif name in _INLINE or name == "checkpoint":
-            _find_sites(ji.body(eqn)[0], prefix, sites)
+            _find_sites(ji.call_body(eqn)[0], prefix, sites)
         elif name == "scan":
             s = ji.scan(eqn)
             _find_sites(s.body, prefix + (s.length,), sites)
@@ -167,7 +167,7 @@ def _eval(jaxpr, consts, args, perts: dict[str, jax.Array]):
         if not any(_has_tap(sub) for _, sub, _ in ji.sub_jaxprs(eqn)):
             return None
         if name in _INLINE:
-            return _eval(*ji.body(eqn), ins, perts)
+            return _eval(*ji.call_body(eqn), ins, perts)
         if name == "checkpoint":  # keep the rematerialisation around the interpreted body
             c = ji.checkpoint(eqn)
             return jax.checkpoint(lambda *a: _eval(c.body, c.body_consts, a, perts),
@@ -184,7 +184,7 @@ def _eval_scan(eqn, ins, perts):
     s = ji.scan(eqn)
     n_consts, n_carry = s.num_consts, s.num_carry
     consts, init, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
-    inner = {}
+    inner: dict[str, _Site] = {}
     _find_sites(s.body, (), inner)
     names = sorted(inner)
 
@@ -201,7 +201,7 @@ def _eval_scan(eqn, ins, perts):
 
 def _eval_cond(eqn, ins, perts):
     index, ops = ins[0], ins[1:]
-    branches = [lambda *o, b=b: _eval(*b, o, perts) for b in ji.cond_branches(eqn)]
+    branches = [lambda *o, j=j, c=c: _eval(j, c, o, perts) for j, c in ji.cond_branches(eqn)]
     return list(jax.lax.switch(index, branches, *ops))
 
 
@@ -273,7 +273,7 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
     if not callable(fn):
         raise TypeError(f"intermediate_grads needs a callable, got {type(fn).__name__}.")
     single = isinstance(argnums, int)
-    nums = (argnums,) if single else tuple(argnums)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)  # (argnums,) if single
 
     def transformed(*args, **kwargs):
         of_arrays, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays

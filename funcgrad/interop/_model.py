@@ -7,7 +7,7 @@ how they split the library's object and call it; everything a user does with the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -181,7 +181,8 @@ class Model:
 
         loss_fn.__name__ = getattr(objective, "__name__", "objective")
         loss_fn.__qualname__ = loss_fn.__name__
-        loss_fn.__wrapped__ = objective  # warnings and errors name the user's objective line
+        # Warnings and errors name the user's objective line.
+        cast(Any, loss_fn).__wrapped__ = objective
         return loss_fn, has_state, bool(takes_key)
 
     def rebuild(self, params: PyTree, model_state: PyTree | None = None) -> Any:

@@ -64,7 +64,8 @@ def from_equinox(model: Any, state: Any = None, *,
                         f"eqx.nn.make_with_state(Model)(...), or None; got "
                         f"{type(state).__name__}.")
     accepts_key = _accepts_key(model)
-    takes_train = _call_takes(model.__call__, "train")  # `def __call__(self, x, *, train)`
+    # eqx.Module declares no __call__; the model's class does (`def __call__(self, x, *, train)`).
+    takes_train = _call_takes(model.__call__, "train")  # type: ignore[operator]
     params, static = eqx.partition(model, eqx.is_inexact_array)
     if not jax.tree.leaves(params):
         raise ValueError(f"from_equinox: {type(model).__name__} holds no floating arrays, so "

@@ -69,7 +69,7 @@ def from_linen(module: Any, variables: Mapping[str, Any], *,
                         f"('dropout',), got {rngs!r}.")
     rngs = tuple(rngs)
     frozen = isinstance(variables, flax.core.FrozenDict)
-    if frozen:
+    if isinstance(variables, flax.core.FrozenDict):  # frozen: a plain dict from here on
         variables = flax.core.unfreeze(variables)
     params = variables["params"]
     collections = [c for c in variables if c != "params"]

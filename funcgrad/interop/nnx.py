@@ -14,7 +14,8 @@ _OPTIMIZER = (
     "from_nnx got an nnx.Optimizer; funcgrad keeps the optimizer state itself. Pass the model "
     "and the optax transformation separately:\n"
     "    m = funcgrad.interop.from_nnx(model)\n"
-    "    step = funcgrad.make_train_step(m.loss(objective), optax.adam(1e-3))  # not nnx.Optimizer\n"
+    "    step = funcgrad.make_train_step(m.loss(objective), optax.adam(1e-3))"
+    "  # not nnx.Optimizer\n"
     "    state = m.init_train_state(optax.adam(1e-3))")
 
 
@@ -51,7 +52,8 @@ def from_nnx(model: Any) -> Model:
         raise TypeError(_OPTIMIZER)
     if not isinstance(model, nnx.Module):
         raise TypeError(_wrong_module("from_nnx", "flax.nnx", model))
-    graphdef, param_state, rest_state = nnx.split(model, nnx.Param, ...)
+    # nnx.split returns one State per filter; its stubs type them a variadic tuple.
+    graphdef, param_state, rest_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     params = nnx.to_pure_dict(param_state)
     if not jax.tree.leaves(params):
         raise ValueError(f"from_nnx: {type(model).__name__} has no nnx.Param, so there is "
@@ -88,7 +90,7 @@ def from_nnx(model: Any) -> Model:
         outputs = module(*args, **kwargs)
         if model_state is None:
             return outputs, None
-        _, _, new_rest = nnx.split(module, nnx.Param, ...)
+        _, _, new_rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
         return outputs, nnx.to_pure_dict(new_rest)
 
     def rebuild(params, model_state):

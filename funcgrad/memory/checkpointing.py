@@ -488,7 +488,7 @@ def plan_remat(layer: Callable | Sequence[Callable], params: Sequence[Any], x: A
                          "(loss, aux) pass head=lambda h: my_head(h)[0].")
     baseline = _compiled_bytes(grad_of(None), params, x)
     candidates = [((), baseline, 0.0)]
-    plans = {}
+    plans: dict[tuple, float] = {}
     for plan in _candidate_plans(n):
         plans.setdefault(plan, recompute_fraction(plan))
     # Least recomputation first; stop at the first recompute level where a plan fits.

@@ -30,8 +30,8 @@ from funcgrad._library_objects import split_equinox_args
 PyTree = Any
 
 _ACTIVATION = ("output", "named")  # residuals made by the program; the rest exist anyway
-_NO_SAVING = 0.10
-_LIBRARY_FUSION = re.compile(r"^\s*(?:ROOT )?%[xy]nn_fusion\S* = ", re.M)  # a compiled saving below this fraction of the jaxpr's is "no saving"
+_NO_SAVING = 0.10  # a compiled saving below this fraction of the jaxpr's is "no saving"
+_LIBRARY_FUSION = re.compile(r"^\s*(?:ROOT )?%[xy]nn_fusion\S* = ", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,8 @@ class MemoryReport:
                  "outputs": self.output_bytes - self.alias_bytes}
         what, size = max(parts.items(), key=lambda kv: kv[1])
         share = size / self.peak_bytes if self.peak_bytes else 0.0
-        text = f"{what.capitalize()} dominate: {_bytes(size)} of the {_bytes(self.peak_bytes)} peak ({share:.0%})"
+        text = (f"{what.capitalize()} dominate: {_bytes(size)} of the "
+                f"{_bytes(self.peak_bytes)} peak ({share:.0%})")
         rows = [r for r in self.residuals or () if r.origin in _ACTIVATION]
         if rows:
             by_line: dict[str, int] = {}
@@ -195,11 +196,12 @@ class MemoryReport:
                  f"  {'temporaries':<34}{self.temp_bytes:>14,}  {_bytes(self.temp_bytes)}",
                  f"  {'estimated peak (arg+out+temp-alias)':<34}{self.peak_bytes:>14,}  "
                  f"{_bytes(self.peak_bytes)}"]
-        if self.forward_bytes is not None:
+        extra = self.grad_extra_bytes  # known when forward_bytes is
+        if self.forward_bytes is not None and extra is not None:
             lines.append(f"  {'forward alone (temp+out)':<34}{self.forward_bytes:>14,}  "
                          f"{_bytes(self.forward_bytes)}")
-            lines.append(f"  {'gradient extra (temp+out)':<34}{self.grad_extra_bytes:>14,}  "
-                         f"{_bytes(self.grad_extra_bytes)}")
+            lines.append(f"  {'gradient extra (temp+out)':<34}{extra:>14,}  "
+                         f"{_bytes(extra)}")
         if self.residuals is not None:
             lines.append(f"residuals the backward pass keeps, the jaxpr's view: "
                          f"{len(self.residuals)} values, {self.residual_bytes:,} bytes "
@@ -268,6 +270,7 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
     want_res = grad if residuals is None else residuals
     if grad or want_res:
         _check_differentiable(fn, args, nums, names, grad)
+    target: Callable
     if grad:
         target = jax.jit(jax.grad(fn, argnums if isinstance(argnums, int) else nums))
         mode = "grad"
@@ -353,7 +356,7 @@ def _rows(fn, args, nums, names) -> tuple[ResidualRow, ...]:
     diff = tuple(args[i] for i in nums)
     if nums == tuple(range(len(args))):
         g = graph_mod.trace(fn, *args)
-        found = g.residuals
+        found = g.residuals or ()  # never None: trace lists residuals by default
     else:
         closed = [jax.tree.map(graph_mod._concrete, a) for a in args]  # stand-ins: zeros
 
@@ -427,8 +430,8 @@ def _has_remat(jaxpr) -> bool:
         kind = ji.kind(eqn)
         if kind == "checkpoint":
             return True
-        if kind in ("jit", "custom_vjp") and _has_remat(ji.body(eqn)[0]):  # custom_vjp:
-            return True                                                     # funcgrad.remat
+        if kind in ("jit", "custom_vjp") and _has_remat(ji.call_body(eqn)[0]):  # custom_vjp:
+            return True                                                          # funcgrad.remat
     return False
 
 
@@ -442,9 +445,9 @@ def _inline_remat(closed, out_tree) -> Callable:
             ins = [read(v) for v in eqn.invars]
             kind = ji.kind(eqn)
             if kind == "checkpoint":
-                outs = run(*ji.body(eqn), ins)
-            elif kind in ("jit", "custom_vjp") and _has_remat(ji.body(eqn)[0]):
-                sub, sub_consts = ji.body(eqn)  # custom_vjp: funcgrad.remat's plain program
+                outs = run(*ji.call_body(eqn), ins)
+            elif kind in ("jit", "custom_vjp") and _has_remat(ji.call_body(eqn)[0]):
+                sub, sub_consts = ji.call_body(eqn)  # custom_vjp: funcgrad.remat's plain program
                 outs = run(sub, sub_consts, ins[len(ins) - len(sub.invars):])
             else:
                 outs = ji.bind(eqn, ins)

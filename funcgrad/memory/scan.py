@@ -190,7 +190,7 @@ def _length(xs: PyTree, length: int | None) -> int:
                              "steps is unknown. Pass length=T (as for lax.scan), or xs with a "
                              "leading axis of length T.")
         return _as_steps(length)
-    axes = {}
+    axes: dict[int, str] = {}  # steps -> the first leaf with that many
     for path, leaf in leaves:
         shape = jnp.shape(leaf)
         if not shape:

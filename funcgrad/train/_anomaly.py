@@ -1,8 +1,8 @@
 """The train step's ``detect_anomaly`` and its explanation of a skipped update.
 
 Split from `funcgrad.train.step`: after a step whose loss or gradient norm is NaN/inf,
-`funcgrad.debug.anomaly.find_nonfinite` runs on that step's params, batch, model state and key, as the
-step evaluated them (in its compute dtype, at its loss scale, only the trained leaves
+`funcgrad.debug.anomaly.find_nonfinite` runs on that step's params, batch, model state and key, as
+the step evaluated them (in its compute dtype, at its loss scale, only the trained leaves
 differentiated); after a step skipped for a non-finite *update*, `explain_skipped_update` names
 the leaves.
 """
@@ -34,7 +34,8 @@ def _locate_nonfinite(loss_fn: Callable, params: PyTree, batch: Batch, trainable
     from funcgrad.train.masks import _split
     from funcgrad.train.precision import cast_floating
 
-    fn, how = loss_fn, ()
+    fn = loss_fn
+    how: tuple[str, ...] = ()
     if compute_dtype is not None or scale is not None:
         dtype = jnp.float32 if compute_dtype is None else compute_dtype
         unscaled = fn
@@ -62,7 +63,8 @@ def _scale_of(state: Any) -> float | None:
 def _routine_overflow(loss: float, used: float | None, after: float | None) -> bool:
     """A loss-scale skip that `fit` counts as routine: finite loss, and the scale backed off
     (at its floor it cannot, and a NaN that persists there is an anomaly to locate)."""
-    return used is not None and math.isfinite(loss) and after < used
+    return (used is not None and math.isfinite(loss)
+            and after is not None and after < used)  # after is None only when used is
 
 
 def _locate_first(locate: Callable[[float | None], Any], scale: float | None):
@@ -112,7 +114,7 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
         bad = ~(np.isfinite(losses) & np.isfinite(norms)) & (examples > 0)
         if state.loss_scale is not None:  # leave routine overflows alone (see above)
             used = np.asarray(jax.device_get(metrics["loss_scale"]))
-            after = np.append(used[1:], _scale_of(new_state))
+            after = np.append(used[1:], float(new_state.loss_scale.scale))  # _scale_of
             bad &= ~np.array([_routine_overflow(float(loss), float(a), float(b))
                               for loss, a, b in zip(losses, used, after)], bool)
         bad = np.flatnonzero(bad)
@@ -144,7 +146,7 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
             key = None if update_key is None else jax.random.fold_in(update_key, j - u * k)
             states[j] = (model_state, key)
             if loss.has_state:
-                model_state = loss(before.params, jax.tree.map(lambda a: a[j], microbatches),
+                model_state = loss(before.params, jax.tree.map(lambda a, j=j: a[j], microbatches),
                                    model_state=model_state, key=key).model_state
 
         def locate(scale):  # the first micro-batch of the group that is not finite
@@ -154,7 +156,8 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
                 report = _locate_nonfinite(
                     functools.partial(micro_loss, real=real, model_state=states[j][0],
                                       key=states[j][1]), before.params,
-                    jax.tree.map(lambda a: a[j], microbatches), trainable, compute_dtype, scale)
+                    jax.tree.map(lambda a, j=j: a[j], microbatches), trainable, compute_dtype,
+                    scale)
                 report = dataclasses.replace(report, context=(
                     f"micro-batch {j - u * k} (0-based) of the {min(k, num - u * k)} of "
                     f"update {u} (micro-batch {j} of the call)", *report.context))

@@ -174,8 +174,12 @@ class ChunkRunner:
                                        lambda c: step(*c, batch_at(c[0])), carry)
         i, state, halted, rows = carry
         if tail is not None:
+            def tail_step(c):
+                i, state, halted, rows = c
+                return step(i, state, halted, rows, tail)
+
             i, state, halted, rows = jax.lax.cond(
-                halted, lambda c: c, lambda c: step(*c, tail), (i, state, halted, rows))
+                halted, lambda c: c, tail_step, (i, state, halted, rows))
         return state, i, rows
 
     def _batch_of(self, data, idx):

@@ -35,8 +35,8 @@ the loss function returns **per-example** losses:
   contrast, runs the inner update on every mini-step (and discards it on all but every k-th)
   and keeps an incomplete final window in its state until more mini-steps come (both shown in
   ``tests/train/test_accumulate.py`` and ``examples/12_accumulation.py``).
-* `stack_microbatches` and `group_microbatches` (`funcgrad.train.microbatches`, re-exported here) pad
-  and stack host (NumPy) micro-batches, e.g. those of `funcgrad.train.data.batches`, into that
+* `stack_microbatches` and `group_microbatches` (`funcgrad.train.microbatches`, re-exported here)
+  pad and stack host (NumPy) micro-batches, e.g. those of `funcgrad.train.data.batches`, into that
   layout, as a `Microbatches`: the stacked arrays and their padding mask in one object, passed
   whole (``accumulate_grads(loss_fn, params, mbs)``, ``step(state, mbs)``), so the padding rows
   cannot be counted by forgetting ``mask=``.
@@ -44,7 +44,7 @@ the loss function returns **per-example** losses:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +57,13 @@ from funcgrad.train.microbatches import group_microbatches as group_microbatches
 from funcgrad.train.microbatches import stack_microbatches as stack_microbatches
 from funcgrad.train.precision import scaled_value_and_grad
 
+if TYPE_CHECKING:
+    from funcgrad.train.loss import Loss  # imported where used: funcgrad.train.loss imports this
+
 PyTree = Any
 PerExampleLossFn = Callable[[PyTree, PyTree], jax.Array]
-ApplyUpdate = Callable[[Any, jax.Array, PyTree], tuple[Any, dict[str, jax.Array]]]
+# apply_update(state, loss, grads) -> (state, metrics), with model_state= when the loss has one.
+ApplyUpdate = Callable[..., tuple[Any, dict[str, jax.Array]]]
 
 #: Policies for a final group of fewer than `accumulate` micro-batches.
 TAIL_POLICIES: dict[str, str] = {
@@ -87,10 +91,11 @@ class AccumulatedGrads(NamedTuple):
     """
     loss: jax.Array
     grads: PyTree
-    count: jax.Array
+    # The public name shadows tuple.count (a method), which mypy reports on a NamedTuple.
+    count: jax.Array  # type: ignore[assignment]
 
 
-def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
+def accumulate_grads(loss_fn: PerExampleLossFn | Loss, params: PyTree,
                      microbatches: Microbatches | PyTree, *,
                      mask: jax.typing.ArrayLike | None = None,
                      value_and_grad: Callable = jax.value_and_grad) -> AccumulatedGrads:
@@ -136,7 +141,8 @@ def accumulate_grads(loss_fn: PerExampleLossFn, params: PyTree,
     mask = _checked_mask(mask, num, size)
     acc, _, _ = _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
                             value_and_grad=value_and_grad)
-    warn_if_coupled(loss_fn, params, _one(microbatches))  # once per trace, see funcgrad.train.coupling
+    # Once per trace, see funcgrad.train.coupling.
+    warn_if_coupled(loss_fn, params, _one(microbatches))
     return acc
 
 
@@ -197,7 +203,8 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
         # back by m (one rounding, ~6e-8 relative). The model state is not cast (see
         # funcgrad.train._stages.differentiate); its new value is cast back to the old dtypes.
         def mean_loss(p, batch):
-            total, (new_state, aux) = summed_loss(p, *batch, state, k)
+            cast_microbatch, cast_real = batch  # (microbatch, real) in the compute dtype
+            total, (new_state, aux) = summed_loss(p, cast_microbatch, cast_real, state, k)
             if new_state is not None:
                 new_state = jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)),
                                          new_state, state)
@@ -239,7 +246,7 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
 
 
 def make_accumulating_step(
-        loss_fn: PerExampleLossFn, apply_update: ApplyUpdate, *, accumulate: int,
+        loss_fn: PerExampleLossFn | Loss, apply_update: ApplyUpdate, *, accumulate: int,
         tail: str = "apply", value_and_grad: Callable = jax.value_and_grad,
         compute_dtype: Any = None, loss_scale_of: Callable[[Any], jax.Array] | None = None,
         jit: bool = True) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
@@ -281,12 +288,12 @@ def make_accumulating_step(
       jit: if False the step is returned un-jitted (for debugging with prints).
     Returns:
       ``step(state, microbatches, mask=None)`` with `microbatches` (a `Microbatches`, or a
-      plain pytree) and `mask` as in `accumulate_grads`. It returns the state after U updates (U = ``M // K``, plus 1 for a
-      partial group under "apply") and the metrics of `apply_update` stacked along a new
-      leading axis of length U, plus ``"examples": (U,) int32`` (examples averaged by each
-      update) and ``"dropped_examples": () int32``. A group without real examples gives a NaN
-      loss and gradient (see `accumulate_grads`): the train step's guard skips that update
-      (under a loss scale it also backs the scale off once).
+      plain pytree) and `mask` as in `accumulate_grads`. It returns the state after U updates (U =
+      ``M // K``, plus 1 for a partial group under "apply") and the metrics of `apply_update`
+      stacked along a new leading axis of length U, plus ``"examples": (U,) int32`` (examples
+      averaged by each update) and ``"dropped_examples": () int32``. A group without real examples
+      gives a NaN loss and gradient (see `accumulate_grads`): the train step's guard skips that
+      update (under a loss scale it also backs the scale off once).
     Raises:
       ValueError: if `accumulate` is not a positive int or `tail` not a policy; at the first
         call, for the shape errors of `accumulate_grads`.
@@ -385,7 +392,7 @@ def _warn_if_coupled(loss, state, microbatch) -> None:
     def probed(packed, batch):
         params, model_state, key = packed
         return loss(params, batch, model_state=model_state, key=key).loss
-    probed.__wrapped__ = loss.fn  # the warning names the user's function and line
+    cast(Any, probed).__wrapped__ = loss.fn  # the warning names the user's function and line
     warn_if_coupled(probed, (state.params, model_state, key), microbatch)
 
 

@@ -78,6 +78,7 @@ def _is_key(leaf: Any) -> bool:
 
 def _describe(path: tuple, leaf: Any) -> dict:
     """A leaf's entry in the checkpoint's JSON (a typed key: its key data's dtype and shape)."""
+    data: Any  # an array: JAX's, NumPy's, or a NumPy scalar
     if _is_key(leaf):
         data = jax.random.key_data(leaf)
     else:  # an array, or a Python number of a model state

@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 PyTree = Any
 
@@ -181,8 +180,8 @@ def clip_by_global_norm(grads: PyTree, max_norm: float, *, zero_nonfinite: bool 
         grads, count = zero_nonfinite_leaves(grads)
         clipped_norm = global_norm(grads)
     else:
-        count = sum((~jnp.all(jnp.isfinite(x))).astype(jnp.int32) for x in jax.tree.leaves(grads))
-        count = jnp.asarray(count, jnp.int32)
+        count = jnp.asarray(sum((~jnp.all(jnp.isfinite(x))).astype(jnp.int32)
+                                for x in jax.tree.leaves(grads)), jnp.int32)
         clipped_norm = norm
     # One scalar coefficient, multiplied into every leaf on the norm already taken (optax's
     # transformation would take the norm again: one more pass over every gradient). A multiply

@@ -2,9 +2,10 @@
 
 Accumulation (`funcgrad.train.accumulate`) equals the full-batch gradient only when each example's
 loss depends on that example alone: ``loss_fn(params, batch)[i]`` must not change when the other
-examples of `batch` change (then it is the same in any micro-batch). A loss centred on the batch mean, or BatchNorm in
-training mode (mean and variance over the batch axis), breaks that: each micro-batch then uses
-its own statistics, and a centred loss over micro-batches of one example has gradient 0.
+examples of `batch` change (then it is the same in any micro-batch). A loss centred on the batch
+mean, or BatchNorm in training mode (mean and variance over the batch axis), breaks that: each
+micro-batch then uses its own statistics, and a centred loss over micro-batches of one example has
+gradient 0.
 
 `find_coupling` tests that condition once, when an accumulating computation is traced. It
 evaluates the loss on a probe batch of P rows (P = m clipped to 3 .. 8), then on the same

@@ -196,6 +196,7 @@ def rows(tree: Any, name: str = "x") -> int:
         elif n != first[1]:
             raise ValueError(f"{where} has {n} rows but {first[0]} has {first[1]}; every leaf "
                              f"of {name} needs one row per example, the same n.")
+    assert first is not None  # flat has a leaf (checked above)
     return first[1]
 
 

@@ -14,7 +14,7 @@ import signal
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +83,8 @@ class NonFiniteReport(NamedTuple):
                     f"{', '.join(map(str, self.examples[:8]))}"
                     + (f", ... ({len(self.examples)} in all)" if len(self.examples) > 8 else ""))
         text = (f"non-finite value at step {self.step} (epoch {self.epoch}, {where}): "
-                f"loss={self.loss}, grad_norm={self.grad_norm}{rows}. Training stopped; the returned "
-                "state is the last one with finite loss and gradients (this step was not "
+                f"loss={self.loss}, grad_norm={self.grad_norm}{rows}. Training stopped; the "
+                "returned state is the last one with finite loss and gradients (this step was not "
                 f"applied). {hint}")
         return text if self.anomaly is None else f"{text}\n{self.anomaly}"
 
@@ -306,7 +306,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     source = as_source(data, y, batch_size=batch_size, epochs=epochs)
     accumulate = getattr(step, "accumulate", None) or 1
     tail_policy = getattr(step, "tail", None)
-    if source.n is not None:
+    if source.n is not None and batch_size is not None:  # array data (batch_size checked)
         _check_accumulation(source.n, batch_size, accumulate, tail_policy)
     evaluator = _evaluator(evaluate, step, batch_size)
     raw = getattr(step, "unjitted", None)
@@ -367,10 +367,10 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                 if checkpoint_dir is not None and (epoch % every == 0 or epoch == epochs):
                     _save(checkpoint_dir, run.state, position, history)
     except (Exception, KeyboardInterrupt) as error:
-        # A crash (or a second Ctrl-C) (an exception in the step, the loader or evaluate, XLA out of memory) keeps
-        # what was done: the result so far rides on the exception, and the last state is
-        # checkpointed when it is still alive (a chunk that failed may have consumed it).
-        error.fit_result = FitResult(run.state, history, None, False)
+        # A crash (or a second Ctrl-C) (an exception in the step, the loader or evaluate, XLA out of
+        # memory) keeps what was done: the result so far rides on the exception, and the last state
+        # is checkpointed when it is still alive (a chunk that failed may have consumed it).
+        cast(Any, error).fit_result = FitResult(run.state, history, None, False)
         alive = not any(getattr(leaf, "is_deleted", lambda: False)()
                         for leaf in jax.tree.leaves(run.state))
         if checkpoint_dir is not None and alive:
@@ -447,8 +447,12 @@ class _Run:
         self.owned = False  # whether self.state's buffers are fit's own (may be donated)
         self.ahead = None  # (epoch, step, launched chunk, the state it started from)
         self.epochs = epochs
-        self.state = self.verified = None
-        self.run_step, self.bar, self.say = 0, None, None
+        # Set by fit before the first epoch: the TrainState, its tqdm bar and its log writer.
+        self.state: Any = None
+        self.verified: Any = None
+        self.run_step = 0
+        self.bar: Any = None
+        self.say: Any = None
 
     # --- epochs -------------------------------------------------------------------------
     def epoch(self, epoch: int, skip: int, stopper, position) -> NonFiniteReport | None:
@@ -500,11 +504,11 @@ class _Run:
                         state, self.data, self.key, np.int32(epoch - 1), np.int32(done),
                         np.int32(active), length=active if runner.unguarded else length,
                         size=size, tail=last_tail, batch_size=b)
-                call.state, call.owned = self.state, self.owned
                 ahead, self.ahead = self.ahead, None
                 launched = (ahead[2] if ahead is not None and ahead[:2] == (epoch, done)
                             and ahead[3] is self.state else None)
-                self.state, got = _chunk(self.fast, self.runner, call, launched)
+                self.state, got = _chunk(self.fast, self.runner, call, self.state, self.owned,
+                                         launched)
                 self.owned = True  # a chunk's output: fit's own buffers
                 start = done
                 if (self.fast is not None and epoch < self.epochs and done + active == full
@@ -537,16 +541,16 @@ class _Run:
                 if done == full and report is None:
                     self.history.dropped_examples += dropped
                 if report is not None or stopper.raised or last_tail:
-                    self.epoch_done = report is None and (last_tail or done >= full)
+                    self.epoch_done = report is None and bool(last_tail or done >= full)
                     return report
             self.epoch_done = True
             return None
         # One call per step (a step that is not jitted or not made by make_train_step).
         while done * size < n:
             rows_ = order()[done * size:(done + 1) * size]
-            call = call_of(rows_)
-            taken = (len(call[0].mask) if isinstance(call[0], Microbatches) else k) if k > 1 else 1
-            report = self._call(call, epoch, done * k, taken, tuple(int(r) for r in rows_))
+            args = call_of(rows_)
+            taken = (len(args[0].mask) if isinstance(args[0], Microbatches) else k) if k > 1 else 1
+            report = self._call(args, epoch, done * k, taken, tuple(int(r) for r in rows_))
             done += 1
             position.update(step_in_epoch=done, run_step=self.run_step)
             if report is not None or stopper.raised:
@@ -592,8 +596,7 @@ class _Run:
             else:
                 stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *pending)
                 call = lambda runner, state: runner.stacked(state, stacked)
-                call.state, call.owned = self.state, self.owned
-                self.state, got = _chunk(self.fast, self.runner, call)
+                self.state, got = _chunk(self.fast, self.runner, call, self.state, self.owned)
                 self.owned = True
                 start, calls = done, list(pending)
                 report, steps = self._record(
@@ -756,12 +759,13 @@ def _runner(step: Callable, raw: Callable, skip_bad: bool,
     return runners[skip_bad, unguarded]
 
 
-def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable, launched=None):
+def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable, state: TrainState,
+           owned: bool, launched=None):
     """``run(runner, state) -> (state, count, rows)`` unguarded first when `fast` is given
     (or the result of that call, `launched` ahead of time); when a step of it was bad, again
     from the same starting state with the guarded runner (which stops there, with the state
-    from before it). Returns the host's (count, rows) too."""
-    state = run.state
+    from before it). `owned`: whether `state`'s buffers are fit's own (see `_Run.owned`).
+    Returns the host's (count, rows) too."""
     if fast is not None:
         new_state, ran, rows_ = fast_call = launched if launched is not None else run(fast,
                                                                                       state)
@@ -769,7 +773,7 @@ def _chunk(fast: ChunkRunner | None, guarded: ChunkRunner, run: Callable, launch
         if not np.asarray(got[1]["bad"])[:int(got[0])].any():
             return new_state, got
         del fast_call, new_state  # garbage: a non-finite update was applied
-    if not run.owned:  # the guarded chunk donates its state: never the caller's arrays
+    if not owned:  # the guarded chunk donates its state: never the caller's arrays
         state = owned_copy(state)
     new_state, ran, rows_ = run(guarded, state)
     return new_state, _fetched(ran, rows_)
@@ -818,8 +822,9 @@ def _host_row(metrics: Mapping[str, Any], new_state: Any) -> dict[str, Any]:
                else not (math.isfinite(loss) and math.isfinite(norm)))
     routine = bool(scaled and skipped and math.isfinite(loss)
                    and got["scale_after"] < got["loss_scale"])
-    ys = {"loss": np.array([loss]), "grad_norm": np.array([norm]), "ran": np.array([True]),
-          "bad": np.array([skipped and not routine]), "routine": np.array([routine])}
+    ys: dict[str, Any] = {
+        "loss": np.array([loss]), "grad_norm": np.array([norm]), "ran": np.array([True]),
+        "bad": np.array([skipped and not routine]), "routine": np.array([routine])}
     if got["learning_rate"] is not None:
         ys["learning_rate"] = np.array([float(got["learning_rate"])])
     monitored = metrics.get("monitor")
@@ -905,7 +910,7 @@ def _evaluator(evaluate: Any, step: Callable, batch_size: int | None):
     def evaluator(state):
         total = 0.0
         for start in range(0, n, size):
-            part = jax.tree.map(lambda a: a[start:start + size], tree)
+            part = jax.tree.map(lambda a, start=start: a[start:start + size], tree)
             total += float(batch_loss(state.params, part))
         return {"loss": total / n}
     return evaluator
@@ -986,12 +991,12 @@ def _called(step: Callable, state: TrainState, args: tuple, *, first: bool):
         problem = f"its metrics are a {type(metrics).__name__}, not a dict"
     else:
         missing = [k for k in ("loss", "grad_norm") if k not in metrics]
-        problem = missing and (f"its metrics have no {' and no '.join(map(repr, missing))} "
-                               f"(keys: {', '.join(map(repr, metrics)) or 'none'})")
+        problem = (f"its metrics have no {' and no '.join(map(repr, missing))} "
+                   f"(keys: {', '.join(map(repr, metrics)) or 'none'})") if missing else ""
     if problem:
         raise TypeError(
-            f"funcgrad.train.fit: step returned (TrainState, metrics), but {problem}. fit records the "
-            "loss and the pre-clip global gradient norm of every step and stops on a "
+            f"funcgrad.train.fit: step returned (TrainState, metrics), but {problem}. fit records "
+            "the loss and the pre-clip global gradient norm of every step and stops on a "
             "non-finite one, so a hand-written step returns metrics={'loss': loss, "
             "'grad_norm': optax.global_norm(grads)}; funcgrad.make_train_step(loss_fn, "
             "optimizer) builds such a step for you.")

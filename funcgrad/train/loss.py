@@ -1,8 +1,8 @@
 """The loss contract: one signature for losses with model state, a PRNG key and aux outputs.
 
 Every part of funcgrad that trains (`funcgrad.make_train_step`, accumulation, mixed precision,
-the monitor, ``detect_anomaly``, `funcgrad.train.fit`) and every adapter of `funcgrad.interop` speaks
-this one contract. A loss is called as
+the monitor, ``detect_anomaly``, `funcgrad.train.fit`) and every adapter of `funcgrad.interop`
+speaks this one contract. A loss is called as
 
     loss_fn(params, batch)                                  # the plain form
     loss_fn(params, batch, *, model_state=ms)               # has_state=True

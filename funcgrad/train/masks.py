@@ -53,7 +53,7 @@ def _paths_and_leaves(params: PyTree) -> tuple[list[str], list[Any]]:
 def _selectors(value: Selector | None, arg: str) -> list[str | Predicate]:
     if value is None:
         return []
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    items: list[Any] = list(value) if isinstance(value, (list, tuple)) else [value]
     for item in items:
         if not (isinstance(item, str) or callable(item)):
             raise TypeError(
@@ -235,11 +235,11 @@ def value_and_grad_trainable(fn: Callable, mask: PyTree, *,
         floating point (integers have no gradient: freeze them).
     """
     def value_and_grads(params, *args, **kwargs):
-        of_arrays, (params, *args) = split_equinox_args(fn, (params, *args))
+        of_arrays, (params, *rest) = split_equinox_args(fn, (params, *args))
         trainable, frozen, merge = _split(params, mask, "value_and_grad_trainable")
 
         def of_trainable(trainable_leaves):
-            return of_arrays(merge(trainable_leaves, frozen), *args, **kwargs)
+            return of_arrays(merge(trainable_leaves, frozen), *rest, **kwargs)
 
         value, grads = jax.value_and_grad(of_trainable, has_aux=has_aux)(trainable)
         return value, merge(grads, [jnp.zeros_like(x) for x in frozen])
@@ -334,7 +334,7 @@ def requires_grad(fn: Callable, mask: PyTree) -> Callable[..., PyTree]:
       (True, False, False)
     """
     def report(params, *args):
-        of_arrays, (params, *args) = split_equinox_args(fn, (params, *args))
+        of_arrays, (params, *rest) = split_equinox_args(fn, (params, *args))
         trainable, frozen, merge = _split(params, mask, "requires_grad")
 
         def output_tangents(primals, tangents, frozen_leaves, args):
@@ -343,7 +343,7 @@ def requires_grad(fn: Callable, mask: PyTree) -> Callable[..., PyTree]:
             return out_tangents
 
         closed, out_shape = jax.make_jaxpr(output_tangents, return_shape=True)(
-            trainable, trainable, frozen, args)
+            trainable, trainable, frozen, rest)
         n = len(jax.tree.leaves(trainable))
         live = [n <= i < 2 * n for i in range(len(closed.jaxpr.invars))]
         flags = _depends_on(closed.jaxpr, live)
@@ -364,7 +364,7 @@ def _depends_on(jaxpr: Any, live_in: list[bool]) -> list[bool]:
         return not ji.is_literal(v) and v in live
 
     for eqn in jaxpr.eqns:
-        inner = ji.body(eqn)[0] if ji.kind(eqn) in ji.CALL_KINDS else None
+        inner = ji.call_body(eqn)[0] if ji.kind(eqn) in ji.CALL_KINDS else None
         if (inner is not None and len(inner.invars) == len(eqn.invars)
                 and len(inner.outvars) == len(eqn.outvars)):
             flags = _depends_on(inner, [is_live(v) for v in eqn.invars])

@@ -1,7 +1,7 @@
 """Micro-batches on the host: padded to one size and stacked, with the mask of their real rows.
 
-`funcgrad.train.accumulate` scans over a stack of equal-sized micro-batches; these helpers build that
-stack from micro-batches of unequal sizes (the last one of an epoch is usually short) and keep
+`funcgrad.train.accumulate` scans over a stack of equal-sized micro-batches; these helpers build
+that stack from micro-batches of unequal sizes (the last one of an epoch is usually short) and keep
 the mask of real rows in the same object, a `Microbatches`, so that the padding rows cannot be
 counted as examples by forgetting to pass the mask.
 """

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -199,7 +199,8 @@ class MonitorMetrics:
         params): the update count including this step (the bits of an int), the global sum of
         squares (grad_norm**2), loss, baseline_steps after this step, the baseline this step
         was compared with, baseline_total after it, then leaf_norm, layer_norm, leaf_mean,
-        leaf_std, below_floor and clear_steps (`_Slots`). The same vector is the next `MonitorState.values`.
+        leaf_std, below_floor and clear_steps (`_Slots`). The same vector is the next
+        `MonitorState.values`.
       dead: one bool array of shape (units,) per ReLU site, `DeadReLU.dead` (True: dead for
         the whole batch); ``dead_fraction`` averages them where it is read (on the host, no
         kernel in the step).
@@ -221,7 +222,8 @@ class MonitorMetrics:
     """
     __slots__ = ("values", "dead", "layout")
 
-    def __init__(self, values: jax.Array | None, dead: tuple[jax.Array, ...],
+    def __init__(self, values: jax.Array | np.ndarray | None,
+                 dead: tuple[jax.Array | np.ndarray, ...],
                  layout: MonitorLayout):
         self.values, self.dead, self.layout = values, dead, layout
 
@@ -243,7 +245,8 @@ class MonitorMetrics:
     def _block(self, name: str) -> Any:
         slots = _Slots.of(len(self.layout.leaf_names), len(self.layout.layer_names))
         start = getattr(slots, name)
-        return self.values[..., start:slots[slots._fields.index(name) + 1]]
+        values = cast("jax.Array | np.ndarray", self.values)  # None only inside the step
+        return values[..., start:slots[slots._fields.index(name) + 1]]
 
     grad_norm = property(lambda self: _xp(self.values).sqrt(self.values[..., _SUMSQ]))
     loss = property(lambda self: self.values[..., _LOSS])
@@ -268,7 +271,8 @@ class MonitorMetrics:
         """The global norm is finite and above ``explode_factor`` x the baseline it was
         compared with (from the second step on)."""
         xp, norm, baseline = _xp(self.values), self.grad_norm, self.baseline
-        limit = xp.asarray(self.layout.explode_factor, self.values.dtype) * baseline
+        dtype = cast("jax.Array | np.ndarray", self.values).dtype  # None only inside the step
+        limit = xp.asarray(self.layout.explode_factor, dtype) * baseline
         return xp.isfinite(norm) & ~xp.isnan(baseline) & (norm > limit)
 
     @property
@@ -485,7 +489,8 @@ class GradMonitor:
         values[slots.below_floor:] = np.tile(np.where(watched, 0, -1), 2)  # and clear
         return MonitorState(jnp.asarray(values), len(layer_names))
 
-    def update(self, state: MonitorState, grads: PyTree, *, loss: jax.ArrayLike | None = None,
+    def update(self, state: MonitorState, grads: PyTree, *,
+               loss: jax.typing.ArrayLike | None = None,
                dead_relu: DeadReLU | None = None) -> tuple[MonitorState, MonitorMetrics]:
         """Statistics of one step's gradients; pure, meant to run inside ``jit``.
 
@@ -561,7 +566,7 @@ def _real(x) -> bool:
 
 
 def _count(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and bool(x >= 1)
 
 
 def grad_monitor(*, warmup: int = 10, explode_factor: float = 10.0, vanish_floor: float = 1e-6,

@@ -71,7 +71,7 @@ def _activation(name: str):
 
 
 def mlp_init(key: jax.Array, sizes: Sequence[int], *, activation: str = "relu",
-             dtype: jnp.dtype = jnp.float32) -> Params:
+             dtype: jax.typing.DTypeLike = jnp.float32) -> Params:
     """Returns the parameters of a multilayer perceptron with layer widths `sizes`.
 
     Args:

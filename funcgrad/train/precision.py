@@ -21,7 +21,7 @@ finite, and `funcgrad.train.fit` counts the skipped steps in ``History.skipped_s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +31,7 @@ import numpy as np
 from funcgrad._paths import key_paths, keystr
 
 PyTree = Any
-Batch = Mapping[str, Any]
+Batch = Any  # a pytree: a dict, or accumulation's (micro-batch, mask) pair
 
 
 class LossScaleState(NamedTuple):

@@ -42,6 +42,7 @@ class Source:
 
     def steps_per_epoch(self, accumulate: int = 1) -> int:
         """Steps (updates) per epoch of array data: ceil(ceil(n / batch) / accumulate)."""
+        assert self.n is not None and self.batch_size is not None, "array data only"
         return math.ceil(math.ceil(self.n / self.batch_size) / accumulate)
 
     def iterate(self, epoch: int) -> Iterator[PyTree]:

@@ -1,16 +1,15 @@
-"""A functional train step: an explicit train state and one jitted step (`funcgrad.train.fit` runs it).
+"""A functional train step: an explicit train state and one jitted step (`fit` runs it).
 
 There is no ``zero_grad``: each step computes fresh gradients with ``jax.value_and_grad`` and
 hands them to an optax optimizer, so nothing accumulates between steps unless you ask for it.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +18,35 @@ import optax
 
 from funcgrad._library_objects import check_optimizer, check_params
 from funcgrad._paths import key_paths, keystr
-from funcgrad.train._anomaly import (_detecting_anomalies, _detecting_anomalies_per_micro_batch,
-                                    _explain_skipped_update)
-from funcgrad.train._stages import (Update, chain, clip_stage, differentiate, finish, guard_stage,
-                                   loss_scale_stage, monitor_stage, norm_stage, optimizer_stage,
-                                   zero_nonfinite_stage)
 from funcgrad._traced import naming_traced_values
+from funcgrad.train._anomaly import (
+    _detecting_anomalies,
+    _detecting_anomalies_per_micro_batch,
+    _explain_skipped_update,
+)
+from funcgrad.train._stages import (
+    Update,
+    chain,
+    clip_stage,
+    differentiate,
+    finish,
+    guard_stage,
+    loss_scale_stage,
+    monitor_stage,
+    norm_stage,
+    optimizer_stage,
+    zero_nonfinite_stage,
+)
 from funcgrad.train.accumulate import make_accumulating_step
 from funcgrad.train.loss import Loss, as_loss
-from funcgrad.train.masks import (_AllOf, _leaf_flags, check_differentiable, freeze, frozen_masks,
-                            value_and_grad_trainable)
+from funcgrad.train.masks import (
+    _AllOf,
+    _leaf_flags,
+    check_differentiable,
+    freeze,
+    frozen_masks,
+    value_and_grad_trainable,
+)
 from funcgrad.train.monitor import GradMonitor, MonitorState
 from funcgrad.train.precision import LossScale, LossScaleState, _floating_dtype, first_half_leaf
 
@@ -235,7 +253,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
                     trainable: PyTree | None = None, compute_dtype: Any = None,
                     loss_scale: LossScale | None = None, accumulate: int | None = None,
                     tail: str = "apply", jit: bool = True, detect_anomaly: bool = False,
-                    monitor: GradMonitor | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    monitor: GradMonitor | None = None
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
     The step computes ``loss, grads = value_and_grad(loss_fn)(state.params, batch)``, the global
@@ -350,7 +369,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         monitor values are returned once, in the new state, and a thin Python wrapper around
         the jitted function (``step.__wrapped__``) hands them to ``metrics["monitor"]``.
         Adds 9-17% to a batch-32 CPU step of a small MLP, 3-6% at batch 256
-        (``benchmarks/monitor.py``). Create the state with ``init_train_state(..., monitor=monitor)``.
+        (``benchmarks/monitor.py``). Create the state with
+        ``init_train_state(..., monitor=monitor)``.
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
       ``{"loss": (), "grad_norm": ()}``, plus ``"clip_coef": ()`` with `clip_norm`, and
@@ -358,13 +378,13 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
       ``nonfinite="zero"`` ``"nonfinite_leaves": () int32``, with a `loss_scale`
       "loss_scale" and "skipped_total" (the steps whose scaled gradients overflowed, each of
       which backed the scale off; a skip for a non-finite update leaves the scale alone).
-      "grad_norm" is the pre-clip global norm in the gradients' units (with ``nonfinite="zero"``, of the gradient after its non-finite leaves were
-      zeroed: the norm of what the update used; "nonfinite_leaves" counts the zeroed leaves,
-      and a monitor still sees the raw gradient and raises its nonfinite alert).
-      `step_was_skipped` reads "skipped". With a learning-rate schedule that the optimizer
-      state holds (`make_optimizer` with a schedule, or ``optax.inject_hyperparams``), metrics
-      gain ``"learning_rate": ()``, the rate of this update (`applied_learning_rate`).
-      The step has attributes ``nonfinite`` (the policy), ``accumulate``,
+      "grad_norm" is the pre-clip global norm in the gradients' units (with ``nonfinite="zero"``, of
+      the gradient after its non-finite leaves were zeroed: the norm of what the update used;
+      "nonfinite_leaves" counts the zeroed leaves, and a monitor still sees the raw gradient and
+      raises its nonfinite alert). `step_was_skipped` reads "skipped". With a learning-rate schedule
+      that the optimizer state holds (`make_optimizer` with a schedule, or
+      ``optax.inject_hyperparams``), metrics gain ``"learning_rate": ()``, the rate of this update
+      (`applied_learning_rate`). The step has attributes ``nonfinite`` (the policy), ``accumulate``,
       ``explain_skipped_update`` (see above), ``unjitted``, the same step before
       ``jax.jit`` (None with ``jit=False``), which `fit` runs many steps at a time, and
       ``unguarded``, that step without the guard's selects (it still reports "skipped"; None
@@ -441,41 +461,49 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         if compute_dtype is None:
             _warn_half_params(state.params)
 
+    def build_accumulating(apply: Callable, accumulate: int) -> Callable:
+        """`build`'s step under accumulation: one update per group of micro-batches."""
+        accumulating = make_accumulating_step(
+            loss, apply, accumulate=accumulate, tail=tail, value_and_grad=value_and_grad,
+            compute_dtype=compute_dtype,
+            loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
+            jit=False)
+
+        def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
+            entry_checks(state)
+            _check_stacked(microbatches, mask, accumulate)
+            return accumulating(state, microbatches, mask)
+        return step
+
     def build(apply: Callable) -> Callable:
         """The step (unjitted) around `apply_update` or a variant of it."""
         if accumulate is not None:
-            accumulating = make_accumulating_step(
-                loss, apply, accumulate=accumulate, tail=tail, value_and_grad=value_and_grad,
-                compute_dtype=compute_dtype,
-                loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
-                jit=False)
-
-            def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
-                entry_checks(state)
-                _check_stacked(microbatches, mask, accumulate)
-                return accumulating(state, microbatches, mask)
-            return step
+            return build_accumulating(apply, accumulate)
 
         def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
             entry_checks(state)
-            key = (jax.random.fold_in(state.key, state.step) if loss.takes_key else None)
+            # entry_checks: a state with a key when the loss takes one, a loss scale state
+            # when the step scales the loss.
+            key = (jax.random.fold_in(cast(jax.Array, state.key), state.step) if loss.takes_key
+                   else None)
             scale = (None if compute_dtype is None and loss_scale is None
                      else jnp.ones((), jnp.float32) if loss_scale is None
-                     else state.loss_scale.scale)
+                     else cast(LossScaleState, state.loss_scale).scale)
             loss_value, grads, model_state, aux, dead = grads_of(
                 state.params, batch, state.model_state if loss.has_state else None, key, scale)
             return apply(state, loss_value, grads, model_state=model_state, aux=aux, dead=dead)
         return step
 
     step = build(apply_update)
-    out = jax.jit(step) if jit else step
+    out: Any = jax.jit(step) if jit else step  # a function with the attributes set below
     if monitor is not None and accumulate is None:
         out = _attach_monitor(out)
     if detect_anomaly:
         out = (_detecting_anomalies(out, loss, trainable, compute_dtype) if accumulate is None
                else _detecting_anomalies_per_micro_batch(out, loss, trainable, accumulate,
                                                          compute_dtype))
-    located = []  # the step with per-leaf finiteness of updates, jitted at the first skip
+    # The step with per-leaf finiteness of updates, jitted at the first skip.
+    located: list[Callable] = []
 
     def explain_skipped_update(state: TrainState, *args) -> str:
         """Which leaves' updates or new values were NaN/inf in the step ``out(state, *args)``
@@ -537,7 +565,8 @@ def step_was_skipped(metrics: Mapping[str, Any]) -> bool:
     """
     if "skipped" in metrics:
         return bool(np.asarray(metrics["skipped"]))
-    return not (math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["grad_norm"])))
+    return not (math.isfinite(float(metrics["loss"]))
+                and math.isfinite(float(metrics["grad_norm"])))
 
 
 def _value_and_grad_checked(fn: Callable, **kwargs) -> Callable:

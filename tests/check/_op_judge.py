@@ -23,11 +23,11 @@ import math
 
 import jax
 import numpy as np
+from _op_table import Op, Plant, objective, plant_site, planted
 from jax.test_util import check_grads as jax_check_grads
 from scipy import stats
 
 import funcgrad as fg
-from _op_table import Op, Plant, objective, plant_site, planted
 
 DTYPES = {"float64": np.float64, "float32": np.float32}
 

@@ -32,7 +32,6 @@ import jax.scipy as jsp
 import numpy as np
 from jax import lax
 
-
 # --- input generators ---------------------------------------------------------------------
 
 def _default(rng, shape):

@@ -10,7 +10,6 @@ import pytest
 import funcgrad as fg
 from funcgrad.check.testing import assert_grads_close
 
-
 # --- a dense layer with a hand-written backward, optionally wrong ------------------------
 
 def make_dense(bug=None):
@@ -79,7 +78,8 @@ def test_correct_function_passes(mode, dtype, structure):
     with jax.enable_x64(dtype == jnp.float64):
         params, x, y = _mlp(dtype=dtype)
         tree = STRUCTURES[structure](params)
-        report = fg.check_grads(lambda p, x, y: plain_loss(_as_list(p), x, y), tree, x, y, mode=mode)
+        report = fg.check_grads(lambda p, x, y: plain_loss(_as_list(p), x, y), tree, x, y,
+                                mode=mode)
     assert report.ok, str(report)
     assert report.dtype_used == "float64"  # float32 inputs are promoted for the check
     assert len(report.rows) == 4 and all(r.status == "ok" for r in report.rows)
@@ -451,16 +451,19 @@ def test_function_forcing_float32_is_checked_with_float32_tolerances_as_computed
 
 
 def test_integer_leaves_are_skipped_and_listed():
-    report = fg.check_grads(lambda p: jnp.sum(p["w"] ** 2) * p["n"], {"w": jnp.ones(3), "n": jnp.array(3)})
+    report = fg.check_grads(lambda p: jnp.sum(p["w"] ** 2) * p["n"],
+                            {"w": jnp.ones(3), "n": jnp.array(3)})
     assert report.ok and [r.path for r in report.rows] == ["p['w']"]
     assert report.skipped == ["p['n'] (int32, not differentiated)"] or \
         report.skipped == ["p['n'] (int64, not differentiated)"]
 
 
 def test_errors_are_clear():
-    with pytest.raises(ValueError, match=r"argument n \(argnums=0\) has dtype int.*cannot be differentiated"):
+    with pytest.raises(ValueError,
+                       match=r"argument n \(argnums=0\) has dtype int.*cannot be differentiated"):
         fg.check_grads(lambda n: n * 2.0, jnp.array(3))
-    with pytest.raises(ValueError, match=r"not finite at the primal point.*first at output\[1\] = -inf"):
+    with pytest.raises(ValueError,
+                       match=r"not finite at the primal point.*first at output\[1\] = -inf"):
         fg.check_grads(lambda x: jnp.log(x), jnp.array([1.0, 0.0, 2.0]))
     with pytest.raises(ValueError, match="mode must be 'full' or 'directional'"):
         fg.check_grads(jnp.sum, jnp.ones(2), mode="fast")
@@ -562,7 +565,8 @@ def test_non_array_and_static_arguments_get_the_partial_fix():
     def by_mode(x, mode):
         return jnp.sum(x ** 2) if mode == "sq" else jnp.sum(x)
 
-    with pytest.raises(TypeError, match=r"argument mode is a str, not an array.*functools\.partial"):
+    with pytest.raises(TypeError,
+                       match=r"argument mode is a str, not an array.*functools\.partial"):
         fg.check_grads(by_mode, jnp.ones(3), "sq")
 
     def first_n(x, n):                      # n used as a Python int: range(n)

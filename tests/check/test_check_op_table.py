@@ -7,10 +7,10 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
-import funcgrad as fg
 from _op_judge import check_planted, directional_quantile, problems
 from _op_table import BY_NAME, objective, plant_site, planted
+
+import funcgrad as fg
 
 # 27 ops, one or two per family of the table: elementwise unary at JAX's input ranges
 # (including the edges: tan near +-1.3, arcsin on (-1, 1)), binary (div, pow, atan2, rem, max),

@@ -14,7 +14,6 @@ import pytest
 
 import funcgrad as fg
 
-
 # --- a tanh with a hand-written backward pass, optionally wrong in one element -----------
 
 def make_tanh(bug=None):
@@ -86,7 +85,8 @@ def test_opting_out_checks_as_computed_and_states_the_resolution():
                             lift_precision=False)
     assert report.lifted_from is None and report.dtype_used == "bfloat16"
     assert report.ok  # the 10% bug hides under bfloat16 tolerances: what lifting is for
-    assert any("relative errors below 0.2, and any error at all in a derivative smaller than 0.2" in n for n in report.notes)
+    assert any("relative errors below 0.2, and any error at all in a derivative smaller than 0.2"
+               in n for n in report.notes)
 
 
 def test_a_flax_bfloat16_dense_layer_with_a_wrong_custom_activation_fails():
@@ -397,3 +397,63 @@ def test_a_float32_while_loop_under_rev_is_fn_s_own_error_not_a_lift_error():
 
     with pytest.raises(ValueError, match="while_loop.*modes=\\('fwd',\\)"):
         fg.check_grads(f, jnp.ones(3, jnp.float32))
+
+
+# --- the check is about fn as the user runs it -------------------------------------------
+
+def _dropout_masks(key, shape):
+    """jax.random.bernoulli(key, 0.5, shape) as a float32 program draws it (JAX's default,
+    x64 off: 32 random bits per element) and as the same code traced under x64 draws it (64
+    bits): two different masks from one key."""
+    m32 = np.asarray(jax.random.bernoulli(key, 0.5, shape))
+    with jax.enable_x64(True):
+        m64 = np.asarray(jax.random.bernoulli(key, 0.5, shape))
+    return m32, m64
+
+
+def test_a_check_with_dropout_differentiates_the_users_mask():
+    # f(v) = sum((keep * v * x)^2): df/dv_j = 2 v_j x_j^2 keep_j. The check traces fn with
+    # float64 inputs; under x64 the mask is drawn with 64 bits and differs (issue 25 point 1:
+    # the report's analytic and numeric agreed on another function's gradient). With v zero
+    # except at an element j where the two masks differ, the only non-zero derivative is at j:
+    # the row's worst element is j and its analytic value must be the user's gradient there.
+    key = jax.random.key(0)
+    m32, m64 = _dropout_masks(key, (16,))
+    j = int(np.flatnonzero(m32 != m64)[0])
+    v = np.zeros(16, np.float32)
+    v[j] = 1.5
+    x = np.linspace(-1.0, 1.5, 16).astype(np.float32)
+
+    def f(v, x):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.sum(jnp.where(keep, v * x, 0.0) ** 2)
+
+    users = np.asarray(jax.grad(f)(jnp.asarray(v), jnp.asarray(x)))  # as the user runs it
+    assert users[j] == pytest.approx(2 * 1.5 * float(x[j]) ** 2 * m32[j], rel=1e-6)
+    report = fg.check_grads(f, jnp.asarray(v), jnp.asarray(x))
+    row = report.rows[0]
+    assert report.ok and row.worst_index == (j,)
+    assert row.analytic == pytest.approx(users[j], rel=1e-6)
+    assert row.numeric == pytest.approx(users[j], rel=1e-5, abs=1e-6)
+    assert report.lifted_from == "float32" and report.weaker is None
+    assert any("as you run it" in n and "another mask" in n for n in report.notes)
+
+
+def test_a_wrong_rule_under_dropout_is_caught_on_the_users_mask():
+    # A custom square whose backward is 10% too large, applied after dropout: caught, and
+    # the worst element is one the user's mask keeps (a dropped element has no gradient).
+    key = jax.random.key(3)
+    m32, _ = _dropout_masks(key, (12,))
+
+    @jax.custom_vjp
+    def square(h):
+        return h * h
+    square.defvjp(lambda h: (h * h, h), lambda h, g: (2.2 * h * g,))
+
+    def f(v):
+        keep = jax.random.bernoulli(key, 0.5, v.shape)
+        return jnp.sum(square(jnp.where(keep, v, 0.0)))
+
+    report = fg.check_grads(f, jnp.linspace(0.5, 2.0, 12, dtype=jnp.float32))
+    assert not report.ok
+    assert m32[report.rows[0].worst_index]

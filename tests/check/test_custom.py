@@ -1,4 +1,4 @@
-"""custom_vjp with a checked bwd: hand-derived rules, jit and vmap, and every error message (row 14)."""
+"""custom_vjp with a checked bwd: hand-derived rules, jit and vmap, every error message (row 14)."""
 import functools
 import inspect
 import warnings
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from funcgrad.check.grads import check_grads
 from funcgrad.check.custom import DroppedCotangentWarning, custom_vjp
+from funcgrad.check.grads import check_grads
 
 
 def make_scale(bwd):
@@ -264,7 +264,8 @@ def test_a_non_array_leaf():
 
 PARAMS = {"w": jnp.ones((2, 2)), "b": {"c": jnp.ones(2), "d": jnp.ones(())}}
 STRUCTURE_CASES = {
-    "missing_key": ({"w": jnp.ones((2, 2)), "b": {"c": jnp.ones(2)}}, r"; missing: p\['b'\]\['d'\]"),
+    "missing_key": ({"w": jnp.ones((2, 2)), "b": {"c": jnp.ones(2)}},
+                    r"; missing: p\['b'\]\['d'\]"),
     "extra_key": ({"w": jnp.ones((2, 2)), "b": {"c": jnp.ones(2), "d": jnp.ones(()),
                                                "e": jnp.ones(())}},
                   r"; not in the input: p\['b'\]\['e'\]"),

@@ -1,4 +1,4 @@
-"""Tests for funcgrad.debug.anomaly.find_nonfinite: each case located to its primitive, pass and line.
+"""Tests for funcgrad.debug.anomaly.find_nonfinite: each case located to primitive, pass and line.
 
 Expected lines are found by the marker comment at the end of the line (``# <- name``) in this
 file, so the tests survive edits above them; the primitive and the pass come from the maths
@@ -350,7 +350,8 @@ def test_bad_input_gets_a_clear_error():
     assert find_nonfinite(lambda params: jnp.sum(params["w"]),
                           {"w": x, "step": jnp.int32(3)}).ok
     with pytest.raises(TypeError, match=r"params\['c'\] has dtype complex64"):
-        find_nonfinite(lambda params: jnp.sum(params["w"]), {"w": x, "c": jnp.ones(2, jnp.complex64)})
+        find_nonfinite(lambda params: jnp.sum(params["w"]),
+                       {"w": x, "c": jnp.ones(2, jnp.complex64)})
     with pytest.raises(TypeError, match=r"leaf args\[1\] is a str"):
         find_nonfinite(lambda a, *rest: jnp.sum(a), x, "text")
     # grad=False: any outputs, no argnums check.
@@ -501,7 +502,7 @@ def test_row_wise_reductions_sorts_and_top_k_keep_each_row_s_origin():
     x = jnp.array([[0.0, 0.0], [1000.0, 0.0]])
     for pick in (lambda s: s.max(1)[0], lambda s: jnp.sort(s)[0, 0],
                  lambda s: jax.lax.top_k(s, 2)[0][0, -1]):
-        report = find_nonfinite(lambda x: pick(masked(x)), x, grad=False)
+        report = find_nonfinite(lambda x, pick=pick: pick(masked(x)), x, grad=False)
         assert "non-finite constant" in report.hint, report.primitive
 
 

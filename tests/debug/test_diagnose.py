@@ -274,7 +274,8 @@ def test_a_param_dependent_while_loop_gets_a_clear_error():
     def loss(p, x):
         return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * p),
                                   (0, x))[1].sum()
-    with pytest.raises(ValueError, match="reverse mode.*lax.while_loop.*Write the loop as lax.scan"):
+    with pytest.raises(ValueError,
+                       match="reverse mode.*lax.while_loop.*Write the loop as lax.scan"):
         explain_grads(loss, jnp.float32(2.0), jnp.ones(2))
 
 

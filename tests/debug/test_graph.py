@@ -1,4 +1,4 @@
-"""funcgrad.debug.graph: nodes, leaves, fan-out points, nested jaxprs, residuals, text and DOT output.
+"""funcgrad.debug.graph: nodes, leaves, fan-out points, nested jaxprs, residuals, text, DOT output.
 
 Every expected value is derived by hand in the comment above its assertion, from the jaxpr
 JAX records (``jax.make_jaxpr``) or from the vjp rules of the primitives involved.
@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_rules import tanh_residuals
 
 import funcgrad as fg
 from funcgrad.debug.graph import Graph, trace
-from jax_rules import tanh_residuals
 
 
 def affine(x, w, b):

@@ -92,7 +92,8 @@ def test_inside_cond_the_untaken_branch_gets_zero():
     def loss(w, x, flag):
         return jax.lax.cond(flag, lambda: 3.0 * jnp.sum(tap("z", x @ w)), lambda: jnp.sum(x @ w))
 
-    np.testing.assert_array_equal(intermediate_grads(loss)(W, X, True)[2]["z"], np.full((2, 2), 3.0))
+    np.testing.assert_array_equal(intermediate_grads(loss)(W, X, True)[2]["z"],
+                                  np.full((2, 2), 3.0))
     np.testing.assert_array_equal(intermediate_grads(loss)(W, X, False)[2]["z"], np.zeros((2, 2)))
 
 
@@ -171,7 +172,8 @@ def test_a_tap_alone_is_the_identity_and_compiles_to_nothing():
 
 
 def test_repeated_name_is_an_error_naming_both_sites():
-    with pytest.raises(ValueError, match=r"tap name 'z' is used twice in one call: at test_taps.py:\d+"):
+    with pytest.raises(ValueError,
+                       match=r"tap name 'z' is used twice in one call: at test_taps.py:\d+"):
         intermediate_grads(lambda w, x: sq_tanh(w, x) + sq_tanh(w, x))(W, X)
 
 

@@ -139,8 +139,8 @@ def test_reports_name_leaves_by_nnx_paths():
 
 
 def test_an_optimizer_and_other_objects_are_refused_clearly():
-    import optax
     import flax.linen as nn
+    import optax
 
     model = _model()
     with pytest.raises(TypeError, match=r"(?s)nnx.Optimizer.*from_nnx\(model\).*optax"):
@@ -246,7 +246,8 @@ def test_mixed_precision_step_keeps_float32_statistics():
     # few layers deep, 3e-2 relative bounds the loss and the statistics (which move by
     # (1 - momentum) * batch statistic, compared with an absolute 1e-2 as well).
     np.testing.assert_allclose(float(at16["loss"]), float(at32["loss"]), rtol=3e-2)
-    floats = lambda tree: [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    floats = lambda tree: [x for x in jax.tree.leaves(tree)
+                           if jnp.issubdtype(x.dtype, jnp.floating)]
     for a, b, before in zip(floats(half.model_state), floats(full.model_state),
                             floats(state.model_state)):
         assert a.dtype == b.dtype == jnp.float32

@@ -10,8 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from funcgrad.memory.checkpointing import (plan_remat, recompute_fraction, remat, remat_sequential,
-                                          segment_plan, segment_sizes)
+from funcgrad.memory.checkpointing import (
+    plan_remat,
+    recompute_fraction,
+    remat,
+    remat_sequential,
+    segment_plan,
+    segment_sizes,
+)
 
 N, WIDTH, BATCH = 16, 64, 256  # one activation: 256 x 64 x 4 bytes = 64 KiB
 

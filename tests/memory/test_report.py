@@ -9,10 +9,10 @@ import numpy as np
 import optax
 import pytest
 from jax.ad_checkpoint import checkpoint_name
+from jax_rules import tanh_residuals
 
 import funcgrad as fg
 from funcgrad.memory import MemoryReport, memory_report
-from jax_rules import tanh_residuals
 
 
 def one_layer(w, x):

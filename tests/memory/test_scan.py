@@ -1,4 +1,4 @@
-"""checkpointed_scan: lax.scan's values and gradients, with a backward pass keeping fewer carries."""
+"""checkpointed_scan: lax.scan's values and gradients, a backward pass keeping fewer carries."""
 import math
 
 import jax
@@ -97,7 +97,8 @@ def test_length_without_xs_and_levels_1():
         return carry, ys
 
     for levels in (1, 2, "log"):
-        (carry, ys), grad = final(2.0, levels), jax.grad(lambda w: final(w, levels)[0])(2.0)
+        (carry, ys) = final(2.0, levels)
+        grad = jax.grad(lambda w, levels=levels: final(w, levels)[0])(2.0)
         assert (float(carry), float(grad)) == (31.0, 49.0)
         np.testing.assert_array_equal(np.asarray(ys), [0.0, 1.0, 3.0, 7.0, 15.0])
 

@@ -535,7 +535,7 @@ def test_a_schedule_counts_updates_and_the_step_reports_the_rate_applied():
     hand = params
     for u, rate in enumerate(rates):
         grads = full_grad(hand, _concat(parts[2 * u:2 * u + 2]))
-        hand = jax.tree.map(lambda p, g: p - rate * g, hand, grads)
+        hand = jax.tree.map(lambda p, g, rate=rate: p - rate * g, hand, grads)
     assert _rel_err(state.params, hand) < 1e-5
 
 

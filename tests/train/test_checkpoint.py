@@ -13,8 +13,12 @@ import optax
 import pytest
 
 import funcgrad as fg
-from funcgrad.train.checkpoint import (Restored, latest_checkpoint_step, restore_checkpoint,
-                                       save_checkpoint)
+from funcgrad.train.checkpoint import (
+    Restored,
+    latest_checkpoint_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from tests.train._problems import mlp_problem
 
 
@@ -171,7 +175,8 @@ def test_position_and_history_round_trip_as_json_with_nan_and_inf(tmp_path):
 
 
 def test_position_and_history_without_json_form_are_refused(tmp_path):
-    with pytest.raises(TypeError, match=r"history\['log'\]\[1\] has type object, which has no JSON"):
+    with pytest.raises(TypeError,
+                       match=r"history\['log'\]\[1\] has type object, which has no JSON"):
         save_checkpoint(tmp_path, _tiny_state(1.0, 1), history={"log": [1, object()]})
     with pytest.raises(TypeError, match="position has the key 0; keys must be str"):
         save_checkpoint(tmp_path, _tiny_state(1.0, 1), position={0: 1})

@@ -29,7 +29,8 @@ def test_global_norm_large_leaves_are_reduced_without_a_copy():
     # against 0.2 ms for per-leaf sums). Second method for the value: optax.tree.norm.
     from funcgrad.train.clipping import _CONCAT_LIMIT
     keys = jax.random.split(jax.random.key(1), 4)
-    tree = {"big": jax.random.normal(keys[0], (300, 400)), "mid": jax.random.normal(keys[1], (90, 300)),
+    tree = {"big": jax.random.normal(keys[0], (300, 400)),
+            "mid": jax.random.normal(keys[1], (90, 300)),
             "small": [jax.random.normal(keys[2], (128,)), jax.random.normal(keys[3], (10, 3))]}
     np.testing.assert_allclose(global_norm(tree), optax.tree.norm(tree), rtol=1e-6)
     jaxpr = jax.make_jaxpr(global_norm)(tree)

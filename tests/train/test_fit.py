@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _problems import half_squared_norm, mlp_problem
 
 import funcgrad as fg
-from _problems import half_squared_norm, mlp_problem
 
 
 def test_fit_keeps_the_state_from_before_a_nan_batch():
@@ -180,7 +180,8 @@ def test_fit_names_a_loss_function_passed_as_the_step():
     assert any("step = funcgrad.make_train_step(loss_fn, optimizer)" in note
                for note in error.value.__notes__)
     # A function that runs but returns something else than (TrainState, metrics).
-    with pytest.raises(TypeError, match=r"step returned an array of shape \(\) and dtype float32, not \(TrainState, metrics\)"):
+    with pytest.raises(TypeError, match=r"step returned an array of shape \(\) and dtype float32, "
+                                        r"not \(TrainState, metrics\)"):
         fg.fit(lambda s, b: loss_fn(s.params, b), state, data.x_train, data.y_train, epochs=1,
                batch_size=32, progress=False)
 
@@ -349,4 +350,5 @@ def test_fit_records_the_learning_rate_each_update_applied():
     result = fg.fit(fg.make_train_step(per_example, tx, accumulate=2),
                     fg.init_train_state(params, tx), x, 2.0 * x[:, 0], epochs=1, batch_size=16,
                     progress=False)
-    assert result.history.step_learning_rate == [] and "learning_rate" not in result.history.epochs[0]
+    assert result.history.step_learning_rate == []
+    assert "learning_rate" not in result.history.epochs[0]

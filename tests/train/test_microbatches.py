@@ -94,7 +94,8 @@ def test_micro_batches_of_per_example_prng_keys_accumulate_the_full_batch_gradie
             "use": np.arange(n) % 4 != 3}
     params = {"w": jax.random.normal(jax.random.key(2), (5, 3))}
     want = jax.grad(lambda p: jnp.mean(_dropout_loss(p, full)))(params)
-    parts = [jax.tree.map(lambda a: a[s], full) for s in (slice(0, 3), slice(3, 6), slice(6, 7))]
+    parts = [jax.tree.map(lambda a, s=s: a[s], full)
+             for s in (slice(0, 3), slice(3, 6), slice(6, 7))]
     mbs = stack_microbatches(parts)
     assert mbs.data["key"].shape == (3, 3) and mbs.data["key"].dtype == full["key"].dtype
     assert mbs.data["y"].dtype == np.int8 and mbs.data["use"].dtype == np.bool_

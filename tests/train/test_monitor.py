@@ -8,8 +8,16 @@ import pytest
 
 import funcgrad as fg
 import funcgrad.train.monitor as monitor_module
-from funcgrad.train.monitor import (Alert, DeadReLU, GradMonitor, MonitorMetrics, MonitorState,
-                              grad_monitor, monitor_alerts, with_dead_relu)
+from funcgrad.train.monitor import (
+    Alert,
+    DeadReLU,
+    GradMonitor,
+    MonitorMetrics,
+    MonitorState,
+    grad_monitor,
+    monitor_alerts,
+    with_dead_relu,
+)
 
 
 def _mlp_loss(params, batch):
@@ -398,7 +406,7 @@ def test_types_are_pytrees_and_public():
     assert Alert(1, "explosion", "global", 2.0, 1.0, "x").kind in monitor_module.ALERT_KINDS
 
 
-# --- make_train_step(monitor=) and fit (live once funcgrad.train.step takes monitor=) ---------------
+# --- make_train_step(monitor=) and fit (live once funcgrad.train.step takes monitor=) ------
 
 _INTEGRATED = "monitor" in __import__("inspect").signature(fg.make_train_step).parameters
 needs_train_step = pytest.mark.skipif(not _INTEGRATED,

@@ -9,7 +9,8 @@ import funcgrad as fg
 
 def test_init_shapes_and_zero_biases(key):
     params = fg.mlp_init(key, (64, 128, 10))
-    assert [(p["w"].shape, p["b"].shape) for p in params] == [((64, 128), (128,)), ((128, 10), (10,))]
+    assert ([(p["w"].shape, p["b"].shape) for p in params]
+            == [((64, 128), (128,)), ((128, 10), (10,))])
     assert all(p["w"].dtype == jnp.float32 and not np.any(p["b"]) for p in params)
 
 

@@ -64,7 +64,8 @@ def _run(optimizer, steps):
 def test_momentum_steps_match_formula():
     # v = beta*v + g; p -= lr*v with lr=0.1, beta=0.9, p=(1, -2), v=0.
     # Step 1: g=(2, -2);    v=(2, -2);                       p=(1-0.2, -2+0.2)   = (0.8, -1.8)
-    # Step 2: g=(1.6, -1.8); v=0.9*(2,-2)+(1.6,-1.8)=(3.4,-3.6); p=(0.8-0.34, -1.8+0.36) = (0.46, -1.44)
+    # Step 2: g=(1.6, -1.8); v=0.9*(2,-2)+(1.6,-1.8)=(3.4,-3.6);
+    #         p=(0.8-0.34, -1.8+0.36) = (0.46, -1.44)
     p1, p2 = _run(fg.make_optimizer("momentum", 0.1, momentum=0.9), 2)
     np.testing.assert_allclose(p1, [0.8, -1.8], rtol=0, atol=TOL)
     np.testing.assert_allclose(p2, [0.46, -1.44], rtol=0, atol=TOL)
@@ -89,4 +90,5 @@ def test_adam_steps_match_formula():
     # carries that ~1e-10 error; everything else is float64 rounding.
     np.testing.assert_allclose(got1, p1, rtol=0, atol=TOL)
     np.testing.assert_allclose(got2, p2, rtol=0, atol=1e-9)
-    assert got2[0] == pytest.approx(0.9 - 0.1 * 1.894736842 / 1.902580, abs=1e-6)  # decimals by hand
+    # decimals by hand
+    assert got2[0] == pytest.approx(0.9 - 0.1 * 1.894736842 / 1.902580, abs=1e-6)

@@ -74,7 +74,7 @@ def test_scale_sequence_in_one_scan_equals_step_by_step(strict_dtypes):
     flags = jnp.asarray([f for f, _ in SCRIPT])
     _, states = jax.jit(lambda s, f: jax.lax.scan(lambda c, x: (ls.update(c, x),) * 2, s, f))(
         ls.init(), flags)
-    got = [_as_tuple(jax.tree.map(lambda a: a[i], states)) for i in range(len(SCRIPT))]
+    got = [_as_tuple(jax.tree.map(lambda a, i=i: a[i], states)) for i in range(len(SCRIPT))]
     assert got == [e for _, e in SCRIPT]
 
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _problems import half_squared_norm, mlp_problem
 
 import funcgrad as fg
-from _problems import half_squared_norm, mlp_problem
 
 
 def test_step_equals_hand_written_step():
@@ -75,7 +75,8 @@ def test_step_errors_are_clear():
     params, batch, loss_fn = mlp_problem()
     with pytest.raises(ValueError, match="clip_norm must be a positive"):
         fg.make_train_step(loss_fn, optax.sgd(0.1), clip_norm=0.0)
-    per_example = fg.make_train_step(lambda p, b: fg.mlp_apply(p, b["x"]).sum(axis=1), optax.sgd(0.1))
+    per_example = fg.make_train_step(lambda p, b: fg.mlp_apply(p, b["x"]).sum(axis=1),
+                                     optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar, got shape \(5,\)"):
         per_example(fg.init_train_state(params, optax.sgd(0.1)), batch)
     step = fg.make_train_step(loss_fn, optax.adam(1e-3))
@@ -254,7 +255,8 @@ def test_detect_anomaly_locates_a_backward_nan_once_the_scale_cannot_back_off():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"monitor": True}, r"monitor must be a GradMonitor, e\.g\. monitor=funcgrad\.grad_monitor\(\) \(called\), got bool"),
+    ({"monitor": True}, r"monitor must be a GradMonitor, e\.g\. "
+                        r"monitor=funcgrad\.grad_monitor\(\) \(called\), got bool"),
     ({"monitor": fg.grad_monitor}, "monitor must be a GradMonitor.*got function"),
     ({"loss_scale": fg.dynamic_loss_scale}, "loss_scale must be a LossScale.*got function"),
 ], ids=["monitor_true", "uncalled_monitor", "uncalled_loss_scale"])

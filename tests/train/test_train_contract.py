@@ -135,9 +135,9 @@ def test_accumulation_threads_the_state_and_draws_one_key_per_micro_batch():
     params, model_state, base = _params(), _model_state(), jax.random.key(3)
     keeps = []
     for u in range(2):
-        grads, total = jax.tree.map(jnp.zeros_like, params), 0.0
+        grads = jax.tree.map(jnp.zeros_like, params)
         for j in range(k):
-            mb = jax.tree.map(lambda a: a[u * k + j], mbs.data)
+            mb = jax.tree.map(lambda a, i=u * k + j: a[i], mbs.data)
             key = jax.random.fold_in(jax.random.fold_in(base, u), j)
             def summed(p, mb=mb, model_state=model_state, key=key):
                 losses, new_state, aux = _forward(p, mb, model_state, key)

@@ -10,7 +10,6 @@ import pytest
 
 import funcgrad as fg
 
-
 # --- point 1: a non-finite update from a finite gradient is never applied ---------------------
 
 def unused_leaf_loss(params, batch):
