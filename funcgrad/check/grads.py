@@ -44,7 +44,7 @@ from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._library_objects import split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
 from funcgrad._traced import traced_values
-from funcgrad.check import _directions, _full_pass, _noise
+from funcgrad.check import _directions, _full_pass, _noise, _rule_blame
 from funcgrad.check import _objective as obj
 from funcgrad.check._directional_mode import _random_tangents, _run_directional
 from funcgrad.check._lift_precision import lift_precision_of, narrowest_float
@@ -247,6 +247,13 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                 "depends on the differentiated arguments, and JAX has no reverse-mode derivative "
                 "for it. Check the forward mode alone with modes=('fwd',), or write the loop "
                 "as lax.scan.") from error
+        if any(not r.ok for r in rows):  # a custom rule on the failing path: name it
+            blamed = _rule_blame.blame(prob, seed)
+            wrong = tuple(b.split(" is wrong ")[0] + " is wrong at the check point (see the "
+                          "report's notes)" for b in blamed if " is wrong " in b)
+            notes = [*blamed, *notes]
+            rows = [r if r.ok or not wrong else dataclasses.replace(r, notes=(*r.notes, *wrong))
+                    for r in rows]
     notes = prob["notes"] + notes
     checked = tuple(m for m in modes if not (m == "fwd" and _NO_FWD_NOTE in notes))
     return GradCheckReport(rows=rows, mode=mode, modes=checked or tuple(modes), order=order,
