@@ -104,13 +104,15 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         "fwd" is skipped with a note when `fn` uses ``custom_vjp``. In full mode "fwd" checks
         jvps along random tangents per leaf next to rev, and every element's jvp on its own
         when it is the only mode (a ``while_loop`` that only forward mode can differentiate).
-      order: 1 checks the gradient; 2 checks the gradient of <u, gradient> (Hessian-vector
+      order: 1 checks the gradient; 2 checks the gradient of ``<u, gradient>`` (Hessian-vector
         products) against finite differences of the gradient, not the gradient itself: a
         wrong first-order rule can pass order 2, so check order=1 too.
-      eps, rtol, atol: override `TOLERANCES` for the dtype used: eps a finite number > 0 (the
-        step, in the units of the differentiated leaves), rtol and atol finite numbers >= 0
-        (atol in the derivative's units, not scaled by |f|; each element's tolerance is
-        atol + rtol·|numeric| + the estimated error of its central difference).
+      eps: overrides `TOLERANCES`' step for the dtype used: a finite number > 0, in the
+        units of the differentiated leaves.
+      rtol: overrides `TOLERANCES`' relative tolerance: a finite number >= 0 (each element's
+        tolerance is atol + rtol·|numeric| + the estimated error of its central difference).
+      atol: overrides `TOLERANCES`' absolute tolerance: a finite number >= 0, in the
+        derivative's units, not scaled by |f|.
       num_directions: random tangents per check in directional mode (per block, and k over
         all leaves together), and per leaf for the fwd check in full mode.
       seed: a non-negative int; seeds the tangents and the output cotangents.

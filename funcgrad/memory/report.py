@@ -105,7 +105,7 @@ class MemoryReport:
         once. It is an upper bound of what the program allocates (an input no longer needed is
         not freed early). On CPU the peak RSS differs by 10-30% (it counts the pages a call
         touches, plus workspaces of library fusions that no compiled analysis sees:
-        ``benchmarks/memory_report.py`` and the README's Benchmarks); on GPU the allocator's
+        ``benchmarks/memory_report.py`` and docs/benchmarks.md); on GPU the allocator's
         ``memory_stats()`` counts what is assigned."""
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
