@@ -5,10 +5,13 @@ paths), the model state (BatchNorm statistics, rng counters) and a pure ``apply`
 `funcgrad.Loss` under the train step's contract; ``rebuild`` turns them back into the
 library's object bit for bit. flax and equinox are imported only when an adapter is called
 (``pip install 'funcgrad[flax]'`` / ``'funcgrad[equinox]'``).
+
+Warnings: `StaticFieldWarning` (an equinox field equinox treats as static, which never trains).
 """
 from funcgrad.interop._model import Model as Model
+from funcgrad.interop._warnings import StaticFieldWarning as StaticFieldWarning
 from funcgrad.interop.equinox import from_equinox as from_equinox
 from funcgrad.interop.linen import from_linen as from_linen
 from funcgrad.interop.nnx import from_nnx as from_nnx
 
-__all__ = ["Model", "from_equinox", "from_linen", "from_nnx"]
+__all__ = ["Model", "StaticFieldWarning", "from_equinox", "from_linen", "from_nnx"]

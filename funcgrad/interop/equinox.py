@@ -10,7 +10,10 @@ from typing import Any
 
 import jax
 
+from funcgrad._library_objects import static_field_message, static_floats
+from funcgrad._user_line import warn
 from funcgrad.interop._model import Model, _call_takes, _wrong_module
+from funcgrad.interop._warnings import StaticFieldWarning
 
 
 def from_equinox(model: Any, state: Any = None, *,
@@ -37,6 +40,12 @@ def from_equinox(model: Any, state: Any = None, *,
     (dropout off, BatchNorm on its running statistics), ``train=True`` ``inference_mode(model,
     False)``, None the model as given; a model whose ``__call__`` takes ``train`` also gets
     it as an argument.
+
+    Warns:
+      funcgrad.interop.StaticFieldWarning: once per Python float field (``self.scale =
+        0.5``) outside equinox's own layers: equinox treats it as static, so it is not in
+        ``m.params`` and never trains; the message gives the fix (``eqx.tree_at(lambda m:
+        m.scale, model, jnp.asarray(0.5))``, or ``eqx.field(static=True)`` for a setting).
 
     Args:
       model: an ``eqx.Module`` with at least one floating array.
@@ -70,6 +79,9 @@ def from_equinox(model: Any, state: Any = None, *,
     if not jax.tree.leaves(params):
         raise ValueError(f"from_equinox: {type(model).__name__} holds no floating arrays, so "
                          "there is nothing to differentiate.")
+    for _, path, value in static_floats(model):
+        warn(static_field_message("model", [(path, value)], "from_equinox (as eqx.partition("
+                                  "model, eqx.is_inexact_array)) leaves"), StaticFieldWarning)
 
     def call(model, args, state, key, kwargs):
         if key is not None:

@@ -5,6 +5,8 @@ model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None))`` over (x, s
 ``eqx.filter_grad`` of that loss. The adapter runs the same operations, so values agree exactly.
 """
 import functools
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -306,3 +308,59 @@ def _adam():
 
     m, tx = _train_model(), optax.adam(1e-2)
     return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)
+
+
+# --- issue 25.2: a Python float field is named by from_equinox, never dropped silently --------
+
+class _Affine(eqx.Module):
+    """out = scale * linear(x) + shift; `scale` and `shift` are Python floats (equinox: static)."""
+    linear: eqx.nn.Linear
+    scale: float
+    shift: float
+
+    def __call__(self, x, *, key=None):
+        return self.scale * self.linear(x) + self.shift
+
+
+def _affine():
+    linear = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    linear = eqx.tree_at(lambda lin: (lin.weight, lin.bias), linear,
+                         (jnp.array([[1.0, 2.0]]), jnp.array([0.0])))
+    return _Affine(linear, 0.5, 0.25)
+
+
+def _squared_error(out, batch):
+    return jnp.sum((out - batch["y"]) ** 2)
+
+
+def test_from_equinox_warns_once_per_python_float_field():
+    model = _affine()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = from_equinox(model)
+    messages = [str(w.message) for w in caught
+                if issubclass(w.category, fg.interop.StaticFieldWarning)]
+    assert len(messages) == 2 and len(caught) == 2, [str(w.message) for w in caught]
+    assert re.search(r"model\.scale is a Python float \(0\.5\).*static.*never train.*"
+                     r"eqx\.tree_at\(lambda m: m\.scale, model, jnp\.asarray\(0\.5\)\)"
+                     r".*eqx\.field\(static=True\)", messages[0]), messages[0]
+    assert "model.shift is a Python float (0.25)" in messages[1]
+    assert m.params.scale is None and m.params.shift is None  # what the warning says
+    assert issubclass(fg.interop.StaticFieldWarning, UserWarning)
+
+
+def test_the_fix_from_equinox_gives_trains_the_field():
+    model = _affine()  # the warning's fix:
+    model = eqx.tree_at(lambda m: (m.scale, m.shift), model,
+                        (jnp.asarray(model.scale), jnp.asarray(model.shift)))
+    m = from_equinox(model)  # no warning now (pyproject turns one into an error)
+    import optax
+
+    step = fg.make_train_step(m.loss(_squared_error), optax.sgd(0.1))
+    batch = {"x": jnp.array([[3.0, 4.0]]), "y": jnp.array([[10.0]])}
+    state, _ = step(m.init_train_state(optax.sgd(0.1)), batch)
+    # By hand: linear(x) = 11, out = 0.5 * 11 + 0.25 = 5.75, d/d out = 2 (5.75 - 10) = -8.5;
+    # d/d scale = -8.5 * 11 = -93.5, d/d shift = -8.5; SGD(0.1) adds 9.35 and 0.85.
+    np.testing.assert_allclose(state.params.scale, 0.5 + 9.35, rtol=1e-6)
+    np.testing.assert_allclose(state.params.shift, 0.25 + 0.85, rtol=1e-6)
+

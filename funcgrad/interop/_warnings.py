@@ -1,0 +1,13 @@
+"""The warnings of the model adapters and of the tools that split an equinox module.
+
+Plain classes with no import of funcgrad, flax or equinox, so that `funcgrad._library_objects`
+(imported by every analysis tool) can raise them without importing the adapters.
+"""
+
+
+class StaticFieldWarning(UserWarning):
+    """A field of an equinox module that equinox treats as static (a Python float such as
+    ``self.scale = 0.5``): ``eqx.partition(model, eqx.is_inexact_array)``, ``from_equinox``
+    and the analysis tools leave it out, so it is never differentiated and never trains. The
+    message names the field and the fix (``jnp.asarray(0.5)`` to train it,
+    ``eqx.field(static=True)`` for a setting)."""
