@@ -11,3 +11,9 @@ class StaticFieldWarning(UserWarning):
     and the analysis tools leave it out, so it is never differentiated and never trains. The
     message names the field and the fix (``jnp.asarray(0.5)`` to train it,
     ``eqx.field(static=True)`` for a setting)."""
+
+
+class EvalModeWarning(UserWarning):
+    """An evaluation call (``m.apply(..., train=False)``) changed the model state: a layer
+    that ignores the mode (``BatchNorm(use_running_average=False)`` hard-wired, ``inference=
+    False`` passed at the call) updated its statistics or drew from its rng stream."""

@@ -28,6 +28,11 @@ def from_linen(module: Any, variables: Mapping[str, Any], *,
     model_state collections], **kwargs)``, the call of flax's own training loop, and returns
     the outputs and the updated collections. `kwargs` reach the module (``train=True``).
 
+    Modes: linen has no mode of its own; ``train=`` reaches the module's ``__call__`` like
+    any keyword. An evaluation call (``train=False``) that changes the model state warns
+    (`funcgrad.interop.EvalModeWarning`): a BatchNorm whose ``use_running_average`` does not
+    follow ``train``.
+
     Args:
       module: a ``flax.linen.Module`` (unbound, as written: ``CNN()``).
       variables: the dict ``module.init(key, *args)`` returned, with a ``"params"``

@@ -350,3 +350,31 @@ def _adam():
 
     m, tx = _train_model(), optax.adam(1e-2)
     return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)
+
+
+# --- issue 25.3: an evaluation call that changes the state warns ---------------------------
+
+class _BN(nn.Module):
+    momentum: float = 0.9
+    follows_train: bool = True
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        running = not train if self.follows_train else False  # False: ignores the mode
+        return nn.BatchNorm(use_running_average=running, momentum=self.momentum)(x)
+
+
+def test_an_evaluation_call_that_changes_the_state_warns():
+    x = jnp.array([[1.0], [2.0]])
+    module = _BN(follows_train=False)
+    m = from_linen(module, module.init(jax.random.key(0), x, train=False), rngs=())
+    with pytest.warns(fg.interop.EvalModeWarning,
+                      match=r"train=False.*changed the model state: "
+                            r"model_state\['batch_stats'\]\['BatchNorm_0'\]\['mean'\], "
+                            r"model_state\['batch_stats'\]\['BatchNorm_0'\]\['var'\]"):
+        _, state = m.apply(m.params, m.model_state, x, train=False)
+    np.testing.assert_allclose(state["batch_stats"]["BatchNorm_0"]["mean"], [0.15], rtol=1e-6)
+    # The CNN's own layers follow train=: its evaluation call warns nothing.
+    cnn, batch = CNN(), _batch()
+    c = from_linen(cnn, cnn.init(jax.random.key(0), batch["x"], train=False))
+    c.apply(c.params, c.model_state, batch["x"], train=False)
