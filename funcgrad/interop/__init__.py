@@ -7,14 +7,16 @@ library's object bit for bit. flax and equinox are imported only when an adapter
 (``pip install 'funcgrad[flax]'`` / ``'funcgrad[equinox]'``).
 
 Warnings: `StaticFieldWarning` (an equinox field equinox treats as static, which never trains),
-`EvalModeWarning` (an evaluation call that changed the model state).
+`EvalModeWarning` (an evaluation call that changed the model state), `MomentumWarning` (a
+BatchNorm momentum in PyTorch's meaning).
 """
 from funcgrad.interop._model import Model as Model
 from funcgrad.interop._warnings import EvalModeWarning as EvalModeWarning
+from funcgrad.interop._warnings import MomentumWarning as MomentumWarning
 from funcgrad.interop._warnings import StaticFieldWarning as StaticFieldWarning
 from funcgrad.interop.equinox import from_equinox as from_equinox
 from funcgrad.interop.linen import from_linen as from_linen
 from funcgrad.interop.nnx import from_nnx as from_nnx
 
-__all__ = ["EvalModeWarning", "Model", "StaticFieldWarning", "from_equinox", "from_linen",
-           "from_nnx"]
+__all__ = ["EvalModeWarning", "Model", "MomentumWarning", "StaticFieldWarning", "from_equinox",
+           "from_linen", "from_nnx"]

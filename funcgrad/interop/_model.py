@@ -321,6 +321,21 @@ def _same_values(a: Any, b: Any) -> bool:
     return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
 
 
+def momentum_note(name: str, layer: str, momentum: float, library: str) -> str:
+    """The `funcgrad.interop.MomentumWarning` message for a BatchNorm momentum below 0.5."""
+    return (f"{name}: {layer}(momentum={momentum!r}) keeps {momentum:.0%} of the running "
+            f"statistics at each step and takes {1 - momentum:.0%} from the batch. In "
+            f"{library}, momentum is the decay of the running average (running = momentum * "
+            "running + (1 - momentum) * batch; default 0.99); in PyTorch it is the weight of "
+            "the new batch (default 0.1). A port that kept PyTorch's value gets running "
+            "statistics that follow each batch: PyTorch's momentum=m is "
+            f"{library}'s 1 - m (0.9 for PyTorch's 0.1), or keep {library}'s default 0.99.")
+
+
+#: Below this, a BatchNorm momentum is taken for PyTorch's meaning and noted.
+MOMENTUM_NOTE_BELOW = 0.5
+
+
 def _cast_like(new_state: PyTree, model_state: PyTree) -> PyTree:
     """`new_state` with each floating leaf cast to the dtype of its leaf in `model_state`."""
     return jax.tree.map(lambda n, s: n.astype(_dtype(s)) if _floating(s) else n,

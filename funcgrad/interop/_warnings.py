@@ -17,3 +17,9 @@ class EvalModeWarning(UserWarning):
     """An evaluation call (``m.apply(..., train=False)``) changed the model state: a layer
     that ignores the mode (``BatchNorm(use_running_average=False)`` hard-wired, ``inference=
     False`` passed at the call) updated its statistics or drew from its rng stream."""
+
+
+class MomentumWarning(UserWarning):
+    """A BatchNorm ``momentum`` below 0.5: flax and equinox take momentum as the decay of the
+    running average (default 0.99), PyTorch as the weight of the new batch (0.1), so a port
+    that keeps PyTorch's value makes running statistics that follow each batch."""

@@ -13,8 +13,14 @@ import jax
 from funcgrad._library_objects import static_field_message, static_floats
 from funcgrad._paths import keystr
 from funcgrad._user_line import warn
-from funcgrad.interop._model import Model, _call_takes, _wrong_module
-from funcgrad.interop._warnings import StaticFieldWarning
+from funcgrad.interop._model import (
+    MOMENTUM_NOTE_BELOW,
+    Model,
+    _call_takes,
+    _wrong_module,
+    momentum_note,
+)
+from funcgrad.interop._warnings import MomentumWarning, StaticFieldWarning
 
 
 def from_equinox(model: Any, state: Any = None, *,
@@ -50,6 +56,9 @@ def from_equinox(model: Any, state: Any = None, *,
         0.5``) outside equinox's own layers: equinox treats it as static, so it is not in
         ``m.params`` and never trains; the message gives the fix (``eqx.tree_at(lambda m:
         m.scale, model, jnp.asarray(0.5))``, or ``eqx.field(static=True)`` for a setting).
+      funcgrad.interop.MomentumWarning: for an ``eqx.nn.BatchNorm`` with ``momentum`` below
+        0.5 (equinox's momentum is the decay of the running average, 0.99 by default;
+        PyTorch's 0.1 is the weight of the new batch).
 
     Args:
       model: an ``eqx.Module`` with at least one floating array.
@@ -87,6 +96,11 @@ def from_equinox(model: Any, state: Any = None, *,
         warn(static_field_message("model", [(path, value)], "from_equinox (as eqx.partition("
                                   "model, eqx.is_inexact_array)) leaves"), StaticFieldWarning)
     modules = _modules(model, eqx)
+    for path, module in modules:
+        if (isinstance(module, eqx.nn.BatchNorm)
+                and float(module.momentum) < MOMENTUM_NOTE_BELOW):
+            warn(momentum_note(f"model{keystr(path)}", "eqx.nn.BatchNorm", module.momentum,
+                               "equinox"), MomentumWarning)
 
     def call(model, args, state, key, kwargs):
         if key is not None:

@@ -8,7 +8,15 @@ from typing import Any
 
 import jax
 
-from funcgrad.interop._model import Model, _call_takes, _wrong_module
+from funcgrad._user_line import warn
+from funcgrad.interop._model import (
+    MOMENTUM_NOTE_BELOW,
+    Model,
+    _call_takes,
+    _wrong_module,
+    momentum_note,
+)
+from funcgrad.interop._warnings import MomentumWarning
 
 _OPTIMIZER = (
     "from_nnx got an nnx.Optimizer; funcgrad keeps the optimizer state itself. Pass the model "
@@ -40,6 +48,11 @@ def from_nnx(model: Any) -> Model:
     needs one of them (``m.apply`` and ``m.loss`` refuse None, naming the layers); one
     without runs in the mode it was given in. An evaluation call that changes the state
     warns (`funcgrad.interop.EvalModeWarning`). The given module is never modified.
+
+    Warns:
+      funcgrad.interop.MomentumWarning: for an ``nnx.BatchNorm`` with ``momentum`` below 0.5
+        (flax's momentum is the decay of the running average, 0.99 by default; PyTorch's 0.1
+        is the weight of the new batch).
 
     Args:
       model: an ``nnx.Module`` with at least one ``nnx.Param``.
@@ -73,6 +86,11 @@ def from_nnx(model: Any) -> Model:
     graphdefs = {None: graphdef, True: train_graphdef, False: eval_graphdef}
     takes_train = _call_takes(model.__call__, "train")  # `def __call__(self, x, train)`
     modules = _modules(model, nnx)
+    for name, module in modules:
+        if (isinstance(module, nnx.BatchNorm)
+                and float(module.momentum) < MOMENTUM_NOTE_BELOW):
+            warn(momentum_note(name, "nnx.BatchNorm", module.momentum, "flax"),
+                 MomentumWarning)
 
     def module_of(params, model_state, graphdef):
         """A new module holding `params` and `model_state` (plain dicts), by the templates'

@@ -428,3 +428,20 @@ def test_an_evaluation_call_that_changes_the_state_warns():
     (cnn, cnn_state), batch = _model(), _batch()
     c = from_equinox(cnn, cnn_state)
     c.apply(c.params, c.model_state, batch["x"], train=False)
+
+
+def test_a_pytorch_momentum_is_noted():
+    class Net(eqx.Module):
+        bn: eqx.nn.BatchNorm
+
+        def __init__(self, momentum):
+            self.bn = eqx.nn.BatchNorm(1, axis_name="batch", momentum=momentum, mode="ema")
+
+        def __call__(self, x, state):
+            return self.bn(x, state)
+
+    with pytest.warns(fg.interop.MomentumWarning,
+                      match=r"model\.bn: eqx\.nn\.BatchNorm\(momentum=0\.1\).*decay.*0\.99.*"
+                            r"PyTorch.*weight of the new batch.*0\.9"):
+        from_equinox(*eqx.nn.make_with_state(Net)(0.1))
+    from_equinox(*eqx.nn.make_with_state(Net)(0.9))  # equinox's meaning: no warning

@@ -352,7 +352,7 @@ def _adam():
     return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)
 
 
-# --- issue 25.3: an evaluation call that changes the state warns ---------------------------
+# --- issue 25.3: PyTorch's momentum noted; an evaluation call that changes the state --------
 
 class _BN(nn.Module):
     momentum: float = 0.9
@@ -362,6 +362,23 @@ class _BN(nn.Module):
     def __call__(self, x, train: bool):
         running = not train if self.follows_train else False  # False: ignores the mode
         return nn.BatchNorm(use_running_average=running, momentum=self.momentum)(x)
+
+
+def test_a_pytorch_momentum_is_noted_once():
+    x = jnp.array([[1.0], [2.0]])
+    module = _BN(momentum=0.1)
+    m = from_linen(module, module.init(jax.random.key(0), x, train=False), rngs=())
+    with pytest.warns(fg.interop.MomentumWarning,
+                      match=r"model_state\['batch_stats'\]\['BatchNorm_0'\]: "
+                            r"nn\.BatchNorm\(momentum=0\.1\).*decay.*0\.99.*PyTorch.*"
+                            r"weight of the new batch.*0\.9"):
+        _, state = m.apply(m.params, m.model_state, x, train=True)
+    # flax's meaning, by hand: 0.1 * 0 + 0.9 * mean([1, 2]) = 1.35 (the batch's, nearly).
+    np.testing.assert_allclose(state["batch_stats"]["BatchNorm_0"]["mean"], [1.35], rtol=1e-6)
+    m.apply(m.params, state, x, train=True)  # once per adapter: no second warning
+    good = _BN(momentum=0.9)
+    g = from_linen(good, good.init(jax.random.key(0), x, train=False), rngs=())
+    g.apply(g.params, g.model_state, x, train=True)  # flax's meaning: no warning
 
 
 def test_an_evaluation_call_that_changes_the_state_warns():

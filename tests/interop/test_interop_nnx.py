@@ -344,3 +344,19 @@ def test_an_evaluation_call_that_changes_the_state_warns():
     # The CNN's own layers follow the mode: its evaluation call warns nothing.
     c = from_nnx(_model())
     c.apply(c.params, c.model_state, _batch()["x"], train=False)
+
+
+def test_a_pytorch_momentum_is_noted():
+    class Net(nnx.Module):
+        def __init__(self, momentum, rngs):
+            self.lin = nnx.Linear(2, 2, rngs=rngs)
+            self.bn = nnx.BatchNorm(2, momentum=momentum, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    with pytest.warns(fg.interop.MomentumWarning,
+                      match=r"model\.bn: nnx\.BatchNorm\(momentum=0\.1\).*decay.*0\.99.*"
+                            r"PyTorch.*weight of the new batch.*0\.9"):
+        from_nnx(Net(0.1, nnx.Rngs(0)))
+    from_nnx(Net(0.9, nnx.Rngs(0)))  # flax's meaning: no warning
