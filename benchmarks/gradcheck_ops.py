@@ -74,7 +74,8 @@ def summarise(verdicts):
 
 
 def markdown(summary, jax_version) -> str:
-    """The README's table: per dtype and mode, false failures and caught fractions."""
+    """The table of docs/guide/check.md ("Measured"): per dtype and mode, false failures and
+    caught fractions."""
     def frac(row, key):
         return row.get(key) or "-"
     lines = [f"jax {jax_version}:", "",

@@ -15,7 +15,7 @@ Three baselines, all ``jax.jit`` steps written the way users write them by hand:
 funcgrad / "hand, same" is the cost of funcgrad's code over the same work written by hand;
 funcgrad / "hand" also counts the work funcgrad does that "hand" does not: the norm's
 kernels, the guard, and two more arrays crossing the jit boundary (the counter and the norm),
-each of which costs dispatch time on the host on every call (see README, Benchmarks).
+each of which costs dispatch time on the host on every call (see docs/benchmarks.md, "Train step").
 
 The cases: the 64-128-10 MLP at batch 32 (the CLI's default), at batch 256, with clipping, and
 a 64-1024-1024-10 MLP (1.1M parameters) at batch 32, where a step is compute-bound and the

@@ -427,6 +427,31 @@ def policy_name(policy: Any) -> str:
     return f"{base}({', '.join(args)})"
 
 
+def policy_saved_names(policy: Any) -> set[str] | None:
+    """The names a ``save_only_these_names``-style policy saves (``save_and_offload_only_these
+    _names`` too), or None for a policy that saves by another rule. JAX 0.10's policies keep
+    them as fields, 0.12's in the factory's closure."""
+    if policy is None:
+        return None
+    for field in ("saveable_names", "names_which_can_be_saved"):
+        found = getattr(policy, field, None)
+        if found is not None:
+            return {str(n) for n in found}
+    qualname = getattr(policy, "__qualname__", "") or ""
+    if "these_names" not in qualname:
+        return None
+    names: set[str] = set()
+    for cell in getattr(policy, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, (set, frozenset, tuple, list)) and all(
+                isinstance(v, str) for v in value):
+            names |= set(value)
+    return names
+
+
 def bind(eqn: Any, ins: list) -> list:
     """Applies `eqn`'s primitive to the values `ins` as JAX would; always a list of outputs."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)  # higher-order ones need subfuns

@@ -105,16 +105,18 @@ def custom_vjp(fun: Callable | None = None, *,
         functions, never arrays computed inside ``jit``).
     Returns:
       a `CustomVJP`: call it like `fun`; attach the rule with ``.defvjp(fwd, bwd)``.
-    Raises (when a backward pass through the function is traced):
-      TypeError: ``bwd`` returned something other than a tuple or list, a tuple of the wrong
-        length, a cotangent whose pytree structure differs from its input's, a leaf that is not
-        an array, or a floating array for an integer or boolean input. The message names the
-        input (``params['w']``) and gives the expected and the received structure.
-      ValueError: a cotangent leaf's shape or dtype differs from its primal's; the message
-        names every such leaf with the expected and received ``dtype[shape]``.
-    Warns (when a backward pass is traced):
-      DroppedCotangentWarning: bwd returned None for an input leaf the output depends on,
-        not declared in ``zero_cotangents``.
+    Raises:
+      TypeError: when a backward pass through the function is traced: ``bwd`` returned
+        something other than a tuple or list, a tuple of the wrong length, a cotangent whose
+        pytree structure differs from its input's, a leaf that is not an array, or a floating
+        array for an integer or boolean input. The message names the input (``params['w']``)
+        and gives the expected and the received structure.
+      ValueError: when a backward pass is traced: a cotangent leaf's shape or dtype differs
+        from its primal's; the message names every such leaf with the expected and received
+        ``dtype[shape]``.
+    Warns:
+      DroppedCotangentWarning: when a backward pass is traced: bwd returned None for an
+        input leaf the output depends on, not declared in ``zero_cotangents``.
     Example:
       >>> @custom_vjp
       ... def clipped_identity(x):
@@ -168,8 +170,8 @@ class CustomVJP:
             are not supported: TypeError, with the advice to use ``jax.custom_vjp``.
         Warns:
           DroppedCotangentWarning: when a backward pass is built (`custom_vjp`), reported at
-          the line of this ``defvjp`` call, where the rule is attached and where
-          `zero_cotangents` would declare the None intended.
+            the line of this ``defvjp`` call, where the rule is attached and where
+            `zero_cotangents` would declare the None intended.
         """
         if options:
             raise TypeError(f"funcgrad's custom_vjp.defvjp does not support "

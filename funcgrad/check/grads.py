@@ -44,7 +44,7 @@ from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._library_objects import LeftOut, left_out_fields, split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
 from funcgrad._traced import traced_values
-from funcgrad.check import _directions, _full_pass, _noise
+from funcgrad.check import _directions, _full_pass, _noise, _rule_blame
 from funcgrad.check import _objective as obj
 from funcgrad.check._directional_mode import _random_tangents, _run_directional
 from funcgrad.check._lift_precision import lift_precision_of, narrowest_float
@@ -104,13 +104,15 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         "fwd" is skipped with a note when `fn` uses ``custom_vjp``. In full mode "fwd" checks
         jvps along random tangents per leaf next to rev, and every element's jvp on its own
         when it is the only mode (a ``while_loop`` that only forward mode can differentiate).
-      order: 1 checks the gradient; 2 checks the gradient of <u, gradient> (Hessian-vector
+      order: 1 checks the gradient; 2 checks the gradient of ``<u, gradient>`` (Hessian-vector
         products) against finite differences of the gradient, not the gradient itself: a
         wrong first-order rule can pass order 2, so check order=1 too.
-      eps, rtol, atol: override `TOLERANCES` for the dtype used: eps a finite number > 0 (the
-        step, in the units of the differentiated leaves), rtol and atol finite numbers >= 0
-        (atol in the derivative's units, not scaled by |f|; each element's tolerance is
-        atol + rtol·|numeric| + the estimated error of its central difference).
+      eps: overrides `TOLERANCES`' step for the dtype used: a finite number > 0, in the
+        units of the differentiated leaves.
+      rtol: overrides `TOLERANCES`' relative tolerance: a finite number >= 0 (each element's
+        tolerance is atol + rtol·|numeric| + the estimated error of its central difference).
+      atol: overrides `TOLERANCES`' absolute tolerance: a finite number >= 0, in the
+        derivative's units, not scaled by |f|.
       num_directions: random tangents per check in directional mode (per block, and k over
         all leaves together), and per leaf for the fwd check in full mode.
       seed: a non-negative int; seeds the tangents and the output cotangents.
@@ -248,6 +250,13 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                 "depends on the differentiated arguments, and JAX has no reverse-mode derivative "
                 "for it. Check the forward mode alone with modes=('fwd',), or write the loop "
                 "as lax.scan.") from error
+        if any(not r.ok for r in rows):  # a custom rule on the failing path: name it
+            blamed = _rule_blame.blame(prob, seed)
+            wrong = tuple(b.split(" is wrong ")[0] + " is wrong at the check point (see the "
+                          "report's notes)" for b in blamed if " is wrong " in b)
+            notes = [*blamed, *notes]
+            rows = [r if r.ok or not wrong else dataclasses.replace(r, notes=(*r.notes, *wrong))
+                    for r in rows]
     notes = prob["notes"] + notes
     checked = tuple(m for m in modes if not (m == "fwd" and _NO_FWD_NOTE in notes))
     return GradCheckReport(rows=rows, mode=mode, modes=checked or tuple(modes), order=order,

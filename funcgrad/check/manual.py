@@ -51,7 +51,8 @@ def dlogits_mean_squared_error(logits: jax.Array,
     so d(loss)/d(logits_ik) = 2 (logits_ik - t_ik) / (B·K).
 
     Args:
-      logits, targets: (batch, out), floating, same shape.
+      logits: (batch, out), floating.
+      targets: (batch, out), floating, the shape of `logits`.
     Returns:
       (loss of shape (), dlogits of shape (batch, out)).
     """

@@ -18,7 +18,9 @@ def assert_grads_close(fn: Callable, *args: Any, **kwargs: Any) -> GradCheckRepo
             assert_grads_close(my_loss, params, batch)
 
     Args:
-      fn, *args, **kwargs: as for `funcgrad.check_grads`.
+      fn: as for `funcgrad.check_grads`.
+      *args: as for `funcgrad.check_grads`.
+      **kwargs: as for `funcgrad.check_grads`.
     Returns:
       the `GradCheckReport` when every leaf passes (kinks and stop_gradient-cut leaves pass).
     Raises:

@@ -213,7 +213,8 @@ class Graph:
         Args:
           path: the file to write, e.g. ``"graph.svg"``; parent folders are created.
           format: "svg", "png" or "pdf"; default: the path's suffix, else "svg".
-          depth, rankdir: as in `to_dot`.
+          depth: as in `to_dot`.
+          rankdir: as in `to_dot`.
         Returns:
           the path written, as a str.
         Raises:

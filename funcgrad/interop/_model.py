@@ -7,13 +7,16 @@ how they split the library's object and call it; everything a user does with the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from funcgrad._paths import key_paths, keystr
+
+if TYPE_CHECKING:
+    from funcgrad.train.loss import Loss
 
 PyTree = Any
 
@@ -176,7 +179,7 @@ class Model:
 
     def loss(self, objective: Callable[..., Any], *, inputs: str | Sequence[str] | Callable = "x",
              has_aux: bool = False, takes_key: bool | None = None, train: bool | None = None,
-             **kwargs: Any):
+             **kwargs: Any) -> Loss:
         """Returns a `funcgrad.Loss` under funcgrad's loss contract for this model.
 
         The loss is ``objective(outputs, batch)``, where ``outputs, new_model_state =

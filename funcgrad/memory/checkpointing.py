@@ -6,7 +6,8 @@ trading about one extra forward pass for memory; Chen et al. 2016, "Training dee
 sublinear memory cost": sqrt(n) segments of n layers keep O(sqrt n) activations.
 
 **Why ``jax.checkpoint`` often saves nothing on XLA:CPU (jax 0.10.2; with jax 0.12.0.1's
-XLA the barrier survives and ``jax.checkpoint`` alone saves, see the README's table).**
+XLA the barrier survives and ``jax.checkpoint`` alone saves, see the table in
+docs/guide/memory.md).**
 ``jax.checkpoint`` puts an
 ``optimization_barrier`` on the recomputation's inputs so that XLA's common-subexpression
 elimination (CSE) does not merge the recomputed forward with the original one. XLA:CPU's
@@ -96,8 +97,12 @@ def _runtime_true(*trees: Any) -> jax.Array:
     """A predicate that is true unless an element is NaN, which XLA cannot fold: the first
     element of the first floating leaf of `trees` compared with itself."""
     for leaf in jax.tree.leaves(trees):
-        if jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size:
-            x = leaf.reshape(-1)[0]
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not hasattr(leaf, "size"):  # a Python float (JAX's TypedFloat)
+            leaf = jnp.asarray(leaf)
+            dtype = leaf.dtype
+        if jnp.issubdtype(dtype, jnp.inexact) and jnp.size(leaf):
+            x = jnp.ravel(leaf)[0]
             return x == x
     return jnp.bool_(True)
 
@@ -326,7 +331,8 @@ def remat_sequential(layer: Callable | Sequence[Callable], params: Sequence[Any]
       params: a sequence of n per-layer param pytrees.
       x: the stack's input (any pytree of arrays the layers take).
       segments: see `segment_plan` ("sqrt", "log", an int k, sizes, or nested sizes).
-      policy, mechanism: as in `remat`.
+      policy: as in `remat`.
+      mechanism: as in `remat`.
       keep_last: the last segment (at every level) is not rematerialised: its activations are
         needed first in the backward pass, so recomputing them would cost time and save
         nothing (PyTorch's ``checkpoint_sequential`` does the same).
@@ -443,7 +449,9 @@ def plan_remat(layer: Callable | Sequence[Callable], params: Sequence[Any], x: A
     at the last layer's backward step, its input activation and the output's cotangent.
 
     Args:
-      layer, params, x: as in `remat_sequential`.
+      layer: as in `remat_sequential`.
+      params: as in `remat_sequential`.
+      x: as in `remat_sequential`.
       budget: the fraction b in (0, 1] of the no-remat ``temp + output`` bytes.
       head: ``head(h) -> scalar`` after the stack (default ``0.5 * mean(h**2)``, any loss of
         the output gives the same activation memory up to its own temporaries).

@@ -76,6 +76,11 @@ class MemoryReport:
         the library, not by XLA's buffer assignment, so ``temp`` does not count them: a whole
         tanh-MLP forward pass fused into one shows ``temp == 0`` yet allocates 15-18 MiB at
         width 512, batch 2048 (``benchmarks/memory_report.py``).
+      forward_library_fusions: the same count for the forward pass alone (grad mode). When it
+        is not 0, ``forward_bytes`` misses the fused work's buffers: the text says "not
+        measured" rather than print it as the forward pass's memory.
+      warnings: checkpoint settings that do not do what they say: a policy that saves names
+        no ``checkpoint_name`` in fn carries (a typo), a name on a scan carry (kept anyway).
     """
     name: str
     mode: str
@@ -88,6 +93,8 @@ class MemoryReport:
     forward_bytes: int | None = None
     remat: dict | None = None
     library_fusions: int = 0
+    forward_library_fusions: int = 0
+    warnings: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -98,7 +105,7 @@ class MemoryReport:
         once. It is an upper bound of what the program allocates (an input no longer needed is
         not freed early). On CPU the peak RSS differs by 10-30% (it counts the pages a call
         touches, plus workspaces of library fusions that no compiled analysis sees:
-        ``benchmarks/memory_report.py`` and the README's Benchmarks); on GPU the allocator's
+        ``benchmarks/memory_report.py`` and docs/benchmarks.md); on GPU the allocator's
         ``memory_stats()`` counts what is assigned."""
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
@@ -135,7 +142,8 @@ class MemoryReport:
         share = size / self.peak_bytes if self.peak_bytes else 0.0
         text = (f"{what.capitalize()} dominate: {_bytes(size)} of the "
                 f"{_bytes(self.peak_bytes)} peak ({share:.0%})")
-        rows = [r for r in self.residuals or () if r.origin in _ACTIVATION]
+        rows = [r for r in self.residuals or () if r.origin in _ACTIVATION
+                and not r.kept_by.startswith(_PREDICATE)]
         if rows:
             by_line: dict[str, int] = {}
             for r in rows:
@@ -151,7 +159,7 @@ class MemoryReport:
         """Which view the machine pays: the jaxpr's residual bytes or the compiled bytes."""
         if self.remat is not None:
             return self.remat["verdict"]
-        if self.grad_extra_bytes is None:
+        if self.grad_extra_bytes is None or self.forward_library_fusions:
             return self._library_note() + (
                 "The compiled bytes above are what the machine pays" + (
                     "; the residual table is the jaxpr's view of what a vjp would keep."
@@ -198,10 +206,15 @@ class MemoryReport:
                  f"{_bytes(self.peak_bytes)}"]
         extra = self.grad_extra_bytes  # known when forward_bytes is
         if self.forward_bytes is not None and extra is not None:
-            lines.append(f"  {'forward alone (temp+out)':<34}{self.forward_bytes:>14,}  "
-                         f"{_bytes(self.forward_bytes)}")
-            lines.append(f"  {'gradient extra (temp+out)':<34}{extra:>14,}  "
-                         f"{_bytes(extra)}")
+            if self.forward_library_fusions:
+                lines.append(f"  {'forward alone (temp+out)':<34}{'not measured':>14}  "
+                             f"({self.forward_library_fusions} library fusion(s) allocate "
+                             "their own buffers, which XLA's analysis does not count)")
+            else:
+                lines.append(f"  {'forward alone (temp+out)':<34}{self.forward_bytes:>14,}  "
+                             f"{_bytes(self.forward_bytes)}")
+                lines.append(f"  {'gradient extra (temp+out)':<34}{extra:>14,}  "
+                             f"{_bytes(extra)}")
         if self.residuals is not None:
             lines.append(f"residuals the backward pass keeps, the jaxpr's view: "
                          f"{len(self.residuals)} values, {self.residual_bytes:,} bytes "
@@ -217,6 +230,7 @@ class MemoryReport:
                          f"{self.remat['compiled_bytes']:,} B")
         lines.append(self.dominant)
         lines.append(self.reconciliation)
+        lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
@@ -280,15 +294,19 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
     stats = _compiled(target, args, fusions)
     rows = _rows(fn, args, nums, names) if want_res else None
     forward = remat = None
+    forward_fusions: list[int] = []
     if grad:
-        fwd = _compiled(fn if jitted else jax.jit(fn), args)
+        fwd = _compiled(fn if jitted else jax.jit(fn), args, forward_fusions)
         forward = fwd.temp_bytes + fwd.output_bytes
         remat = _remat_view(fn, args, nums, names, rows,
                             stats.temp_bytes + stats.output_bytes)
     return MemoryReport(_fn_name(fn), mode, stats.argument_bytes,
                         stats.output_bytes, stats.alias_bytes,
                         stats.temp_bytes, stats.generated_code_bytes,
-                        rows, forward, remat, fusions[0])
+                        rows, forward, remat, fusions[0],
+                        forward_fusions[0] if forward_fusions else 0,
+                        _checkpoint_warnings(jax.make_jaxpr(fn)(*args).jaxpr)
+                        if mode != "step" else ())
 
 
 def _plain_loss(fn):
@@ -389,9 +407,18 @@ def _name_constant(r, rest):
     return dataclasses.replace(r, origin="argument", leaf=same[0] + " (not differentiated)")
 
 
-def _kept_by(r, policies: dict[str, str]) -> str:
+_PREDICATE = "fg.remat's runtime predicate"
+
+
+def _kept_by(r, policies: dict) -> str:
     if r.origin in ("argument", "constant", "literal"):
         return "input or constant (held anyway)"
+    if "(_runtime_true)" in r.source:
+        return (f"{_PREDICATE} (funcgrad's: one element compared with itself, so that XLA "
+                "cannot merge the recomputation away)")
+    if r.primitive in ("scan", "while") and (_LOOP, r.source) in policies:
+        return (f"jax.checkpoint inside the {r.primitive} body "
+                f"({policies[(_LOOP, r.source)]}): what it saves, one per iteration")
     if r.origin == "named":
         name = r.description.split("'")[1] if "'" in r.description else "?"
         return f"checkpoint_name {name!r} saved by {policies.get(r.source, 'a policy')}"
@@ -404,6 +431,7 @@ def _kept_by(r, policies: dict[str, str]) -> str:
 
 
 _OUTSIDE = "outside a checkpoint"
+_LOOP = "a loop holding a checkpoint"
 
 
 def _remat_lines(jaxpr, policy: str | None = None, out=None) -> dict[str, str]:
@@ -422,7 +450,64 @@ def _remat_lines(jaxpr, policy: str | None = None, out=None) -> dict[str, str]:
             out.setdefault((_OUTSIDE, source_line(eqn)), "")
         for _, sub, _ in ji.sub_jaxprs(eqn):
             _remat_lines(sub, inner, out)
+        if ji.kind(eqn) in ("scan", "while"):  # its residuals carry the line of the loop
+            found = _first_policy(eqn)
+            if found is not None:
+                out.setdefault((_LOOP, source_line(eqn)), found)
     return out
+
+
+def _first_policy(eqn) -> str | None:
+    """The policy of the first ``jax.checkpoint`` nested in `eqn`'s jaxprs, in words."""
+    for _, sub, _ in ji.sub_jaxprs(eqn):
+        for inner in sub.eqns:
+            if ji.kind(inner) == "checkpoint":
+                p = ji.checkpoint(inner).policy
+                return ("policy " + ji.policy_name(p)) if p else \
+                    "no policy (saves only its inputs)"
+            found = _first_policy(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _checkpoint_warnings(jaxpr) -> tuple[str, ...]:
+    """Checkpoint settings that do not do what they say (`MemoryReport.warnings`)."""
+    names: set[str] = set()
+    policies: list[tuple[Any, set[str]]] = []
+    carries: list[str] = []
+
+    def walk(j):
+        for eqn in j.eqns:
+            if ji.name(eqn) == "name":
+                names.add(str(ji.param(eqn, "name")))
+            if ji.kind(eqn) == "checkpoint":
+                p = ji.checkpoint(eqn).policy
+                wanted = ji.policy_saved_names(p)
+                if wanted is not None:
+                    policies.append((p, wanted))
+            if ji.kind(eqn) == "scan":
+                s = ji.scan(eqn)
+                carry_out = set(s.body.outvars[:s.num_carry])
+                for inner in s.body.eqns:
+                    if ji.name(inner) == "name" and inner.outvars[0] in carry_out:
+                        carries.append(f"checkpoint_name {ji.param(inner, 'name')!r} at "
+                                       f"{source_line(inner) or '?'} tags a scan carry: a "
+                                       "scan keeps every iteration's carry for its backward "
+                                       "pass anyway, so the name saves nothing more")
+            for _, sub, _ in ji.sub_jaxprs(eqn):
+                walk(sub)
+    walk(jaxpr)
+    out = []
+    for p, wanted in policies:
+        missing = sorted(wanted - names)
+        if missing:
+            have = ", ".join(repr(n) for n in sorted(names)) or "none"
+            out.append(f"jax.checkpoint's policy {ji.policy_name(p)} saves "
+                       f"{', '.join(repr(n) for n in missing)}, which no checkpoint_name in "
+                       f"fn carries (the names fn has: {have}); a misspelt name saves "
+                       "nothing, and the backward pass recomputes everything.")
+    return tuple(out + carries)
 
 
 def _has_remat(jaxpr) -> bool:
@@ -460,6 +545,17 @@ def _inline_remat(closed, out_tree) -> Callable:
     return fn
 
 
+def _uses_fg_remat(jaxpr) -> bool:
+    """Whether a custom_vjp holding a checkpoint (funcgrad.remat's form) sits in `jaxpr`."""
+    for eqn in jaxpr.eqns:
+        kind = ji.kind(eqn)
+        if kind == "custom_vjp" and _has_remat(ji.call_body(eqn)[0]):
+            return True
+        if kind == "jit" and _uses_fg_remat(ji.call_body(eqn)[0]):
+            return True
+    return False
+
+
 def _remat_anywhere(jaxpr) -> bool:
     """Whether a ``jax.checkpoint`` sits anywhere, loop and cond bodies included."""
     return (any(not isinstance(k, tuple) for k in _remat_lines(jaxpr))
@@ -487,14 +583,29 @@ def _remat_view(fn, args, nums, names, rows, compiled_bytes) -> dict | None:
     plain_rows = _rows(plain, args, nums, names)
     plain_res = sum(r.nbytes for r in plain_rows if r.origin in _ACTIVATION)
     jaxpr_saving, compiled_saving = plain_res - with_res, plain_bytes - compiled_bytes
+    ours = _uses_fg_remat(closed.jaxpr)
+    what = "fg.remat" if ours else "jax.checkpoint"
     if jaxpr_saving > 0 and compiled_saving < _NO_SAVING * jaxpr_saving:
-        verdict = (f"No compiled saving: jax.checkpoint cuts the jaxpr's saved activations "
+        if ours:
+            cause = ("fg.remat keeps the recomputation in a conditional XLA cannot merge, so "
+                     "the compiled program holds other buffers than the jaxpr's residuals: "
+                     "here what it saves is below what XLA allocates anyway (the gradient "
+                     "output, the fused work's temporaries); it saves where activations "
+                     "dominate (deep or wide layers, large batches)")
+        else:
+            cause = ("the compiled program keeps the activations after all. With jax "
+                     "0.10's XLA:CPU that is common-subexpression elimination: a pass removes "
+                     "jax.checkpoint's optimization barrier and CSE merges the recomputation "
+                     "back into the forward pass (prevent_cse=True does not stop it); later "
+                     "XLA keeps the barrier but may still fuse or schedule the recomputation "
+                     "where nothing is saved (small programs). fg.remat (funcgrad.memory) "
+                     "keeps the recomputation, in a conditional XLA cannot merge")
+        verdict = (f"No compiled saving: {what} cuts the jaxpr's saved activations "
                    f"from {_bytes(plain_res)} to {_bytes(with_res)}, but the compiled gradient "
                    f"needs {_bytes(compiled_bytes)} temp+output against {_bytes(plain_bytes)} "
-                   "without it: XLA removes the recomputation, and the machine pays the "
-                   "compiled figure.")
+                   f"without it: {cause}. The machine pays the compiled figure.")
     else:
-        verdict = (f"jax.checkpoint changes the jaxpr's saved activations by "
+        verdict = (f"{what} changes the jaxpr's saved activations by "
                    f"{_bytes(-jaxpr_saving, signed=True)} ({_bytes(plain_res)} -> "
                    f"{_bytes(with_res)}) and the compiled temp+output, which the machine pays, "
                    f"by {_bytes(-compiled_saving, signed=True)} ({_bytes(plain_bytes)} -> "

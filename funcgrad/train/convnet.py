@@ -11,7 +11,7 @@ dropout are functions below, and what a framework keeps in a module lives in two
                ...}``, updated in training and used at evaluation time.
 
 The loss `cnn_loss` follows funcgrad's loss contract with model state and a key
-(`funcgrad.train.loss`; the README's "Models with state, randomness and aux outputs"):
+(`funcgrad.train.loss`; docs/guide/train.md, "Models with state, randomness and aux outputs"):
 ``loss(params, batch, *, model_state, key) -> (loss, new_model_state)``.
 """
 from __future__ import annotations
@@ -242,7 +242,8 @@ def cnn_apply(params: PyTree, model_state: PyTree, x: jax.Array, *, train: bool,
     statistics and returns `model_state` unchanged (see `batch_norm`).
 
     Args:
-      params, model_state: as returned by `cnn_init`.
+      params: as returned by `cnn_init`.
+      model_state: as returned by `cnn_init`.
       x: images ``(n, 8, 8)``, flattened images ``(n, 64)`` (the rows of
         `funcgrad.train.data.load_digits`) or ``(n, 8, 8, 1)`` (NHWC), floating. The compute dtype
         is that of `x` and `params` combined (float16 params and x compute in float16; the
@@ -251,7 +252,8 @@ def cnn_apply(params: PyTree, model_state: PyTree, x: jax.Array, *, train: bool,
       key: a PRNG key for the dropout mask; required when ``train`` and ``dropout_rate > 0``.
         It is used as is (one dropout site), so the same key gives the same mask.
       dropout_rate: the probability of dropping each feature before the dense head, [0, 1).
-      momentum, epsilon: of every BatchNorm (flax's convention; see `batch_norm`).
+      momentum: of every BatchNorm (flax's convention; see `batch_norm`).
+      epsilon: of every BatchNorm (flax's convention; see `batch_norm`).
     Returns:
       logits ``(n, num_classes)`` in the compute dtype, and the new model state (same
       structure, shapes and dtypes as `model_state`).
@@ -293,7 +295,8 @@ def cnn_loss(params: PyTree, batch: dict[str, jax.Array], *, model_state: PyTree
     is ``f(params, batch) -> loss``.
 
     Args:
-      params, model_state: as returned by `cnn_init`.
+      params: as returned by `cnn_init`.
+      model_state: as returned by `cnn_init`.
       batch: ``{"x": images as for `cnn_apply`, "y": (n,) int class labels}``.
       key: the dropout key of this step (None only with ``dropout_rate == 0``).
       dropout_rate: as for `cnn_apply`; bind another one with ``functools.partial``.

@@ -207,21 +207,23 @@ def batches(x: Any, y: Any, *, batch_size: int, seed: int = 0, epoch: int = 0,
     The order depends only on ``(seed, epoch)``, so an epoch can be replayed exactly.
 
     Args:
-      x, y: arrays with the same leading length n, or pytrees of them (a model with several
-        inputs takes e.g. ``x = {"image": (n, 8, 8), "meta": (n, 3)}``; each batch then holds
-        the same structure with b rows per leaf). Rows are counted on the leaves.
+      x: an array with a leading length n, or a pytree of them (a model with several inputs
+        takes e.g. ``x = {"image": (n, 8, 8), "meta": (n, 3)}``; each batch then holds the
+        same structure with b rows per leaf). Rows are counted on the leaves.
+      y: as `x`, with the same leading length n.
       batch_size: examples per batch, a positive int.
-      seed, epoch: together they seed the permutation (``jax.random.permutation`` of
+      seed: with `epoch`, seeds the permutation (``jax.random.permutation`` of
         ``fold_in(key(seed), epoch)``: the order `funcgrad.train.fit` draws on the device for
-        array data, so a loader made of these batches trains exactly as the arrays); `epoch`
-        is an index here (0 for the first pass; `funcgrad.train.fit` numbers epochs from 1 in what
-        it shows and passes ``epoch - 1``).
+        array data, so a loader made of these batches trains exactly as the arrays).
+      epoch: with `seed`, seeds the permutation; an index here (0 for the first pass;
+        `funcgrad.train.fit` numbers epochs from 1 in what it shows and passes ``epoch - 1``).
       shuffle: if False, batches are taken in order.
       drop_last: if True, a final batch smaller than `batch_size` is not yielded (so every
         batch has one shape and a jitted step compiles once).
-    Raises (at the call, not at the first batch):
-      ValueError: if the lengths differ (the message names the leaves), `batch_size` is not
-        a positive int, or `seed` or `epoch` is negative.
+    Raises:
+      ValueError: at the call, not at the first batch: if the lengths differ (the message
+        names the leaves), `batch_size` is not a positive int, or `seed` or `epoch` is
+        negative.
     """
     n = rows(x, "x")
     m = rows(y, "y")

@@ -240,7 +240,8 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
       step: a step from `make_train_step` (or any ``(state, batch) -> (TrainState,
         metrics)`` whose metrics hold "loss" and "grad_norm").
       state: the starting `TrainState` (not modified: fit works on a copy).
-      data, y: see Data.
+      data: see Data.
+      y: see Data.
       epochs: number of passes, a positive int (the total, counting resumed epochs).
       batch_size: examples per step for array data (the last batch of an epoch may be
         smaller); not used with a loader.
@@ -254,7 +255,9 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
         first `MAX_LOGGED_ALERTS`; all are kept in the history); None for silence.
       chunk: steps per dispatch (see Speed); 1 calls the step once per batch.
       on_nonfinite: "stop" (default) or "skip" (see Non-finite steps).
-      checkpoint_dir, every, resume: see Checkpoints.
+      checkpoint_dir: see Checkpoints.
+      every: see Checkpoints.
+      resume: see Checkpoints.
       optimistic: run each chunk first with the step's ``unguarded`` form (the guard's test
         without its per-leaf selects, which wait for the global reductions: 1.2x on a
         1.1M-parameter MLP), keeping the chunk's starting state; a chunk in which a step was
@@ -273,9 +276,9 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
       TypeError: if `step`, `evaluate` or `log` is of the wrong kind, or the first call of
         `step` returns something other than ``(TrainState, metrics)`` with "loss" and
         "grad_norm".
-      Any exception of the step, the loader or `evaluate` propagates with the run so far as
-      its ``fit_result`` attribute (a `FitResult`), after a checkpoint of the last state when
-      `checkpoint_dir` is given.
+      Exception: any exception of the step, the loader or `evaluate` propagates with the run
+        so far as its ``fit_result`` attribute (a `FitResult`), after a checkpoint of the last
+        state when `checkpoint_dir` is given.
     Warns:
       UserWarning: when an accumulating step's group is larger than the data.
     """

@@ -97,9 +97,10 @@ def trainable_mask(params: PyTree, *, train: Selector | None = None,
       params: the parameter pytree (arrays or anything else as leaves). An equinox module
         is described by its floating arrays: the mask has the structure of
         ``eqx.filter(model, eqx.is_inexact_array)`` (None elsewhere), the params it trains.
-      train, freeze: a glob pattern over leaf paths (see the module docstring: ``"0/w"``,
-        ``"0/*"``, ``"*/b"``), a predicate ``(path: str, leaf) -> bool``, or a list of them
-        (a leaf is selected when any item selects it).
+      train: the leaves to train: a glob pattern over leaf paths (see the module docstring:
+        ``"0/w"``, ``"0/*"``, ``"*/b"``), a predicate ``(path: str, leaf) -> bool``, or a list
+        of them (a leaf is selected when any item selects it); None selects every leaf.
+      freeze: the leaves to freeze, selected as by `train`.
     Returns:
       a pytree with the structure of `params` whose leaves are Python bools.
     Raises:

@@ -214,7 +214,8 @@ def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean of ``(predictions - targets)**2`` over every element (optax.squared_error, averaged).
 
     Args:
-      predictions, targets: arrays of the same shape, floating.
+      predictions: a floating array.
+      targets: a floating array of the shape of `predictions`.
     Returns:
       a scalar (shape ``()``) in the squared units of the targets.
     """

@@ -105,9 +105,10 @@ def dynamic_loss_scale(*, init_scale: float = 2.0**15, growth_factor: float = 2.
       growth_factor: > 1; the scale is multiplied by it after `growth_interval` finite steps.
       backoff_factor: in (0, 1); the scale is multiplied by it after a non-finite step.
       growth_interval: a positive int, in steps.
-      min_scale, max_scale: the floor and ceiling of the scale, finite and positive in
-        float32, min_scale <= max_scale. If gradients are non-finite even at the floor (a NaN
-        from the model, not from the scale) every step is skipped; `skipped_total` shows it.
+      min_scale: the floor of the scale, finite and positive in float32, <= max_scale. If
+        gradients are non-finite even at the floor (a NaN from the model, not from the scale)
+        every step is skipped; `skipped_total` shows it.
+      max_scale: the ceiling of the scale, finite and positive in float32, >= min_scale.
     Returns:
       a `LossScale`. Powers of two (all the defaults) keep scaling exact: x * 2**k only shifts
       the exponent.

@@ -313,3 +313,16 @@ def test_keyword_static_and_integer_arguments():
             table, 2.0)
 
     _assert_same_grads(grads(remat(block, static_argnums=2)), grads(block))
+
+
+def test_a_python_float_argument_is_accepted_as_jax_checkpoint_accepts_it():
+    # jax.grad(fg.remat(block))(1.0, x, key) raised AttributeError: 'TypedFloat' object has no
+    # attribute 'size' from fg.remat's runtime predicate (issue 25 point 4). The gradient with
+    # respect to the Python float s equals the plain block's (same mask: the key is an input).
+    def block(s, x, key):
+        keep = jax.random.bernoulli(key, 0.9, x.shape)
+        return jnp.sum(jnp.where(keep, jnp.tanh(s * x), 0.0))
+
+    x, key = jnp.linspace(-1.0, 1.0, 8), jax.random.key(0)
+    got = jax.grad(remat(block))(1.0, x, key)
+    np.testing.assert_allclose(got, jax.grad(block)(1.0, x, key), rtol=1e-6)

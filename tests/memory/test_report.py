@@ -215,3 +215,78 @@ def test_a_funcgrad_loss_is_taken_and_one_needing_a_key_is_told_to_bind():
     keyed = fg.Loss(lambda w, batch, key: jnp.mean(batch["x"] @ w), takes_key=True)
     with pytest.raises(TypeError, match=r"takes key=.*loss.bind\(model_state, key\)"):
         memory_report(keyed, W, {"x": X}, grad=True)
+
+
+# --- the report tells the truth about checkpoints (issue 25 point 5) ----------------------
+
+WS8 = jnp.full((8, 16, 16), 0.1, jnp.float32)
+X16 = jnp.ones((4, 16), jnp.float32)
+
+
+def test_a_scan_over_a_checkpointed_body_says_the_checkpoint_kept_its_residuals():
+    def scan_ck(ws, x):
+        def body(h, w):
+            return jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h, w), None
+        h, _ = jax.lax.scan(body, x, ws)
+        return jnp.sum(h)
+
+    r = memory_report(scan_ck, WS8, X16, grad=True)
+    # jax.checkpoint with no policy saves only its inputs: the carry h of each of the 8
+    # iterations, (8, 4, 16) float32 = 2048 B, stacked by the scan.
+    (row,) = [row for row in r.residuals if row.origin == "output"]
+    assert (row.shape, row.nbytes) == ((8, 4, 16), 2048)
+    assert "jax.checkpoint inside the scan body" in row.kept_by
+    assert "no policy" in row.kept_by and "vjp default" not in row.kept_by
+
+
+def test_a_policy_naming_no_checkpoint_name_is_flagged_with_the_names_that_exist():
+    def named(ws, x):
+        h = x
+        for i in range(3):
+            h = checkpoint_name(jnp.tanh(h @ ws[i]), "hidden")
+        return jnp.sum(h)
+
+    typo = jax.checkpoint_policies.save_only_these_names("hiden")
+    r = memory_report(jax.checkpoint(named, policy=typo), WS8, X16, grad=True)
+    (warning,) = r.warnings
+    assert "'hiden'" in warning and "'hidden'" in warning and "saves nothing" in warning
+    assert f"Warning: {warning}" in str(r)
+    right = jax.checkpoint_policies.save_only_these_names("hidden")
+    assert memory_report(jax.checkpoint(named, policy=right), WS8, X16, grad=True).warnings == ()
+
+
+def test_a_name_on_a_scan_carry_is_said_to_save_nothing_more():
+    def carried(ws, x):
+        def body(h, w):
+            return checkpoint_name(jnp.tanh(h @ w), "h"), None
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    r = memory_report(carried, WS8, X16, grad=True)
+    assert any("'h'" in w and "scan carry" in w for w in r.warnings)
+
+
+def test_fg_remat_is_not_reported_as_xla_removing_it_nor_its_predicate_as_dominant():
+    def mlp(ws, x):
+        h = x
+        for i in range(8):
+            h = jnp.tanh(h @ ws[i])
+        return h
+
+    r = memory_report(lambda ws, x: jnp.sum(fg.remat(mlp)(ws, x)), WS8, X16, grad=True)
+    (pred,) = [row for row in r.residuals if "_runtime_true" in row.source]
+    assert pred.nbytes == 1 and pred.kept_by.startswith("fg.remat's runtime predicate")
+    assert "_runtime_true" not in r.dominant
+    assert r.remat["verdict"].count("fg.remat") >= 1
+    assert "XLA merged" not in r.remat["verdict"] and "removes the recomputation" not in \
+        r.remat["verdict"]
+
+
+def test_forward_alone_in_a_library_fusion_is_not_printed_as_a_measurement():
+    r = memory_report(lambda ws, x: jnp.sum(jnp.tanh(jnp.tanh(x @ ws[0]) @ ws[1])), WS8, X16,
+                      grad=True)
+    text = str(r)
+    line = next(t for t in text.splitlines() if t.strip().startswith("forward alone"))
+    # XLA:CPU hands such a forward pass to a library (YNNPACK) whose buffers no analysis
+    # counts; on a backend without library fusions the figure is XLA's own and is shown.
+    assert ("not measured" in line) == (r.forward_library_fusions > 0)
+    assert (f"{r.forward_bytes:,}" in line) == (r.forward_library_fusions == 0)
