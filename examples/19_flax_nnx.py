@@ -78,7 +78,7 @@ def main() -> None:
     print(m)
     tx = optax.adam(1e-2)
     monitor = fg.grad_monitor()
-    step = fg.make_train_step(m.loss(cross_entropy), tx, monitor=monitor)
+    step = fg.make_train_step(m.loss(cross_entropy, train=True), tx, monitor=monitor)
     state = m.init_train_state(tx, monitor=monitor)  # no key: nnx draws from its own Rngs
     losses, alerts = [], []
     for batch in batches:
@@ -111,7 +111,7 @@ def main() -> None:
     c.below("1 - test accuracy (limit: 0.15)", 1 - acc, 0.15)
 
     # The analysis tools on the trained model, with its state fixed (Loss.bind).
-    loss = m.loss(cross_entropy).bind(state.model_state)
+    loss = m.loss(cross_entropy, train=True).bind(state.model_state)
     print()
     explanation = fg.explain_grads(loss, state.params, batches[0])
     print(explanation)

@@ -97,7 +97,7 @@ def main() -> None:
     print(m)
     tx = optax.adam(1e-2)
     monitor = fg.grad_monitor()
-    step = fg.make_train_step(m.loss(cross_entropy), tx, monitor=monitor)
+    step = fg.make_train_step(m.loss(cross_entropy, train=True), tx, monitor=monitor)
     state = m.init_train_state(tx, seed=0, monitor=monitor)
     losses, alerts = [], []
     for batch in batches:
@@ -126,7 +126,7 @@ def main() -> None:
     c.below("1 - test accuracy (limit: 0.15)", 1 - acc, 0.15)
 
     # The analysis tools on the trained model, with its state and a key fixed (Loss.bind).
-    loss = m.loss(cross_entropy).bind(state.model_state, jax.random.key(1))
+    loss = m.loss(cross_entropy, train=True).bind(state.model_state, jax.random.key(1))
     print()
     explanation = fg.explain_grads(loss, state.params, batches[0])
     print(explanation)

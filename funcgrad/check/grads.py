@@ -41,7 +41,7 @@ import numpy as np
 
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, check_array_args
-from funcgrad._library_objects import split_equinox_args
+from funcgrad._library_objects import LeftOut, left_out_fields, split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
 from funcgrad._traced import traced_values
 from funcgrad.check import _directions, _full_pass, _noise, _rule_blame
@@ -204,7 +204,10 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
                         f"{argnums!r}.")
     argnums_t = ((int(argnums),) if isinstance(argnums, (int, np.integer))  # is_int: checked
                  else tuple(dict.fromkeys(int(a) for a in argnums)))
-    fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
+    # An equinox model: its floating arrays; its Python float fields are listed as skipped.
+    left_out = left_out_fields(fn, args, tuple(a % len(args) for a in argnums_t
+                                               if -len(args) <= a < len(args)))
+    fn, args = split_equinox_args(fn, args)
     names = arg_names(fn, len(args))
     check_array_args("check_grads", args, names)
     if respect_stop_gradient is not None:
@@ -258,7 +261,8 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
     checked = tuple(m for m in modes if not (m == "fwd" and _NO_FWD_NOTE in notes))
     return GradCheckReport(rows=rows, mode=mode, modes=checked or tuple(modes), order=order,
                            dtype_used=prob["dtype_used"], eps=cfg_tol[0], rtol=cfg_tol[1],
-                           atol=cfg_tol[2], skipped=prob["skipped"], notes=notes,
+                           atol=cfg_tol[2], skipped=_left_out(left_out) + prob["skipped"],
+                           notes=notes,
                            checked_args=prob["checked_args"],
                            unchecked_args=prob["unchecked_args"],
                            lifted_from=prob["lifted_from"], weaker=prob.get("weaker"))
@@ -302,8 +306,13 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
         raise ValueError(f"audit: max_evaluations must be a positive int (function "
                          f"evaluations of the directional check) or None, got "
                          f"{max_evaluations!r}.")
+    left_out = _left_out(left_out_fields(loss_fn, (params, *batch), (0,)))
     loss_fn, split_args = split_equinox_args(loss_fn, (params, *batch))
     params, batch = split_args[0], split_args[1:]
+    if left_out:  # check_grads sees the split params (no float left in them): listed here
+        report = audit(loss_fn, params, *batch, max_full_elements=max_full_elements,
+                       max_evaluations=max_evaluations, **kwargs)
+        return dataclasses.replace(report, skipped=[*left_out, *report.skipped])
     sizes = [int(np.size(x)) for x in jax.tree.leaves(params)
              if jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x) > 0]
     n = sum(sizes)
@@ -324,6 +333,11 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
     used = 2 + ("fwd" in report.modes)  # fwd is skipped (with a note) for a custom_vjp
     note = _directions.describe(block, sizes, k, used, budget, worst.resolution, worst.path)
     return dataclasses.replace(report, notes=[note, *report.notes])
+
+
+def _left_out(fields: list[LeftOut]) -> list[str]:
+    """A report's ``skipped`` lines for the Python float fields of an equinox module."""
+    return [f"{field.name} ({field.reason})" for field in fields]
 
 
 # --- set-up -------------------------------------------------------------------------------

@@ -307,7 +307,8 @@ class GradCheckReport:
       dtype_used: the dtype the check's arithmetic ran in: float64, or the narrower float fn
         computes in when its casts were not lifted (see `lifted_from` and the notes).
       eps, rtol, atol: the step and tolerances used (see `funcgrad.check.grads.TOLERANCES`).
-      skipped: integer/boolean leaves that were not differentiated.
+      skipped: integer/boolean leaves that were not differentiated, and the Python float
+        fields of an equinox module that equinox treats as static (with the reason and fix).
       checked_args, unchecked_args: the positional arguments differentiated (`argnums`) and
         those passed through unchecked, as ``"name (argnums=i)"``; an unchecked argument with
         floating leaves is one a caller may have meant to check (``argnums=(0, 1)``).

@@ -250,7 +250,7 @@ def _locate(fn, args, *, argnums, grad, has_aux):
     if not callable(fn):
         raise TypeError(f"find_nonfinite needs a callable fn, got {type(fn).__name__}.")
     nums = _argnums(argnums, len(args), grad)
-    fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
+    fn, args = split_equinox_args(fn, args, "find_nonfinite")  # an equinox model: arrays
     names = arg_names(fn, len(args))
     paths = leaf_paths(tuple(args), names)
     leaves = jax.tree.leaves(tuple(args))

@@ -15,7 +15,11 @@ zeros for a parameter behind ``stop_gradient``, behind ``round``, or behind a de
                                      ``where`` branch no example took);
   ``nonfinite``                      the gradient holds a NaN or inf (`funcgrad.find_nonfinite`
                                      locates the primitive and line that made it);
-  ``not_differentiable``             an integer or boolean leaf (it has no gradient).
+  ``not_differentiable``             an integer or boolean leaf (it has no gradient);
+  ``static``                         a Python float field of an equinox module
+                                     (``self.scale = 0.5``): equinox treats it as static, so
+                                     it is closed over, not differentiated, and never trains
+                                     (the detail gives the fix, ``jnp.asarray(0.5)``).
 
 Complex leaves are differentiated like real ones (JAX's convention for a real loss of a
 complex parameter, ``jax.grad``'s output).
@@ -56,13 +60,13 @@ import numpy as np
 
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, check_array_args, interpret, leaf_paths, source_line
-from funcgrad._library_objects import split_equinox_args
+from funcgrad._library_objects import is_inexact_array, left_out_fields, split_equinox_args
 from funcgrad._traced import traced_values
 from funcgrad.check._custom_rules import dropped_inputs
 from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
-            "numerically_zero", "nonfinite", "not_differentiable")
+            "numerically_zero", "nonfinite", "not_differentiable", "static")
 
 #: Primitives with a floating output whose derivative is zero wherever it is defined. Any
 #: primitive with an integer or boolean output (comparisons, argmax, casts to int, ...) cuts the
@@ -282,6 +286,8 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     """
     if not callable(loss_fn):
         raise TypeError(f"explain_grads needs a callable loss_fn, got {type(loss_fn).__name__}.")
+    left_out = left_out_fields(loss_fn, (params, *args), (0,))  # rows of status "static"
+    kept = [i for i, x in enumerate(jax.tree.leaves(params)) if is_inexact_array(x)]
     loss_fn, split_args = split_equinox_args(loss_fn, (params, *args))
     params, args = split_args[0], split_args[1:]
     names = arg_names(loss_fn, 1 + len(args))
@@ -377,6 +383,10 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
                               "JAX's derivative rules give a symbolic zero on every path "
                               "(a custom_jvp/custom_vjp rule or a primitive without a tangent)")
         rows.append(LeafExplanation(path, shape, dtype, status, norm, detail))
+    if left_out:  # in the module's leaf order: the split params' rows are its floating arrays
+        ordered = [*zip(kept, rows), *((f.position, LeafExplanation(
+            f.name, (), type(f.value).__name__, "static", 0.0, f.reason)) for f in left_out)]
+        rows = [row for _, row in sorted(ordered, key=lambda pair: pair[0])]
     return GradExplanation(tuple(rows), float(loss), tuple(relus))
 
 

@@ -260,7 +260,7 @@ def trace(fn: Callable, *args: PyTree, residuals: bool = True) -> Graph:
     if not callable(fn):
         raise TypeError(f"trace: fn must be a callable such as a loss function, got "
                         f"{type(fn).__name__} {fn!r}. Example: trace(loss_fn, params, batch).")
-    fn, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
+    fn, args = split_equinox_args(fn, args, "trace")  # an equinox model: its floating arrays
     names = arg_names(fn, len(args))
     paths = leaf_paths(args, names)
     for path, leaf in zip(paths, jax.tree.leaves(args)):

@@ -276,7 +276,7 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)  # (argnums,) if single
 
     def transformed(*args, **kwargs):
-        of_arrays, args = split_equinox_args(fn, args)  # an equinox model: its floating arrays
+        of_arrays, args = split_equinox_args(fn, args, "intermediate_grads")  # floating arrays
         bound = functools.partial(of_arrays, **kwargs) if kwargs else of_arrays
         with traced_values("intermediate_grads", bound, args, arg_names(fn, len(args)), nums):
             closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from funcgrad._paths import key_paths, keystr
 
 if TYPE_CHECKING:
     from funcgrad.train.loss import Loss
@@ -40,7 +43,9 @@ class Model:
 
     def __init__(self, *, library: str, params: PyTree, model_state: PyTree | None,
                  apply: ApplyFn, rebuild: Callable[[PyTree, PyTree], Any], takes_key: bool,
-                 key_note: str, state_in_compute_dtype: bool = False):
+                 key_note: str, state_in_compute_dtype: bool = False,
+                 mode_layers: Sequence[str] = (), mode_calls: tuple[str, str] = ("", ""),
+                 state_names: Sequence[str] | None = None):
         self.library = library
         self.params = params
         self.model_state = model_state
@@ -49,6 +54,14 @@ class Model:
         self._takes_key = takes_key
         self._key_note = key_note  # why the model takes no key (the error of takes_key=True)
         self._state_in_compute_dtype = state_in_compute_dtype  # see `apply`
+        # The layers whose behaviour depends on the mode ("model.bn (eqx.nn.BatchNorm)"): with
+        # any, `apply` and `loss` need train=; `mode_calls` are the library's own ways to set
+        # each mode (for the message).
+        self._mode_layers = tuple(mode_layers)
+        self._mode_calls = mode_calls
+        # One name per leaf of model_state (jax.tree.leaves order), for the EvalModeWarning.
+        self._state_names = (list(state_names) if state_names is not None else
+                             ["model_state" + keystr(p) for p in key_paths(model_state)])
 
     def __repr__(self) -> str:
         leaves = jax.tree.leaves(self.params)
@@ -78,7 +91,10 @@ class Model:
             whose ``__call__`` takes ``train``). nnx and equinox: True runs the model in
             training mode (nnx ``model.train()``, ``eqx.nn.inference_mode(model, False)``),
             False in evaluation mode (``model.eval()``, ``inference_mode(model, True)``: dropout
-            off, BatchNorm uses its running statistics), None as the model was given.
+            off, BatchNorm uses its running statistics), None as the model was given, which
+            only a model without mode-dependent layers may take (see Raises). An evaluation
+            call (``train=False``) that changes `model_state` warns
+            (`funcgrad.interop.EvalModeWarning`).
           **kwargs: passed to the model's call (linen: to ``module.apply``, e.g. ``method=``).
         Returns:
           ``(outputs, new_model_state)``; `new_model_state` has the structure, shapes and
@@ -90,9 +106,14 @@ class Model:
           is cast back to `model_state`'s dtypes (float32 statistics stay float32).
         Raises:
           ValueError: if `params` or `model_state` do not have the model's structure and
-            shapes (the message names the first differing leaf), or for a key the library
-            cannot use.
+            shapes (the message names the first differing leaf), for a key the library
+            cannot use, or without `train` for an nnx or equinox model with layers that
+            behave differently in training and evaluation (BatchNorm, dropout, a module with
+            an ``inference`` field or a ``deterministic`` / ``use_running_average``
+            attribute): the message names them.
         """
+        if train is None and self._mode_layers:
+            raise ValueError(self._mode_error("m.apply"))
         _check_like(params, self.params, "params", f"{self.library} model's")
         _check_like(model_state, self.model_state, "model_state", f"{self.library} model's")
         if model_state is None:
@@ -103,10 +124,58 @@ class Model:
         # BatchNorm also needs it narrowed to bfloat16/float16 params (compute_dtype): its
         # lax.select refuses mixed dtypes. The new state comes back in the state's own
         # dtypes, as the train step's contract needs.
-        outputs, new_state = self._apply(
-            params, _state_for_call(model_state, params, narrow=self._state_in_compute_dtype),
-            args, kwargs, key, train)
+        state = _state_for_call(model_state, params, narrow=self._state_in_compute_dtype)
+        outputs, new_state = self._apply(params, state, args, kwargs, key, train)
+        if train is False:
+            self._warn_if_changed(state, new_state)
         return outputs, _cast_like(new_state, model_state)
+
+    def _mode_error(self, where: str) -> str:
+        """The ValueError of `apply` / `loss` without train= on a mode-dependent model."""
+        train_call, eval_call = self._mode_calls
+        loss = (" For the train step: m.loss(objective, train=True)." if where == "m.loss"
+                else "")
+        return (f"{where}: the {self.library} model has layers that behave differently in "
+                f"training and evaluation, so pass train=True or train=False: "
+                f"{', '.join(self._mode_layers)}. train=True trains (as after {train_call}: "
+                "BatchNorm normalizes with the batch statistics and updates its running "
+                "statistics, dropout drops); train=False evaluates (as after "
+                f"{eval_call}: BatchNorm uses its running statistics and leaves them, no "
+                "dropout). Without train= the model would run in the mode it was built in "
+                "(training, for a model fresh from its constructor), so an evaluation call "
+                f"would update the statistics and draw dropout masks unseen.{loss}")
+
+    def _warn_if_changed(self, state: PyTree, new_state: PyTree) -> None:
+        """`funcgrad.interop.EvalModeWarning` when an evaluation call changed the model state.
+
+        Eagerly the values are compared; under a trace (jit, grad) the new leaf being the
+        very tracer passed in says the library left it alone (nnx, equinox and linen return
+        an untouched leaf as it was given), so a written leaf is reported at trace time."""
+        from funcgrad._user_line import warn
+        from funcgrad.interop._warnings import EvalModeWarning
+
+        traced = False
+        changed = []
+        for name, old, new in zip(self._state_names, jax.tree.leaves(state),
+                                  jax.tree.leaves(new_state)):
+            if new is old:
+                continue
+            if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
+                traced = True
+                changed.append(name)
+            elif not _same_values(old, new):
+                changed.append(name)
+        if not changed:
+            return
+        how = ("wrote new values into the model state (found while tracing, so the values "
+               "themselves are not known)" if traced else "changed the model state")
+        warn(f"m.apply(..., train=False) {how}: {', '.join(changed)}. An evaluation call "
+             "should leave it as it is; a layer of the model ignores the mode (BatchNorm built "
+             "with use_running_average=False, or the mode passed at its call: "
+             "inference=False, use_running_average=False, deterministic=False), so its "
+             "statistics or rng counts moved with this batch. Make that layer follow the "
+             "mode, and evaluate with the state you passed in (not the one returned).",
+             EvalModeWarning)
 
     def loss(self, objective: Callable[..., Any], *, inputs: str | Sequence[str] | Callable = "x",
              has_aux: bool = False, takes_key: bool | None = None, train: bool | None = None,
@@ -130,13 +199,16 @@ class Model:
             key, step)``) and passes it to the model. Default: linen, True when the adapter has
             rng streams (``rngs=("dropout",)`` by default); equinox, True; nnx, False (and
             True is refused: nnx draws from the model's own ``Rngs``).
-          train: as in `apply` (linen: passed to the module as its ``train`` keyword).
+          train: as in `apply` (linen: passed to the module as its ``train`` keyword);
+            ``train=True`` for the train step. Required for an nnx or equinox model with
+            BatchNorm, dropout or other mode-dependent layers.
           **kwargs: passed to the model's call at every step.
         Returns:
           a ``funcgrad.Loss`` with ``has_state = model_state is not None``.
         Raises:
           ValueError: for ``takes_key=True`` on a model that takes no key (nnx; linen with
-            ``rngs=()``; equinox whose ``__call__`` has no ``key``); at the first call, if
+            ``rngs=()``; equinox whose ``__call__`` has no ``key``); without `train` on a
+            model with mode-dependent layers (as `apply`); at the first call, if
             `objective` returns a tuple without `has_aux` or not a pair with it.
           TypeError: if `objective` is not callable or `inputs` is none of the forms above.
         """
@@ -157,6 +229,8 @@ class Model:
             takes_key = self._takes_key
         elif takes_key and not self._takes_key:
             raise ValueError(f"Model.loss(takes_key=True): {self._key_note}")
+        if train is None and self._mode_layers:
+            raise ValueError(self._mode_error("m.loss"))
         args_of = _inputs(inputs)
         has_state = self.model_state is not None
         if train is not None:
@@ -239,6 +313,30 @@ def _state_for_call(model_state: PyTree, params: PyTree, *, narrow: bool) -> PyT
         return s.astype(target) if (narrow or not wider) else s
 
     return jax.tree.map(cast, model_state)
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether two concrete leaves hold the same values (PRNG keys by their key data)."""
+    if _dtype(a) != _dtype(b) or jnp.shape(a) != jnp.shape(b):
+        return False
+    if jax.dtypes.issubdtype(_dtype(a), jax.dtypes.prng_key):
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+    return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
+
+
+def momentum_note(name: str, layer: str, momentum: float, library: str) -> str:
+    """The `funcgrad.interop.MomentumWarning` message for a BatchNorm momentum below 0.5."""
+    return (f"{name}: {layer}(momentum={momentum!r}) keeps {momentum:.0%} of the running "
+            f"statistics at each step and takes {1 - momentum:.0%} from the batch. In "
+            f"{library}, momentum is the decay of the running average (running = momentum * "
+            "running + (1 - momentum) * batch; default 0.99); in PyTorch it is the weight of "
+            "the new batch (default 0.1). A port that kept PyTorch's value gets running "
+            "statistics that follow each batch: PyTorch's momentum=m is "
+            f"{library}'s 1 - m (0.9 for PyTorch's 0.1), or keep {library}'s default 0.99.")
+
+
+#: Below this, a BatchNorm momentum is taken for PyTorch's meaning and noted.
+MOMENTUM_NOTE_BELOW = 0.5
 
 
 def _cast_like(new_state: PyTree, model_state: PyTree) -> PyTree:

@@ -10,7 +10,17 @@ from typing import Any
 
 import jax
 
-from funcgrad.interop._model import Model, _call_takes, _wrong_module
+from funcgrad._library_objects import static_field_message, static_floats
+from funcgrad._paths import keystr
+from funcgrad._user_line import warn
+from funcgrad.interop._model import (
+    MOMENTUM_NOTE_BELOW,
+    Model,
+    _call_takes,
+    _wrong_module,
+    momentum_note,
+)
+from funcgrad.interop._warnings import MomentumWarning, StaticFieldWarning
 
 
 def from_equinox(model: Any, state: Any = None, *,
@@ -35,8 +45,20 @@ def from_equinox(model: Any, state: Any = None, *,
 
     Modes: ``m.apply(..., train=False)`` runs ``eqx.nn.inference_mode(model, True)``
     (dropout off, BatchNorm on its running statistics), ``train=True`` ``inference_mode(model,
-    False)``, None the model as given; a model whose ``__call__`` takes ``train`` also gets
-    it as an argument.
+    False)``; a model whose ``__call__`` takes ``train`` also gets it as an argument. A model
+    with an ``eqx.nn.BatchNorm``, an ``eqx.nn.Dropout`` or any module with an ``inference``
+    field needs one of them (``m.apply`` and ``m.loss`` refuse None, naming the layers); a
+    model without runs as given. An evaluation call that changes the state warns
+    (`funcgrad.interop.EvalModeWarning`).
+
+    Warns:
+      funcgrad.interop.StaticFieldWarning: once per Python float field (``self.scale =
+        0.5``) outside equinox's own layers: equinox treats it as static, so it is not in
+        ``m.params`` and never trains; the message gives the fix (``eqx.tree_at(lambda m:
+        m.scale, model, jnp.asarray(0.5))``, or ``eqx.field(static=True)`` for a setting).
+      funcgrad.interop.MomentumWarning: for an ``eqx.nn.BatchNorm`` with ``momentum`` below
+        0.5 (equinox's momentum is the decay of the running average, 0.99 by default;
+        PyTorch's 0.1 is the weight of the new batch).
 
     Args:
       model: an ``eqx.Module`` with at least one floating array.
@@ -70,6 +92,15 @@ def from_equinox(model: Any, state: Any = None, *,
     if not jax.tree.leaves(params):
         raise ValueError(f"from_equinox: {type(model).__name__} holds no floating arrays, so "
                          "there is nothing to differentiate.")
+    for _, path, value in static_floats(model):
+        warn(static_field_message("model", [(path, value)], "from_equinox (as eqx.partition("
+                                  "model, eqx.is_inexact_array)) leaves"), StaticFieldWarning)
+    modules = _modules(model, eqx)
+    for path, module in modules:
+        if (isinstance(module, eqx.nn.BatchNorm)
+                and float(module.momentum) < MOMENTUM_NOTE_BELOW):
+            warn(momentum_note(f"model{keystr(path)}", "eqx.nn.BatchNorm", module.momentum,
+                               "equinox"), MomentumWarning)
 
     def call(model, args, state, key, kwargs):
         if key is not None:
@@ -115,7 +146,57 @@ def from_equinox(model: Any, state: Any = None, *,
     return Model(library="equinox", params=params, model_state=state, apply=apply,
                  rebuild=rebuild, takes_key=accepts_key,
                  key_note=f"{type(model).__name__}.__call__ takes no key= argument.",
-                 state_in_compute_dtype=True)  # eqx.nn.BatchNorm: lax.select of one dtype
+                 state_in_compute_dtype=True,  # eqx.nn.BatchNorm: lax.select of one dtype
+                 mode_layers=_mode_layers(modules, eqx),
+                 mode_calls=("eqx.nn.inference_mode(model, False)",
+                             "eqx.nn.inference_mode(model)"),
+                 state_names=None if state is None else _state_names(model, state, eqx))
+
+
+def _modules(model: Any, eqx: Any) -> list[tuple[tuple, Any]]:
+    """``(path, module)`` of `model` and every equinox module inside it, depth first."""
+    found = []
+
+    def walk(node, prefix):
+        found.append((prefix, node))
+        is_sub = lambda x: x is not node and isinstance(x, eqx.Module)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_sub)[0]:
+            if is_sub(leaf):
+                walk(leaf, prefix + path)
+
+    walk(model, ())
+    return found
+
+
+def _mode_layers(modules: list[tuple[tuple, Any]], eqx: Any) -> list[str]:
+    """The modules whose behaviour `eqx.nn.inference_mode` changes: ``model.bn
+    (eqx.nn.BatchNorm)``, ``model.gate (Gate, its inference field)``."""
+    found = []
+    for path, module in modules:
+        name = f"model{keystr(path)}"
+        if isinstance(module, (eqx.nn.BatchNorm, eqx.nn.Dropout)):
+            found.append(f"{name} (eqx.nn.{type(module).__name__})")
+        elif hasattr(module, "inference"):
+            found.append(f"{name} ({type(module).__name__}, its inference field)")
+    return found
+
+
+def _state_names(model: Any, state: Any, eqx: Any) -> list[str] | None:
+    """One name per leaf of `state` by the module path of its ``eqx.nn.StateIndex``
+    (``model.bn.ema_state_index[0]``); None (generic names) where that cannot be read."""
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)
+    names: dict[int, str] = {}
+    try:
+        for path, index in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_index)[0]:
+            if is_index(index):
+                for inner, leaf in jax.tree_util.tree_flatten_with_path(state.get(index))[0]:
+                    names[id(leaf)] = f"model{keystr(path)}{keystr(inner)}"
+    except (AttributeError, KeyError, TypeError, ValueError):  # generic names, then
+        return None
+    leaves = jax.tree.leaves(state)
+    if not all(id(leaf) in names for leaf in leaves):
+        return None
+    return [names[id(leaf)] for leaf in leaves]
 
 
 def _accepts_key(model: Any) -> bool:

@@ -9,7 +9,9 @@ from typing import Any
 
 import jax
 
-from funcgrad.interop._model import Model, _wrong_module
+from funcgrad._user_line import warn
+from funcgrad.interop._model import MOMENTUM_NOTE_BELOW, Model, _wrong_module, momentum_note
+from funcgrad.interop._warnings import MomentumWarning
 
 _NEEDS_VARIABLES = (
     "from_linen needs the module and its variables, as module.init returns them:\n"
@@ -27,6 +29,17 @@ def from_linen(module: Any, variables: Mapping[str, Any], *,
     ``module.apply({"params": params, **model_state}, *args, rngs=..., mutable=[the
     model_state collections], **kwargs)``, the call of flax's own training loop, and returns
     the outputs and the updated collections. `kwargs` reach the module (``train=True``).
+
+    Modes: linen has no mode of its own; ``train=`` reaches the module's ``__call__`` like
+    any keyword. An evaluation call (``train=False``) that changes the model state warns
+    (`funcgrad.interop.EvalModeWarning`): a BatchNorm whose ``use_running_average`` does not
+    follow ``train``.
+
+    Warns:
+      funcgrad.interop.MomentumWarning: once per BatchNorm, at the first ``m.apply`` that
+        runs it (a compact module's layers exist only then), when its ``momentum`` is below
+        0.5: flax's momentum is the decay of the running average (0.99 by default), PyTorch's
+        (0.1) the weight of the new batch.
 
     Args:
       module: a ``flax.linen.Module`` (unbound, as written: ``CNN()``).
@@ -75,6 +88,24 @@ def from_linen(module: Any, variables: Mapping[str, Any], *,
     collections = [c for c in variables if c != "params"]
     model_state = {c: variables[c] for c in collections} or None
 
+    noted: set[tuple] = set()  # the BatchNorms whose momentum was noted (once each)
+
+    def note_momentum(next_fun, args, kwargs, context):
+        """A method interceptor: notes a BatchNorm's momentum in PyTorch's meaning."""
+        layer = context.module
+        if isinstance(layer, nn.BatchNorm) and context.method_name == "__call__":
+            try:
+                path = tuple(layer.path)
+            except (AttributeError, ValueError):  # an unbound layer: no path to name it by
+                path = (layer.name,)
+            momentum = layer.momentum
+            if (path not in noted and isinstance(momentum, (int, float))
+                    and momentum < MOMENTUM_NOTE_BELOW):
+                noted.add(path)
+                name = "model_state['batch_stats']" + "".join(f"[{p!r}]" for p in path)
+                warn(momentum_note(name, "nn.BatchNorm", momentum, "flax"), MomentumWarning)
+        return next_fun(*args, **kwargs)
+
     def apply(params, model_state, args, kwargs, key, train):
         if train is not None:
             kwargs = {**kwargs, "train": train}
@@ -83,10 +114,11 @@ def from_linen(module: Any, variables: Mapping[str, Any], *,
             {rngs[0]: key} if len(rngs) == 1
             else {s: jax.random.fold_in(key, i) for i, s in enumerate(rngs)})
         try:
-            if model_state is None:
-                return module.apply(variables, *args, rngs=streams, **kwargs), None
-            outputs, updated = module.apply(variables, *args, rngs=streams,
-                                            mutable=collections, **kwargs)
+            with nn.intercept_methods(note_momentum):
+                if model_state is None:
+                    return module.apply(variables, *args, rngs=streams, **kwargs), None
+                outputs, updated = module.apply(variables, *args, rngs=streams,
+                                                mutable=collections, **kwargs)
         except flax.errors.InvalidRngError as e:
             raise ValueError(_rng_message(e, key, rngs)) from None
         return outputs, {c: updated[c] for c in collections}

@@ -8,7 +8,15 @@ from typing import Any
 
 import jax
 
-from funcgrad.interop._model import Model, _call_takes, _wrong_module
+from funcgrad._user_line import warn
+from funcgrad.interop._model import (
+    MOMENTUM_NOTE_BELOW,
+    Model,
+    _call_takes,
+    _wrong_module,
+    momentum_note,
+)
+from funcgrad.interop._warnings import MomentumWarning
 
 _OPTIMIZER = (
     "from_nnx got an nnx.Optimizer; funcgrad keeps the optimizer state itself. Pass the model "
@@ -32,10 +40,19 @@ def from_nnx(model: Any) -> Model:
     therefore takes no key from funcgrad (``takes_key=False``): dropout masks come from the
     model's own ``nnx.Rngs``, reproducibly.
 
-    Modes: the module is used in the mode it was given in; ``m.apply(..., train=True)`` runs
-    it as after ``model.train()``, ``train=False`` as after ``model.eval()`` (dropout off,
-    BatchNorm on its running statistics); a module whose ``__call__`` takes ``train`` also
-    gets it as an argument. The given module is never modified.
+    Modes: ``m.apply(..., train=True)`` runs the module as after ``model.train()``,
+    ``train=False`` as after ``model.eval()`` (dropout off, BatchNorm on its running
+    statistics); a module whose ``__call__`` takes ``train`` also gets it as an argument. A
+    module with an ``nnx.BatchNorm``, an ``nnx.Dropout`` or any submodule with a
+    ``deterministic`` or ``use_running_average`` attribute (what ``train()``/``eval()`` set)
+    needs one of them (``m.apply`` and ``m.loss`` refuse None, naming the layers); one
+    without runs in the mode it was given in. An evaluation call that changes the state
+    warns (`funcgrad.interop.EvalModeWarning`). The given module is never modified.
+
+    Warns:
+      funcgrad.interop.MomentumWarning: for an ``nnx.BatchNorm`` with ``momentum`` below 0.5
+        (flax's momentum is the decay of the running average, 0.99 by default; PyTorch's 0.1
+        is the weight of the new batch).
 
     Args:
       model: an ``nnx.Module`` with at least one ``nnx.Param``.
@@ -68,6 +85,12 @@ def from_nnx(model: Any) -> Model:
     eval_graphdef = nnx.split(copy, nnx.Param, ...)[0]
     graphdefs = {None: graphdef, True: train_graphdef, False: eval_graphdef}
     takes_train = _call_takes(model.__call__, "train")  # `def __call__(self, x, train)`
+    modules = _modules(model, nnx)
+    for name, module in modules:
+        if (isinstance(module, nnx.BatchNorm)
+                and float(module.momentum) < MOMENTUM_NOTE_BELOW):
+            warn(momentum_note(name, "nnx.BatchNorm", module.momentum, "flax"),
+                 MomentumWarning)
 
     def module_of(params, model_state, graphdef):
         """A new module holding `params` and `model_state` (plain dicts), by the templates'
@@ -100,7 +123,33 @@ def from_nnx(model: Any) -> Model:
                  rebuild=rebuild, takes_key=False,
                  key_note="nnx models draw their randomness from their own nnx.Rngs (in "
                           "model_state), which advance as in nnx's own loop; the loss takes "
-                          "no key. Seed them with the model's nnx.Rngs(...).")
+                          "no key. Seed them with the model's nnx.Rngs(...).",
+                 mode_layers=_mode_layers(modules, nnx),
+                 mode_calls=("model.train()", "model.eval()"))
+
+
+def _modules(model: Any, nnx: Any) -> list[tuple[str, Any]]:
+    """``(name, module)`` of `model` and every nnx module inside it (``model.blocks[0].bn``)."""
+    iter_modules = getattr(nnx, "iter_modules", None)
+    found = iter_modules(model) if iter_modules is not None else model.iter_modules()
+    return [("model" + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in path),
+             module) for path, module in found]
+
+
+def _mode_layers(modules: list[tuple[str, Any]], nnx: Any) -> list[str]:
+    """The modules whose behaviour ``model.train()``/``model.eval()`` change: ``model.bn1
+    (nnx.BatchNorm)``, ``model.attn (Attention, its deterministic attribute)``."""
+    found = []
+    for name, module in modules:
+        if isinstance(module, (nnx.BatchNorm, nnx.Dropout)):
+            found.append(f"{name} (nnx.{type(module).__name__})")
+        else:
+            for attribute in ("use_running_average", "deterministic"):
+                if hasattr(module, attribute):
+                    found.append(f"{name} ({type(module).__name__}, its {attribute} "
+                                 "attribute)")
+                    break
+    return found
 
 
 def _filled(template: Any, values: dict, nnx: Any) -> Any:

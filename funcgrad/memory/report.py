@@ -268,7 +268,7 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
                         f"step), got {type(fn).__name__}. Example: memory_report(loss, params, "
                         "batch, grad=True).")
     fn = _plain_loss(fn)
-    fn, args = split_equinox_args(fn, args)
+    fn, args = split_equinox_args(fn, args, "memory_report")
     names = arg_names(fn, len(args))
     check_array_args("memory_report", jax.tree.map(  # shapes-only stand-ins are fine here
         lambda x: 0.0 if isinstance(x, jax.ShapeDtypeStruct) else x, args), names)

@@ -135,7 +135,8 @@ def accumulate_grads(loss_fn: PerExampleLossFn | Loss, params: PyTree,
       funcgrad.train.coupling.CoupledExamplesWarning: once per trace, if `loss_fn` couples the
         examples of a micro-batch (the mean is then not the full-batch gradient).
     """
-    loss_fn, (params,) = split_equinox_args(loss_fn, (params,))  # an equinox model's arrays
+    # an equinox model: its floating arrays
+    loss_fn, (params,) = split_equinox_args(loss_fn, (params,), "accumulate_grads")
     microbatches, mask = _unpacked(microbatches, mask)
     num, size = _leading_axes(microbatches)
     mask = _checked_mask(mask, num, size)

@@ -112,7 +112,7 @@ def trainable_mask(params: PyTree, *, train: Selector | None = None,
       >>> trainable_mask(params, freeze="0/*")
       [{'b': False, 'w': False}, {'b': True, 'w': True}]
     """
-    params = equinox_floating(params)  # an equinox model: its floating arrays
+    params = equinox_floating(params, "trainable_mask")  # an equinox model: floating arrays
     paths, leaves = _paths_and_leaves(params)
     trainable = [True] * len(paths)
     train_items = _selectors(train, "train")
@@ -235,7 +235,8 @@ def value_and_grad_trainable(fn: Callable, mask: PyTree, *,
         floating point (integers have no gradient: freeze them).
     """
     def value_and_grads(params, *args, **kwargs):
-        of_arrays, (params, *rest) = split_equinox_args(fn, (params, *args))
+        of_arrays, (params, *rest) = split_equinox_args(fn, (params, *args),
+                                                        "value_and_grad_trainable")
         trainable, frozen, merge = _split(params, mask, "value_and_grad_trainable")
 
         def of_trainable(trainable_leaves):
@@ -334,7 +335,7 @@ def requires_grad(fn: Callable, mask: PyTree) -> Callable[..., PyTree]:
       (True, False, False)
     """
     def report(params, *args):
-        of_arrays, (params, *rest) = split_equinox_args(fn, (params, *args))
+        of_arrays, (params, *rest) = split_equinox_args(fn, (params, *args), "requires_grad")
         trainable, frozen, merge = _split(params, mask, "requires_grad")
 
         def output_tangents(primals, tangents, frozen_leaves, args):

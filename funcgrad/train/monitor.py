@@ -472,7 +472,8 @@ class GradMonitor:
         An equinox module is described by its floating arrays (the leaves of
         ``eqx.filter_grad``'s gradient). Raises ValueError if `params` has no leaves.
         """
-        params = equinox_floating(params)  # an equinox model: the leaves eqx.filter_grad gives
+        # An equinox model: the leaves eqx.filter_grad gives.
+        params = equinox_floating(params, "grad_monitor().init")
         leaf_names, layer_names, layer_of = _layers(params)
         if not leaf_names:
             raise ValueError(f"grad_monitor: params has no array leaves (got {params!r}), so "

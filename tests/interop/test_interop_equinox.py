@@ -5,6 +5,8 @@ model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None))`` over (x, s
 ``eqx.filter_grad`` of that loss. The adapter runs the same operations, so values agree exactly.
 """
 import functools
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +94,7 @@ def test_apply_is_equinox_vmapped_call():
     (model, state), batch = _model(), _batch()
     m = from_equinox(model, state)
     key = jax.random.key(3)
-    out, new_state = jax.jit(lambda p, s, x, k: m.apply(p, s, x, key=k))(
+    out, new_state = jax.jit(lambda p, s, x, k: m.apply(p, s, x, key=k, train=True))(
         m.params, m.model_state, batch["x"], key)
     ref_out, ref_state = eqx.filter_jit(_eqx_forward)(model, state, batch["x"], key)
     _assert_trees_equal(out, ref_out)
@@ -114,7 +116,7 @@ def test_loss_gradients_equal_eqx_filter_grad():
     (model, state), batch = _model(), _batch()
     m = from_equinox(model, state)
     key = jax.random.key(7)
-    loss_fn = m.loss(_ce)
+    loss_fn = m.loss(_ce, train=True)
     assert (loss_fn.has_state, loss_fn.takes_key, loss_fn.has_aux) == (True, True, False)
     (loss, new_state), grads = jax.jit(jax.value_and_grad(
         lambda p: tuple(loss_fn(p, batch, model_state=m.model_state, key=key))[:2],
@@ -135,7 +137,7 @@ def test_loss_gradients_equal_eqx_filter_grad():
 def test_reports_name_leaves_by_equinox_paths():
     (model, state), batch = _model(), _batch()
     m = from_equinox(model, state)
-    loss = m.loss(_ce).bind(m.model_state, jax.random.key(2))
+    loss = m.loss(_ce, train=True).bind(m.model_state, jax.random.key(2))
     names = ["params.conv.weight", "params.conv.bias", "params.bn.weight", "params.bn.bias",
              "params.out.weight", "params.out.bias"]
     report = fg.check_grads(loss, m.params, batch, mode="directional")
@@ -281,7 +283,7 @@ def test_mixed_precision_step_keeps_float32_statistics():
         assert not np.array_equal(a, before)
 
 
-_TRAIN = {}
+_TRAIN = {"train": True}  # the mode of equinox's loop (a model fresh from its constructor)
 
 
 def _train_model():
@@ -306,3 +308,140 @@ def _adam():
 
     m, tx = _train_model(), optax.adam(1e-2)
     return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)
+
+
+# --- issue 25.2: a Python float field is named by from_equinox, never dropped silently --------
+
+class _Affine(eqx.Module):
+    """out = scale * linear(x) + shift; `scale` and `shift` are Python floats (equinox: static)."""
+    linear: eqx.nn.Linear
+    scale: float
+    shift: float
+
+    def __call__(self, x, *, key=None):
+        return self.scale * self.linear(x) + self.shift
+
+
+def _affine():
+    linear = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    linear = eqx.tree_at(lambda lin: (lin.weight, lin.bias), linear,
+                         (jnp.array([[1.0, 2.0]]), jnp.array([0.0])))
+    return _Affine(linear, 0.5, 0.25)
+
+
+def _squared_error(out, batch):
+    return jnp.sum((out - batch["y"]) ** 2)
+
+
+def test_from_equinox_warns_once_per_python_float_field():
+    model = _affine()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = from_equinox(model)
+    messages = [str(w.message) for w in caught
+                if issubclass(w.category, fg.interop.StaticFieldWarning)]
+    assert len(messages) == 2 and len(caught) == 2, [str(w.message) for w in caught]
+    assert re.search(r"model\.scale is a Python float \(0\.5\).*static.*never train.*"
+                     r"eqx\.tree_at\(lambda m: m\.scale, model, jnp\.asarray\(0\.5\)\)"
+                     r".*eqx\.field\(static=True\)", messages[0]), messages[0]
+    assert "model.shift is a Python float (0.25)" in messages[1]
+    assert m.params.scale is None and m.params.shift is None  # what the warning says
+    assert issubclass(fg.interop.StaticFieldWarning, UserWarning)
+
+
+def test_the_fix_from_equinox_gives_trains_the_field():
+    model = _affine()  # the warning's fix:
+    model = eqx.tree_at(lambda m: (m.scale, m.shift), model,
+                        (jnp.asarray(model.scale), jnp.asarray(model.shift)))
+    m = from_equinox(model)  # no warning now (pyproject turns one into an error)
+    import optax
+
+    step = fg.make_train_step(m.loss(_squared_error), optax.sgd(0.1))
+    batch = {"x": jnp.array([[3.0, 4.0]]), "y": jnp.array([[10.0]])}
+    state, _ = step(m.init_train_state(optax.sgd(0.1)), batch)
+    # By hand: linear(x) = 11, out = 0.5 * 11 + 0.25 = 5.75, d/d out = 2 (5.75 - 10) = -8.5;
+    # d/d scale = -8.5 * 11 = -93.5, d/d shift = -8.5; SGD(0.1) adds 9.35 and 0.85.
+    np.testing.assert_allclose(state.params.scale, 0.5 + 9.35, rtol=1e-6)
+    np.testing.assert_allclose(state.params.shift, 0.25 + 0.85, rtol=1e-6)
+
+
+# --- issue 25.3: no silent mode -------------------------------------------------------------
+
+def test_apply_and_loss_without_train_are_refused_for_batchnorm_and_dropout():
+    (model, state), batch = _model(), _batch()
+    m = from_equinox(model, state)
+    refused = (r"train=True or train=False.*model\.bn \(eqx\.nn\.BatchNorm\), model\.dropout "
+               r"\(eqx\.nn\.Dropout\).*train=True.*batch statistics.*train=False.*running "
+               r"statistics")
+    with pytest.raises(ValueError, match=r"m\.apply.*" + refused):
+        m.apply(m.params, m.model_state, batch["x"], key=jax.random.key(3))
+    with pytest.raises(ValueError, match=r"m\.loss.*" + refused):
+        m.loss(_ce)
+    # Given, the mode is the call's: train=True is equinox's training call.
+    out, new_state = m.apply(m.params, m.model_state, batch["x"], key=jax.random.key(3),
+                             train=True)
+    ref_out, ref_state = _eqx_forward(model, state, batch["x"], jax.random.key(3))
+    _assert_trees_equal(out, ref_out)
+    _assert_trees_equal(new_state, ref_state)
+
+    class Gated(eqx.Module):  # a module of the user's with an `inference` flag of its own
+        w: jax.Array
+        inference: bool = False
+
+        def __call__(self, x):
+            return jnp.where(self.inference, 0.0, self.w * x)
+
+    g = from_equinox(Gated(jnp.ones(2)))
+    with pytest.raises(ValueError, match=r"model \(Gated, its inference field\)"):
+        g.apply(g.params, None, jnp.ones((1, 2)))
+    np.testing.assert_array_equal(g.apply(g.params, None, jnp.ones((1, 2)), train=False)[0],
+                                  jnp.zeros((1, 2)))
+
+
+class _EvalIgnoringBN(eqx.Module):
+    """A BatchNorm called with inference=False: it updates its statistics in every mode."""
+    bn: eqx.nn.BatchNorm
+
+    def __init__(self):
+        self.bn = eqx.nn.BatchNorm(1, axis_name="batch", momentum=0.5, mode="ema")
+
+    def __call__(self, x, state):
+        return self.bn(x, state, inference=False)
+
+
+def test_an_evaluation_call_that_changes_the_state_warns():
+    model, state = eqx.nn.make_with_state(_EvalIgnoringBN)()
+    m = from_equinox(model, state)
+    _, state1 = m.apply(m.params, m.model_state, jnp.array([[1.0], [2.0]]), train=True)
+    with pytest.warns(fg.interop.EvalModeWarning,
+                      match=r"train=False.*changed the model state: model\.bn\."
+                            r"ema_state_index\[0\], model\.bn\.ema_state_index\[1\]"):
+        _, state2 = m.apply(m.params, state1, jnp.array([[19.0], [21.0]]), train=False)
+    # The statistics moved as equinox's EMA moves them (the first call takes the batch mean,
+    # 1.5; then 0.5 * 1.5 + 0.5 * 20 = 10.75): the warning is about a real change.
+    mean = lambda s: float(s.get(model.bn.ema_state_index)[0][0])
+    assert (mean(state1), mean(state2)) == (1.5, 10.75)
+    with pytest.warns(fg.interop.EvalModeWarning):  # under jit too (found at trace time)
+        jax.jit(lambda p, s, x: m.apply(p, s, x, train=False))(m.params, state1,
+                                                               jnp.array([[19.0], [21.0]]))
+    # The CNN's own layers follow the mode: its evaluation call warns nothing.
+    (cnn, cnn_state), batch = _model(), _batch()
+    c = from_equinox(cnn, cnn_state)
+    c.apply(c.params, c.model_state, batch["x"], train=False)
+
+
+def test_a_pytorch_momentum_is_noted():
+    class Net(eqx.Module):
+        bn: eqx.nn.BatchNorm
+
+        def __init__(self, momentum):
+            self.bn = eqx.nn.BatchNorm(1, axis_name="batch", momentum=momentum, mode="ema")
+
+        def __call__(self, x, state):
+            return self.bn(x, state)
+
+    with pytest.warns(fg.interop.MomentumWarning,
+                      match=r"model\.bn: eqx\.nn\.BatchNorm\(momentum=0\.1\).*decay.*0\.99.*"
+                            r"PyTorch.*weight of the new batch.*0\.9"):
+        from_equinox(*eqx.nn.make_with_state(Net)(0.1))
+    from_equinox(*eqx.nn.make_with_state(Net)(0.9))  # equinox's meaning: no warning

@@ -350,3 +350,48 @@ def _adam():
 
     m, tx = _train_model(), optax.adam(1e-2)
     return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)
+
+
+# --- issue 25.3: PyTorch's momentum noted; an evaluation call that changes the state --------
+
+class _BN(nn.Module):
+    momentum: float = 0.9
+    follows_train: bool = True
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        running = not train if self.follows_train else False  # False: ignores the mode
+        return nn.BatchNorm(use_running_average=running, momentum=self.momentum)(x)
+
+
+def test_a_pytorch_momentum_is_noted_once():
+    x = jnp.array([[1.0], [2.0]])
+    module = _BN(momentum=0.1)
+    m = from_linen(module, module.init(jax.random.key(0), x, train=False), rngs=())
+    with pytest.warns(fg.interop.MomentumWarning,
+                      match=r"model_state\['batch_stats'\]\['BatchNorm_0'\]: "
+                            r"nn\.BatchNorm\(momentum=0\.1\).*decay.*0\.99.*PyTorch.*"
+                            r"weight of the new batch.*0\.9"):
+        _, state = m.apply(m.params, m.model_state, x, train=True)
+    # flax's meaning, by hand: 0.1 * 0 + 0.9 * mean([1, 2]) = 1.35 (the batch's, nearly).
+    np.testing.assert_allclose(state["batch_stats"]["BatchNorm_0"]["mean"], [1.35], rtol=1e-6)
+    m.apply(m.params, state, x, train=True)  # once per adapter: no second warning
+    good = _BN(momentum=0.9)
+    g = from_linen(good, good.init(jax.random.key(0), x, train=False), rngs=())
+    g.apply(g.params, g.model_state, x, train=True)  # flax's meaning: no warning
+
+
+def test_an_evaluation_call_that_changes_the_state_warns():
+    x = jnp.array([[1.0], [2.0]])
+    module = _BN(follows_train=False)
+    m = from_linen(module, module.init(jax.random.key(0), x, train=False), rngs=())
+    with pytest.warns(fg.interop.EvalModeWarning,
+                      match=r"train=False.*changed the model state: "
+                            r"model_state\['batch_stats'\]\['BatchNorm_0'\]\['mean'\], "
+                            r"model_state\['batch_stats'\]\['BatchNorm_0'\]\['var'\]"):
+        _, state = m.apply(m.params, m.model_state, x, train=False)
+    np.testing.assert_allclose(state["batch_stats"]["BatchNorm_0"]["mean"], [0.15], rtol=1e-6)
+    # The CNN's own layers follow train=: its evaluation call warns nothing.
+    cnn, batch = CNN(), _batch()
+    c = from_linen(cnn, cnn.init(jax.random.key(0), batch["x"], train=False))
+    c.apply(c.params, c.model_state, batch["x"], train=False)

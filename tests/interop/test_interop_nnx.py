@@ -80,14 +80,14 @@ def test_split_names_and_round_trip_are_bit_exact():
 def test_apply_is_the_module_call_with_its_state_advancing():
     model, batch = _model(), _batch()
     m = from_nnx(model)
-    out, new_state = jax.jit(lambda p, s, x: m.apply(p, s, x))(m.params, m.model_state,
-                                                               batch["x"])
+    out, new_state = jax.jit(lambda p, s, x: m.apply(p, s, x, train=True))(
+        m.params, m.model_state, batch["x"])
     ref = model(batch["x"])  # nnx's own call: updates model's statistics and rng count
     _assert_trees_equal(out, ref)
     _assert_trees_equal(new_state, _pure(model, nnx.Not(nnx.Param)))
     assert int(new_state["dropout"]["rngs"]["count"]) == 1
     # A second call from the new state is nnx's second call: a new dropout mask.
-    out2, _ = m.apply(m.params, new_state, batch["x"])
+    out2, _ = m.apply(m.params, new_state, batch["x"], train=True)
     _assert_trees_equal(out2, model(batch["x"]))
     assert not np.array_equal(out, out2)
 
@@ -108,7 +108,7 @@ def test_train_and_eval_modes_are_model_train_and_eval():
 def test_loss_gradients_equal_nnx_grad():
     model, batch = _model(), _batch()
     m = from_nnx(model)
-    loss_fn = m.loss(_ce)
+    loss_fn = m.loss(_ce, train=True)
     assert (loss_fn.has_state, loss_fn.takes_key, loss_fn.has_aux) == (True, False, False)
     (loss, new_state), grads = jax.jit(jax.value_and_grad(
         lambda p: tuple(loss_fn(p, batch, model_state=m.model_state))[:2],
@@ -126,7 +126,7 @@ def test_loss_gradients_equal_nnx_grad():
 def test_reports_name_leaves_by_nnx_paths():
     model, batch = _model(), _batch()
     m = from_nnx(model)
-    loss = m.loss(_ce).bind(m.model_state)
+    loss = m.loss(_ce, train=True).bind(m.model_state)
     names = ["params['bn1']['bias']", "params['bn1']['scale']", "params['conv1']['bias']",
              "params['conv1']['kernel']", "params['out']['bias']", "params['out']['kernel']"]
     report = fg.check_grads(loss, m.params, batch)
@@ -159,7 +159,7 @@ def test_a_module_without_params_and_a_key_are_refused():
     with pytest.raises(ValueError, match="takes_key=True.*own nnx.Rngs"):
         m.loss(_ce, takes_key=True)
     with pytest.raises(ValueError, match="own nnx.Rngs"):
-        m.apply(m.params, m.model_state, _batch()["x"], key=jax.random.key(0))
+        m.apply(m.params, m.model_state, _batch()["x"], key=jax.random.key(0), train=True)
 
 
 # --- point 4: funcgrad's train step through the adapter = nnx's own loop -------------------
@@ -255,7 +255,7 @@ def test_mixed_precision_step_keeps_float32_statistics():
         assert not np.array_equal(a, before)
 
 
-_TRAIN = {}
+_TRAIN = {"train": True}  # the mode of nnx's loop (a model fresh from its constructor)
 
 
 def _train_model():
@@ -286,3 +286,77 @@ def _adam():
 
     m, tx = _train_model(), optax.adam(1e-2)
     return m, tx, fg.make_train_step(m.loss(_ce, **_TRAIN), tx)
+
+
+# --- issue 25.3: no silent mode -------------------------------------------------------------
+
+def test_apply_and_loss_without_train_are_refused_for_batchnorm_and_dropout():
+    model, batch = _model(), _batch()
+    m = from_nnx(model)
+    refused = (r"train=True or train=False.*model\.bn1 \(nnx\.BatchNorm\), model\.dropout "
+               r"\(nnx\.Dropout\).*train=True.*model\.train\(\).*train=False.*model\.eval\(\)")
+    with pytest.raises(ValueError, match=r"m\.apply.*" + refused):
+        m.apply(m.params, m.model_state, batch["x"])
+    with pytest.raises(ValueError, match=r"m\.loss.*" + refused):
+        m.loss(_ce)
+
+    class Attention(nnx.Module):  # a module with a `deterministic` attribute of its own
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(2, 2, rngs=rngs)
+            self.deterministic = False
+
+        def __call__(self, x):
+            return self.lin(x) * (1.0 if self.deterministic else 2.0)
+
+    a = from_nnx(Attention(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"model \(Attention, its deterministic attribute\)"):
+        a.apply(a.params, a.model_state, jnp.ones((1, 2)))
+    # train=False is model.eval(): deterministic=True, the Linear alone.
+    out, _ = a.apply(a.params, a.model_state, jnp.ones((1, 2)), train=False)
+    lin = a.rebuild(a.params, a.model_state).lin
+    _assert_trees_equal(out, lin(jnp.ones((1, 2))))
+    # A model without mode-dependent layers runs without train=.
+    plain = from_nnx(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    out, _ = plain.apply(plain.params, plain.model_state, jnp.ones((1, 2)))
+    _assert_trees_equal(out, nnx.Linear(2, 3, rngs=nnx.Rngs(0))(jnp.ones((1, 2))))
+
+
+class _EvalIgnoringBN(nnx.Module):
+    """A BatchNorm called with use_running_average=False: it updates its statistics in every
+    mode, model.eval() or not."""
+
+    def __init__(self, rngs):
+        self.bn = nnx.BatchNorm(1, momentum=0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(x, use_running_average=False)
+
+
+def test_an_evaluation_call_that_changes_the_state_warns():
+    m = from_nnx(_EvalIgnoringBN(nnx.Rngs(0)))
+    x = jnp.array([[1.0], [2.0]])
+    with pytest.warns(fg.interop.EvalModeWarning,
+                      match=r"train=False.*changed the model state: "
+                            r"model_state\['bn'\]\['mean'\], model_state\['bn'\]\['var'\]"):
+        _, new_state = m.apply(m.params, m.model_state, x, train=False)
+    # nnx's momentum is the decay: 0.5 * 0 + 0.5 * 1.5 = 0.75 (a real change).
+    np.testing.assert_allclose(new_state["bn"]["mean"], [0.75])
+    # The CNN's own layers follow the mode: its evaluation call warns nothing.
+    c = from_nnx(_model())
+    c.apply(c.params, c.model_state, _batch()["x"], train=False)
+
+
+def test_a_pytorch_momentum_is_noted():
+    class Net(nnx.Module):
+        def __init__(self, momentum, rngs):
+            self.lin = nnx.Linear(2, 2, rngs=rngs)
+            self.bn = nnx.BatchNorm(2, momentum=momentum, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    with pytest.warns(fg.interop.MomentumWarning,
+                      match=r"model\.bn: nnx\.BatchNorm\(momentum=0\.1\).*decay.*0\.99.*"
+                            r"PyTorch.*weight of the new batch.*0\.9"):
+        from_nnx(Net(0.1, nnx.Rngs(0)))
+    from_nnx(Net(0.9, nnx.Rngs(0)))  # flax's meaning: no warning

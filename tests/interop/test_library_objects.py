@@ -10,6 +10,7 @@ Leaves are named by the library's own paths, an nnx Variable's ``.value`` not be
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import jax
@@ -304,3 +305,89 @@ def test_a_whole_linen_variables_dict_is_refused_with_the_split():
         fg.init_train_state(variables, optax.sgd(0.1))
     fg.init_train_state(variables["params"], optax.sgd(0.1),
                         model_state={"batch_stats": variables["batch_stats"]})
+
+
+# --- issue 25.2: a Python float field of an equinox module is named, never dropped ----------
+
+class _Scaled(eqx.Module):
+    """out = scale * (w . x): `scale` is a Python float, which equinox treats as static."""
+    w: jax.Array
+    scale: float
+
+    def __call__(self, x):
+        return self.scale * jnp.dot(self.w, x)
+
+
+def _scaled_problem():
+    model = _Scaled(jnp.array([1.0, 2.0]), 0.5)
+    x = jnp.array([3.0, 4.0])
+
+    def loss(m, x):
+        return (m(x) - 10.0) ** 2
+
+    # By hand: w . x = 11, out = 5.5, loss = (5.5 - 10)^2 = 20.25;
+    # d loss / d w = 2 (out - 10) scale x = -4.5 x = [-13.5, -18];
+    # d loss / d scale = 2 (out - 10) (w . x) = -99.
+    return model, x, loss
+
+
+_FLOAT_REASON = (r"Python float 0\.5: equinox treats it as static, so it is not differentiated "
+                 r"and never trains; write jnp\.asarray\(0\.5\) to train it")
+
+
+def test_check_grads_and_audit_list_a_python_float_field_as_skipped_with_the_reason():
+    model, x, loss = _scaled_problem()
+    for report in (fg.check_grads(loss, model, x), fg.audit(loss, model, x)):
+        assert [r.path for r in report.rows] == ["m.w"] and report.ok, str(report)
+        np.testing.assert_allclose(report.rows[0].analytic, -13.5, rtol=1e-6)  # by hand
+        assert len(report.skipped) == 1, report.skipped
+        assert re.match(r"m\.scale \(" + _FLOAT_REASON, report.skipped[0]), report.skipped
+        assert "skipped: m.scale (Python float 0.5" in str(report)
+    # A float outside the checked arguments is not the check's to list.
+    two = fg.check_grads(lambda w, m: loss(eqx.tree_at(lambda m: m.w, m, w), x), model.w, model)
+    assert two.skipped == []
+
+
+def test_explain_grads_lists_a_python_float_field_with_status_static():
+    model, x, loss = _scaled_problem()
+    explanation = fg.explain_grads(loss, model, x)
+    # One row per leaf of the module, in its order (jax.tree.leaves(model): w, scale).
+    assert [(r.path, r.status) for r in explanation.rows] == [("m.w", "connected"),
+                                                              ("m.scale", "static")]
+    np.testing.assert_allclose(explanation["m.w"].grad_norm, np.hypot(13.5, 18.0), rtol=1e-6)
+    row = explanation["m.scale"]
+    assert row.grad_norm == 0.0 and re.match(_FLOAT_REASON, row.detail), row.detail
+    assert "m.scale" in str(explanation) and "jnp.asarray(0.5)" in str(explanation)
+    assert len(jax.tree.leaves(model)) == len(explanation.rows)
+
+
+def test_the_other_tools_warn_about_a_python_float_field_they_leave_out():
+    model, x, loss = _scaled_problem()
+    with pytest.warns(fg.interop.StaticFieldWarning, match=r"m\.scale.*" + _FLOAT_REASON):
+        _, grads, _ = fg.intermediate_grads(loss)(model, x)
+    np.testing.assert_allclose(grads.w, [-13.5, -18.0], rtol=1e-6)  # by hand
+    with pytest.warns(fg.interop.StaticFieldWarning, match=r"params\.scale"):
+        fg.trainable_mask(model)
+    with pytest.warns(fg.interop.StaticFieldWarning, match=r"m\.scale"):
+        assert fg.find_nonfinite(loss, model, x).ok
+    # equinox's own layers hold Python floats that are settings (eqx.nn.Dropout's rate p):
+    # not listed, no warning (pyproject's filterwarnings turns one into an error).
+    drop = eqx.nn.Sequential([eqx.nn.Linear(2, 2, key=jax.random.key(0)), eqx.nn.Dropout(0.3)])
+    assert fg.check_grads(lambda m, x: jnp.sum(eqx.nn.inference_mode(m)(x)), drop, x).skipped == []
+    fg.trainable_mask(drop)
+
+
+def test_the_train_state_refusal_gives_the_fix_that_trains_a_python_float_field():
+    model, x, loss = _scaled_problem()
+    with pytest.raises(TypeError, match=r"params\.scale is a Python float \(0\.5\).*static.*"
+                       r"eqx\.partition.*from_equinox.*never train.*"
+                       r"model = eqx\.tree_at\(lambda m: m\.scale, model, jnp\.asarray\(0\.5\)\)"
+                       r".*eqx\.field\(static=True\)"):
+        fg.init_train_state(model, optax.sgd(0.1))
+    # The fix, then the partition the message gives: one SGD step moves scale by -0.1 x (-99).
+    model = eqx.tree_at(lambda m: m.scale, model, jnp.asarray(0.5))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    step = fg.make_train_step(lambda p, b: loss(eqx.combine(p, static), b), optax.sgd(0.1))
+    state, _ = step(fg.init_train_state(params, optax.sgd(0.1)), x)
+    np.testing.assert_allclose(state.params.scale, 0.5 + 0.1 * 99.0, rtol=1e-6)
+    np.testing.assert_allclose(state.params.w, [1.0 + 1.35, 2.0 + 1.8], rtol=1e-6)
