@@ -44,7 +44,7 @@ from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._library_objects import LeftOut, left_out_fields, split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
 from funcgrad._traced import traced_values
-from funcgrad.check import _directions, _full_pass, _noise, _rule_blame
+from funcgrad.check import _directions, _full_pass, _lift, _noise, _rule_blame
 from funcgrad.check import _objective as obj
 from funcgrad.check._directional_mode import _random_tangents, _run_directional
 from funcgrad.check._lift_precision import lift_precision_of, narrowest_float
@@ -353,10 +353,12 @@ def _promote(x):
 
 class _AsRun(NamedTuple):
     """fn as the caller runs it (the caller's x64 setting): its program, traced once, and its
-    checked output there (raveled, float64) with the narrowest float it computes in."""
+    checked output there (raveled, float64) with the narrowest float it computes in; `lifted`
+    evaluates that program's checked output in float64 (`funcgrad.check._lift`)."""
     program: Callable
     value: np.ndarray
     dtype: str
+    lifted: Callable
 
 
 def _as_run(fn, args, has_aux) -> _AsRun:
@@ -391,14 +393,21 @@ def _as_run(fn, args, has_aux) -> _AsRun:
     floats += [str(jnp.result_type(o)) for o in jax.tree.leaves(out_shape)
                if jnp.issubdtype(o.dtype, jnp.floating)]
     dtype = min(floats, key=lambda d: jnp.finfo(d).bits) if floats else "float64"
-    return _AsRun(program, value, dtype)
+
+    def lifted(*a):  # called under x64: the same program, every float lifted to float64
+        outs = _lift.evaluate(jaxpr, consts, jax.tree.leaves(a), _lift.Flags(lift_precision=True))
+        out = jax.tree.unflatten(out_tree, outs)
+        out = out[0] if has_aux and isinstance(out, (tuple, list)) else out
+        return jnp.concatenate([jnp.ravel(o).astype(jnp.float64) for o in jax.tree.leaves(out)])
+    return _AsRun(program, value, dtype, lifted)
 
 
 def _primal(prob) -> np.ndarray:
     """The checked output of the check's own program at its point (lifted or not), float64."""
-    spec = prob["spec"]
-    out = jax.jit(lambda t, lv: obj.output_vector(spec, t, lv).astype(jnp.float64))(
-        prob["theta"], prob["leaves"])
+    spec, leaves = prob["spec"], prob["leaves"]
+    flags = _lift.Flags(lift_precision=spec.lift_precision)
+    value = _lift.transform(lambda t: obj.output_vector(spec, t, leaves), flags)
+    out = jax.jit(lambda t: value(t).astype(jnp.float64))(prob["theta"])
     return np.asarray(out, np.float64)
 
 
@@ -425,13 +434,24 @@ def _as_the_user_runs_it(prob, as_run, lift, modes, tolerances, rebuild):
     else checked as computed; a note says which and why."""
     if not as_run.value.size:
         return prob
-    same, rel = _agree(_primal(prob), as_run.value, as_run.dtype)
+    # The check's float64 program against the user's program lifted to float64: the same
+    # arithmetic when fn does not depend on the float width (they differ by the user's
+    # float32 literals, ~1e-8), another function when it does (a mask drawn from 64 bits):
+    # compared in float64, so an ill-conditioned op's float32 rounding cannot trigger this.
+    try:
+        lifted_user = np.asarray(jax.jit(as_run.lifted)(*prob["args"]), np.float64)
+        lifted_check = _primal(dict(prob, spec=prob["spec"]._replace(lift_precision=True)))
+        same, rel = _agree(lifted_check, lifted_user, "float32")
+    except ji.JaxInternalsError:
+        raise
+    except Exception:  # noqa: BLE001 - a program that cannot be lifted: compare as computed
+        same, rel = _agree(_primal(prob), as_run.value, as_run.dtype)
     if same:
         return prob
     why = (f"traced with float64 inputs (as the check computes), fn's value differs from "
-           f"the value fn computes as you run it by {rel:.3g} relative, more than "
-           f"{as_run.dtype} rounding (a random draw or dtype default that follows the float "
-           "width, e.g. jax.random.bernoulli(key, 0.5, ...) draws another mask)")
+           f"that of fn's program as you run it, lifted to float64, by {rel:.3g} relative: "
+           f"fn depends on the float width (a random draw or a dtype default, e.g. "
+           "jax.random.bernoulli(key, 0.5, ...) draws another mask)")
     rebuilt = lift_precision_of(rebuild(as_run.program), lift, modes,
                                 tolerances(as_run.dtype))
     if rebuilt["lifted_from"]:
