@@ -210,13 +210,21 @@ def _latest_meta(directory: str | os.PathLike) -> tuple[int, dict] | None:
     ocp = _orbax()
     path = os.path.join(directory, str(step))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        meta = checkpointer.restore(
-            path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        meta = _funcgrad_meta(ocp, checkpointer, path, "")
+    return step, meta
+
+
+def _funcgrad_meta(ocp, checkpointer, path: str, where: str) -> dict:
+    """The meta entry of the checkpoint at `path`; ValueError (prefixed with `where`) when it
+    is not a funcgrad checkpoint of this `FORMAT`."""
+    meta = checkpointer.restore(
+        path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     found = meta.get("format") if isinstance(meta, dict) else None
     if found != FORMAT:
-        raise ValueError(f"{path} is not a funcgrad checkpoint of format {FORMAT} (its format "
-                         f"entry is {found!r}); save_checkpoint writes them.")
-    return step, meta
+        raise ValueError(f"{where + ': ' if where else ''}{path} is not a funcgrad checkpoint "
+                         f"of format {FORMAT} (its format entry is {found!r}); "
+                         "save_checkpoint writes them.")
+    return meta
 
 
 def _check_like(meta: dict, like: TrainState, step: int, where: str, *,
@@ -308,12 +316,7 @@ def restore_checkpoint(directory: str | os.PathLike, like: TrainState, *,
     step = steps[-1] if step is None else int(step)
     path = os.path.join(directory, str(step))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        meta = checkpointer.restore(
-            path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        found = meta.get("format") if isinstance(meta, dict) else None
-        if found != FORMAT:
-            raise ValueError(f"{where}: {path} is not a funcgrad checkpoint of format {FORMAT} "
-                             f"(its format entry is {found!r}); save_checkpoint writes them.")
+        meta = _funcgrad_meta(ocp, checkpointer, path, where)
         _check_like(meta, like, step, where)
         leaves, treedef = jax.tree.flatten(like)
         targets = {f"leaf{i}": _target(leaf) for i, leaf in enumerate(leaves) if np.size(leaf)}
