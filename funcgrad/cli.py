@@ -241,6 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         resumed = None
     if args.command == "train":
         _model_flags(parser.train_parser, args)
+    if args.command == "train" and args.dtype == "float16":
+        from funcgrad._platform import dtype_compiles
+        if not dtype_compiles("float16"):  # F16C missing: every float16 step would fail in XLA
+            parser.train_parser.error(
+                "argument --dtype: XLA on this CPU cannot compile float16 (no F16C instructions, "
+                "openxla/xla#6787); use --dtype bfloat16, or a machine with F16C or a GPU")
     if args.command == "train" and os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                                   "pass a folder path (it is created if missing)")

@@ -42,6 +42,7 @@ def test_nonfinite_run_exits_1_with_report(tmp_path, capsys):
     assert report["step"] >= 1 and report["epoch"] == 1
 
 
+@pytest.mark.float16
 def test_float16_with_dynamic_loss_scale(tmp_path, capsys):
     out = tmp_path / "run"
     status = main(["train", "--dtype", "float16", "--loss-scale", "dynamic", "--epochs", "1",
@@ -100,6 +101,7 @@ def test_accumulate_beyond_the_data_says_so(tmp_path, capsys):
     assert len(json.loads((tmp_path / "metrics.json").read_text())["steps"]["loss"]) == 2
 
 
+@pytest.mark.float16
 def test_accumulate_with_float16_and_dynamic_loss_scaling(tmp_path, capsys):
     out = tmp_path / "run"
     status = main(["train", "--accumulate", "4", "--dtype", "float16", "--loss-scale",
@@ -140,6 +142,7 @@ def test_cnn_trains_through_the_contract(tmp_path, capsys):
     assert f"final test accuracy {accuracy:.4f}" in printed
 
 
+@pytest.mark.float16
 def test_cnn_with_accumulation_half_precision_clipping_and_anomaly_detection(tmp_path, capsys):
     out = tmp_path / "run"
     status = main(["train", "--model", "cnn", "--channels", "8", "16", "--accumulate", "4",

@@ -34,7 +34,14 @@ def test_there_are_examples():
     assert [p.name[:2] for p in EXAMPLES][:3] == ["01", "02", "03"]
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def _marked(path: pathlib.Path):
+    """An example that computes in float16 is marked `float16` (skipped where XLA cannot
+    compile float16: tests/conftest.py)."""
+    uses_float16 = "jnp.float16" in path.read_text()
+    return pytest.param(path, marks=pytest.mark.float16) if uses_float16 else path
+
+
+@pytest.mark.parametrize("path", [_marked(p) for p in EXAMPLES], ids=lambda p: p.stem)
 def test_example_runs_and_agrees(path):
     status, stdout = _run_as_script(path)
     assert status == 0, stdout

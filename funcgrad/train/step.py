@@ -19,6 +19,7 @@ import optax
 from funcgrad import _user_line
 from funcgrad._library_objects import check_optimizer, check_params
 from funcgrad._paths import key_paths, keystr
+from funcgrad._platform import require_dtype_compiles
 from funcgrad._traced import naming_traced_values
 from funcgrad.train._anomaly import (
     _detecting_anomalies,
@@ -186,12 +187,16 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     `key` are given. Raises TypeError for an ``nnx.Optimizer``, and for params that are an
     equinox module, an nnx Module, an nnx State with Variables other than ``nnx.Param``
     (BatchStat, RngCount...) or hold a non-array leaf: the message gives the split that fixes
-    it (`funcgrad._library_objects`).
+    it (`funcgrad._library_objects`). Raises RuntimeError for float16 params where XLA cannot
+    compile float16 (an x86 CPU without F16C: `funcgrad._platform`).
     """
     _check_kinds(monitor, loss_scale)
     check_optimizer("init_train_state", optimizer)
     check_params("init_train_state", params)  # equinox / nnx objects: the fix, not optax's error
     base_key = _base_key(seed, key)
+    half = first_half_leaf(params)
+    if half is not None:
+        require_dtype_compiles(half[1], "init_train_state", f"params{half[0]}")
     if model_state is not None:
         _check_model_state(model_state)
     optimizer = make_optimizer(optimizer)
@@ -408,6 +413,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a
         scalar (with `accumulate`: not one loss per example) or the optimizer state does not
         match `optimizer` and the params.
+      RuntimeError: if `compute_dtype` is float16 and XLA on this machine cannot compile
+        float16 (an x86 CPU without F16C: `funcgrad._platform`); the message points to bfloat16.
     """
     check_optimizer("make_train_step", optimizer)
     loss = as_loss(loss_fn, has_aux=has_aux, has_state=has_state, takes_key=takes_key)
@@ -420,6 +427,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
     _check_kinds(monitor, loss_scale)
     if compute_dtype is not None:
         compute_dtype = _floating_dtype(compute_dtype, "make_train_step")
+        require_dtype_compiles(compute_dtype, "make_train_step", "compute_dtype")
     if loss_scale is not None and nonfinite == "zero":
         raise ValueError("loss_scale needs nonfinite='skip' (or 'raise'): a step whose scaled "
                          "gradients overflowed must be skipped whole, not applied with its "

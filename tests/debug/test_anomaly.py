@@ -436,6 +436,7 @@ def test_a_while_loop_backward_and_a_shape_argument_get_clear_errors():
         find_nonfinite(lambda x, n: jnp.sum(x * jnp.ones(n)), jnp.ones(3), 3)
 
 
+@pytest.mark.float16
 def test_a_float16_derivative_overflow_is_not_blamed_on_a_zero():
     # Hand: log'(1e-5) = 1e5 > 65504, float16's largest finite value: the backward log
     # overflows although no operand is 0, and the hint says the dtype is too narrow.
@@ -513,6 +514,7 @@ def test_a_matmul_of_a_minus_inf_mask_and_a_zero_is_named():
     assert report.primitive == "dot_general" and report.hint.startswith("dot_general made NaN")
 
 
+@pytest.mark.float16
 def test_a_float16_mask_constant_that_does_not_fit_gets_its_hint():
     # -1e9 cast to float16 (largest 65504) is -inf; the whole row is masked.
     f = lambda s, pad: jax.nn.softmax(jnp.where(pad, s, -1e9).astype(jnp.float16)).sum()

@@ -305,7 +305,8 @@ def test_an_overflowing_micro_batch_skips_its_whole_update_and_backs_off_once():
     assert list(np.asarray(metrics["skipped"])) == [0]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, marks=pytest.mark.float16),
+                                   jnp.bfloat16], ids=["float16", "bfloat16"])
 def test_half_precision_accumulation_is_close_to_the_float32_full_batch(dtype):
     # Second method: the float32 full-batch gradient. The forward and backward pass run in the
     # half dtype (eps 2**-10 for float16, 2**-7 for bfloat16), so the gradient agrees to a few
@@ -369,6 +370,7 @@ def test_detect_anomaly_names_the_micro_batch_and_the_line():
     assert result.nonfinite.anomaly.primitive == "sqrt"
 
 
+@pytest.mark.float16
 def test_detect_anomaly_under_a_loss_scale_names_the_real_nan_not_an_overflow():
     # Float16, K = 2, one example per micro-batch, w = 1. Update 0 (x = 1, 1): d/dw (w x)^2
     # = 2 times the scale 2**15 is 65536 > 65504, a routine overflow: skipped, scale 2**14.

@@ -172,7 +172,8 @@ def _as_float(z):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bool_, jnp.int8, jnp.uint8, jnp.int32, jnp.uint32,
-                                   jnp.float16, jnp.bfloat16, jnp.float32, "key"],
+                                   pytest.param(jnp.float16, marks=pytest.mark.float16),
+                                   jnp.bfloat16, jnp.float32, "key"],
                          ids=lambda d: d if isinstance(d, str) else jnp.dtype(d).name)
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_a_coupling_through_the_batch_sum_of_a_leaf_of_any_dtype_is_found(dtype, m):

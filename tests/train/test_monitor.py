@@ -104,6 +104,7 @@ def test_statistics_of_a_hand_sized_tree(strict_dtypes):
     assert float(m.grad_norm) == pytest.approx(29 ** 0.5, rel=1e-7)
 
 
+@pytest.mark.float16
 def test_half_precision_is_summed_in_float32():
     # 70000 elements of 1.0 in float16: the sum of squares, 70000, is above float16's largest
     # finite value 65504, so a float16 sum would be inf; in float32 it is exact.

@@ -129,8 +129,10 @@ def test_update_vmaps_over_a_batch_of_states(strict_dtypes):
 
 
 @pytest.mark.parametrize("compute_dtype, scale, expected", [
-    (jnp.float16, 1.0, 0.0),                # 2**-26 < 2**-25 (half the smallest subnormal) -> 0
-    (jnp.float16, 2.0**15, 2.0**-26),       # scaled: 2**-11 in float16, / 2**15 in float32
+    pytest.param(jnp.float16, 1.0, 0.0,     # 2**-26 < 2**-25 (half the smallest subnormal) -> 0
+                 marks=pytest.mark.float16),
+    pytest.param(jnp.float16, 2.0**15, 2.0**-26,  # scaled: 2**-11 in float16, / 2**15 in float32
+                 marks=pytest.mark.float16),
     (jnp.bfloat16, 1.0, 2.0**-26),          # bfloat16 has float32's exponent range
     (jnp.float32, 1.0, 2.0**-26),
 ], ids=["float16-unscaled", "float16-scale2^15", "bfloat16-unscaled", "float32"])
@@ -158,6 +160,7 @@ def test_small_gradient_underflows_in_float16_unless_scaled(strict_dtypes, compu
     assert float(grads["w"][0]) == expected
 
 
+@pytest.mark.float16
 def test_a_custom_value_and_grad_differentiates_only_what_it_chooses(strict_dtypes):
     # A stand-in for funcgrad.train.masks.value_and_grad_trainable: differentiate "w" only, "b" is a
     # constant with a zero gradient. loss = sum(w * x) + b, x = [3, 4]: dL/dw = [3, 4] exactly
@@ -180,6 +183,7 @@ def _linear_loss(params, batch):
     return jnp.sum(params["w"] * batch["x"])  # dL/dw = x
 
 
+@pytest.mark.float16
 def test_overflowing_step_is_skipped_and_leaves_state_bit_identical():
     # float16 compute, scale 64, Adam. dL/dw = x, so the scaled float16 gradient is 64 * x.
     #  step 1: x = [1000, 1] -> [64000, 64]: finite (float16's max is 65504), applied.
@@ -215,6 +219,7 @@ def test_overflowing_step_is_skipped_and_leaves_state_bit_identical():
     np.testing.assert_array_max_ulp(state3.params["w"], ref_params["w"], maxulp=1)
 
 
+@pytest.mark.float16
 def test_train_state_with_its_loss_scale_survives_flatten_unflatten_and_jit():
     # init_train_state(..., loss_scale=ls) keeps the LossScaleState in TrainState.loss_scale:
     # its four scalars are leaves of the TrainState, so flatten/unflatten and a jit boundary
@@ -241,6 +246,7 @@ def test_train_state_with_its_loss_scale_survives_flatten_unflatten_and_jit():
         assert _as_tuple(new.loss_scale) == (32.0, 1, False, 1)
 
 
+@pytest.mark.float16
 def test_nan_in_the_batch_is_skipped_too():
     # A NaN input makes the gradient NaN at any scale: the step is skipped and the scale backs
     # off (64 -> 32), the params stay as they were.
@@ -253,7 +259,9 @@ def test_nan_in_the_batch_is_skipped_too():
     assert _bits(new.params) == _bits(state.params)
 
 
-@pytest.mark.parametrize("compute_dtype", [jnp.float16, jnp.float32], ids=["float16", "float32"])
+@pytest.mark.parametrize("compute_dtype",
+                         [pytest.param(jnp.float16, marks=pytest.mark.float16), jnp.float32],
+                         ids=["float16", "float32"])
 def test_clipping_sees_the_unscaled_gradient(compute_dtype):
     # dL/dw = x = [3, 4], global norm 5 (3-4-5). Scale 2**10: the backward holds [3072, 4096]
     # (exact in float16), unscaled to [3, 4] exactly. Clip to 1: [3, 4] / 5 = [0.6, 0.8]; SGD

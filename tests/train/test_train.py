@@ -205,6 +205,7 @@ def test_detect_anomaly_names_the_line_and_costs_nothing_when_off():
     assert result.nonfinite.to_dict()["anomaly"]["phase"] == "forward"
 
 
+@pytest.mark.float16
 def test_detect_anomaly_evaluates_in_the_compute_dtype_and_skips_routine_overflows():
     # exp(12 w) at w = 1 is 162754.8: finite in float32, inf in float16 (max 65504). The step
     # runs in float16, so its loss is inf; located in float32 it would look fine, so the
@@ -235,6 +236,7 @@ def test_detect_anomaly_evaluates_in_the_compute_dtype_and_skips_routine_overflo
     assert float(new_state.loss_scale.scale) == 2.0**14
 
 
+@pytest.mark.float16
 def test_detect_anomaly_locates_a_backward_nan_once_the_scale_cannot_back_off():
     # The gradient of sqrt(sum(b^2)) at b = 0 is 0/0 = NaN in the backward pass, while the
     # loss is finite. Under a loss scale at its floor (init = min = 1) the step is skipped

@@ -74,6 +74,7 @@ def test_a_nonfinite_update_from_a_finite_gradient_is_skipped(kwargs):
     assert "params['u']" in text and "params['w']" not in text and "holds NaN/inf" in text
 
 
+@pytest.mark.float16
 def test_float16_params_with_adam_are_not_corrupted():
     # The case: make_optimizer("adam") has eps=1e-8, which is 0 in float16 (the
     # smallest float16 subnormal is 2**-24 ~ 6e-8), so the unused leaf's update is 0/0.
@@ -90,6 +91,7 @@ def test_float16_params_with_adam_are_not_corrupted():
     assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(new.params))
 
 
+@pytest.mark.float16
 def test_fit_stops_and_names_the_leaf_and_the_fix():
     params = {"w": jnp.array([1.0, 2.0], jnp.float16), "u": jnp.array([3.0], jnp.float16)}
     tx = fg.make_optimizer("adam")
@@ -108,6 +110,7 @@ def test_fit_stops_and_names_the_leaf_and_the_fix():
         np.testing.assert_array_equal(a, b)  # nothing was applied
 
 
+@pytest.mark.float16
 def test_an_update_that_overflows_the_params_is_skipped():
     # float16 holds at most 65504: w = 60000, loss = -w (gradient -1), SGD with lr 10000
     # gives the finite update +10000 and the new value 70000 -> inf.
