@@ -13,14 +13,11 @@ import jax
 
 from funcgrad.doctor._context import DEFAULTS, Context
 from funcgrad.doctor._model_file import ModelFileError, load_model_file
-from funcgrad.doctor._report import DoctorReport, Finding
+from funcgrad.doctor._report import CHECKS, DoctorReport, Finding
 from funcgrad.doctor._subject import Subject
 
 PyTree = Any
 
-#: The checks, in the order of the report (concept 23 of CONCEPTS.md; the article's B5.3).
-CHECKS = ("data", "init_loss", "grad_flow", "fd_audit", "nonfinite", "grad_stats", "training",
-          "overfit", "baseline", "semantics", "memory")
 
 #: The order they run in: nonfinite after training, so that it can locate a step that went
 #: non-finite there.
@@ -104,7 +101,7 @@ def doctor(loss: Callable | Any, params: PyTree, data: Any, *, model_state: PyTr
         _evaluate(ctx, found["training"])
     return DoctorReport([found[name] for name in CHECKS if name in found],
                         subject=subject.describe(), seconds=time.perf_counter() - started,
-                        curves=ctx.curves)
+                        curves=ctx.curves, source=source)
 
 
 def doctor_file(path: str | os.PathLike, **options: Any) -> DoctorReport:

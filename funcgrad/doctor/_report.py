@@ -14,6 +14,10 @@ import math
 import os
 from typing import Any
 
+#: The checks, in the order of the report (concept 23 of CONCEPTS.md; the article's B5.3).
+CHECKS = ("data", "init_loss", "grad_flow", "fd_audit", "nonfinite", "grad_stats", "training",
+          "overfit", "baseline", "semantics", "memory")
+
 #: The verdicts, worst first: the table lists findings in this order.
 VERDICTS = ("fail", "error", "warn", "pass", "skipped")
 
@@ -61,11 +65,13 @@ class DoctorReport:
       curves: what the HTML report plots: per training step "loss", "grad_norm",
         "layer_norm" ({layer: [norm per step]}), "dead_fraction" ({ReLU site: [fraction per
         step]}), and "init_layer_norm" ({layer: norm at init}); missing when not recorded.
+      source: the model file examined, or None; the HTML report quotes its lines.
     """
     findings: list[Finding]
     subject: str = ""
     seconds: float = 0.0
     curves: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: str | None = None
 
     @property
     def exit_code(self) -> int:
