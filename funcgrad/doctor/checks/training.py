@@ -105,11 +105,11 @@ def check(ctx: Context) -> Finding:
                          f"(loss {losses[-1]:.4g}, grad norm {norms[-1]:.4g})", {},
                          "The nonfinite check locates the operation; a learning rate far too "
                          "high, or NaN in the data, are the usual causes."))
-    elif tail > DIVERGED * head and math.isfinite(tail):
+    elif tail > DIVERGED * losses[0] and math.isfinite(tail):
         exploded = [a for a in alerts if a.kind == "explosion"]
         why = (f"; the gradient norm exploded from step {exploded[0].step} "
                f"({exploded[0].value:.3g} > {exploded[0].threshold:.3g})" if exploded else "")
-        findings.append(("fail", f"the loss rose from {head:.4g} to {tail:.4g} in {n} steps"
+        findings.append(("fail", f"the loss rose from {losses[0]:.4g} to {tail:.4g} in {n} steps"
                          f"{why}: training diverges", {},
                          "Lower the learning rate (by 10x), or clip: " + advice))
     elif not (tail < STUCK * head):
