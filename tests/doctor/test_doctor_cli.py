@@ -78,8 +78,8 @@ def test_data_of_the_wrong_shape_is_a_usage_error(tmp_path, capsys):
 
 
 def test_a_loss_that_raises_is_a_usage_error(tmp_path, capsys):
-    broken = HEALTHY.replace("    return fg.softmax_cross_entropy(",
-                             "    raise RuntimeError('not yet')\n    return fg.softmax_cross_entropy(")
+    head = "    return fg.softmax_cross_entropy("
+    broken = HEALTHY.replace(head, "    raise RuntimeError('not yet')\n" + head)
     err = _usage_error(["doctor", _file(tmp_path, broken), "--quiet"], capsys)
     assert "RuntimeError: not yet" in err
 
