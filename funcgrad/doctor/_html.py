@@ -107,7 +107,7 @@ def _plots(curves: dict) -> list[tuple[str, str]]:
     def axes(title: str, height: float = 3.2):
         fig = Figure(figsize=(8, height))
         FigureCanvasAgg(fig)
-        fig.subplots_adjust(left=0.1, right=0.97, bottom=0.16, top=0.88)
+        fig.subplots_adjust(left=0.13, right=0.97, bottom=0.16, top=0.88)
         ax = fig.add_subplot()
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
@@ -117,7 +117,7 @@ def _plots(curves: dict) -> list[tuple[str, str]]:
     if loss:
         fig = Figure(figsize=(8, 4.5))
         FigureCanvasAgg(fig)
-        fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.92, hspace=0.1)
+        fig.subplots_adjust(left=0.13, right=0.97, bottom=0.12, top=0.92, hspace=0.1)
         ax1, ax2 = fig.subplots(2, 1, sharex=True)
         ax1.plot(_positive(loss), lw=0.9)
         ax1.set_ylabel("loss")
