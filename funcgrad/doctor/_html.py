@@ -19,7 +19,7 @@ text-align:left;vertical-align:top}th{background:#f4f4f4}
 .pass{background:#2e7d32}.skipped{background:#757575}
 .finding{border:1px solid #ddd;border-radius:6px;padding:.6em 1em;margin:.8em 0}
 pre{background:#f6f8fa;padding:.5em;overflow-x:auto}img{max-width:100%}
-.ev{font-size:12px;color:#555}
+.ev{font-size:12px;color:#555}td:nth-child(3){white-space:nowrap}
 """
 
 
@@ -144,9 +144,22 @@ def _plots(curves: dict) -> list[tuple[str, str]]:
         fig, ax = axes("gradient norm per layer at init (grad_stats)", 3.4)
         names = list(init)[:40]
         values = np.asarray([init[n] for n in names], float)
-        ax.barh(range(len(names)), np.where(values > 0, values, np.nan))
+        finite = values[values > 0]
+        log = bool(finite.size) and finite.max() > 10 * finite.min()
+        if log:
+            # Norms over decades (vanishing): points on a log axis. Not bars: a bar's length
+            # there depends on where the axis starts.
+            ax.plot(np.where(values > 0, values, np.nan), range(len(names)), "o", ms=4)
+            ax.set_xscale("log")
+        else:  # within a decade: bars from zero, lengths proportional to the norms
+            ax.barh(range(len(names)), values)
+        for i, v in enumerate(values):
+            if log and not v > 0:
+                continue
+            ax.annotate(f"{v:.3g}", (v, i), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=6)
         ax.set_yticks(range(len(names)), names, fontsize=6)
-        ax.set_xscale("log")
+        ax.margins(x=0.12)  # room for the labels
         fig.subplots_adjust(left=0.35)
         out.append(("Per-layer gradient norms at init", png(fig)))
     dead = curves.get("dead_fraction") or {}
