@@ -363,19 +363,26 @@ def test_all_finite():
 
 def test_errors_name_what_is_wrong():
     tx = optax.sgd(0.1)
+    with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
+        make_train_step(_linear_loss, tx, compute_dtype=jnp.int32)
+    ls = P.dynamic_loss_scale()
+    with pytest.raises(ValueError, match="clip_norm"):
+        make_train_step(_linear_loss, tx, compute_dtype=jnp.bfloat16, loss_scale=ls,
+                        clip_norm=0.0)
+    with pytest.raises(ValueError, match="loss_scale needs nonfinite='skip'"):
+        make_train_step(_linear_loss, tx, compute_dtype=jnp.bfloat16, loss_scale=ls,
+                        nonfinite="zero")
+
+
+@pytest.mark.float16
+def test_float16_errors_name_what_is_wrong():
+    tx = optax.sgd(0.1)
     params = {"w": jnp.ones((2,), jnp.float32)}
     batch = {"x": np.ones((2,), np.float32)}
     half_step = make_train_step(_linear_loss, tx, compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match=r"params\['w'\] is float16.*float32 master params"):
         half_step(init_train_state({"w": jnp.ones((2,), jnp.float16)}, tx), batch)
-    with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
-        make_train_step(_linear_loss, tx, compute_dtype=jnp.int32)
     ls = P.dynamic_loss_scale()
-    with pytest.raises(ValueError, match="clip_norm"):
-        make_train_step(_linear_loss, tx, compute_dtype=jnp.float16, loss_scale=ls, clip_norm=0.0)
-    with pytest.raises(ValueError, match="loss_scale needs nonfinite='skip'"):
-        make_train_step(_linear_loss, tx, compute_dtype=jnp.float16, loss_scale=ls,
-                        nonfinite="zero")
     step = make_train_step(_linear_loss, tx, compute_dtype=jnp.float16, loss_scale=ls)
     with pytest.raises(ValueError, match="no loss-scale state"):
         step(init_train_state(params, tx), batch)
