@@ -30,17 +30,18 @@ KINDS = ("right", "clear", "wrong", "crash")
 def fuzz(tool: str, examples: int, float16: bool, seed: int) -> tuple[collections.Counter, list]:
     counts: collections.Counter = collections.Counter()
     problems: list = []
-    run = fz.TOOLS[tool]
+    run = fz.TOOLS.get(tool, fz.run_interop)
+    strategy = fz.interop_cases() if tool == "interop" else fz.cases(float16=float16)
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed == 0,
               suppress_health_check=list(HealthCheck))
-    @given(case=fz.cases(float16=float16))
+    @given(case=strategy)
     def one(case):
         outcome = run(case)
         counts[outcome.kind] += 1
         if outcome.kind in ("wrong", "crash"):
-            problems.append({"tool": tool, "kind": outcome.kind, "case": case.describe(),
-                             "detail": outcome.detail})
+            problems.append({"tool": tool, "kind": outcome.kind, "detail": outcome.detail,
+                             "case": case.describe() if tool != "interop" else repr(case)})
 
     one()
     return counts, problems
@@ -49,7 +50,8 @@ def fuzz(tool: str, examples: int, float16: bool, seed: int) -> tuple[collection
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=400, help="examples per tool")
-    parser.add_argument("--tools", default=",".join(fz.TOOLS))
+    parser.add_argument("--tools", default=",".join([*fz.TOOLS, "interop"]),
+                        help="comma-separated; 'interop' fuzzes from_linen/from_nnx/from_equinox")
     parser.add_argument("--float16", action="store_true", help="add a float16 leaf to each case")
     parser.add_argument("--seed", type=int, default=0, help="0: derandomized (reproducible)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "fuzz.json"))
