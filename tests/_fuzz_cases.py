@@ -594,7 +594,8 @@ def interop_cases(draw) -> dict:
 
 
 def _interop_model(c: dict):
-    """(the adapter's Model, the library's own forward function of (params, x))."""
+    """(the adapter's Model, the library's own forward function of (params, x), the library's
+    own object called on x)."""
     from funcgrad.interop import from_equinox, from_linen, from_nnx
 
     dtype, key = jnp.dtype(c["dtype"]), jax.random.key(c["seed"])
@@ -609,7 +610,8 @@ def _interop_model(c: dict):
 
         module = Net()
         variables = module.init(key, jnp.ones((1, 3)))
-        return from_linen(module, variables), lambda p, x: module.apply({"params": p}, x)
+        own = lambda p, x: module.apply({"params": p}, x)
+        return from_linen(module, variables), own, lambda x: own(variables["params"], x)
     if c["library"] == "nnx":
         from flax import nnx
 
@@ -617,14 +619,14 @@ def _interop_model(c: dict):
                            rngs=nnx.Rngs(c["seed"]))
         # nnx.Linear by hand: inputs and params cast to `dtype`, then x @ kernel + bias.
         return from_nnx(layer), lambda p, x: (jnp.asarray(x, dtype) @ p["kernel"].astype(dtype)
-                                              + p["bias"].astype(dtype)[None, :])
+                                              + p["bias"].astype(dtype)[None, :]), layer
     import equinox as eqx
 
     layer = eqx.nn.Linear(3, c["features"], key=key, dtype=dtype)
     m = from_equinox(layer)
     own = lambda p, x: jax.vmap(eqx.combine(p, eqx.filter(layer, eqx.is_inexact_array,
                                                         inverse=True)))(x)
-    return m, own
+    return m, own, jax.vmap(layer)
 
 
 def _interop_input(c: dict):
@@ -641,13 +643,13 @@ def run_interop(c: dict) -> Outcome:
     case = Case((), 0, "scalar", [])
 
     def run():
-        m, own = _interop_model(c)
+        m, own, library = _interop_model(c)
         x = _interop_input(c)
         try:
             out, _ = m.apply(m.params, m.model_state, x)
         except Exception as error:  # the library's own call on the same input: the same error?
             try:
-                own(m.params, x)
+                library(x)
             except type(error):
                 return AS_JAX + f"the library's own call: {type(error).__name__}"
             raise
