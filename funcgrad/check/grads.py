@@ -38,9 +38,10 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from funcgrad import _jax_internals as ji
-from funcgrad._jaxpr import arg_names, check_array_args
+from funcgrad._jaxpr import arg_names, check_array_args, is_float
 from funcgrad._library_objects import LeftOut, left_out_fields, split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
 from funcgrad._traced import traced_values
@@ -296,6 +297,8 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
     Raises:
       ValueError: for a negative max_full_elements or a max_evaluations that is not a
         positive int; and as `check_grads`.
+      TypeError: an argument leaf that is not an array or a number (its path is named); and
+        as `check_grads`.
     """
     if (isinstance(max_full_elements, bool) or not isinstance(max_full_elements, (int, np.integer))
             or max_full_elements < 0):
@@ -309,6 +312,7 @@ def audit(loss_fn: Callable, params: Any, *batch: Any, max_full_elements: int = 
     left_out = _left_out(left_out_fields(loss_fn, (params, *batch), (0,)))
     loss_fn, split_args = split_equinox_args(loss_fn, (params, *batch))
     params, batch = split_args[0], split_args[1:]
+    check_array_args("audit", (params, *batch), arg_names(loss_fn, 1 + len(batch)))
     if left_out:  # check_grads sees the split params (no float left in them): listed here
         report = audit(loss_fn, params, *batch, max_full_elements=max_full_elements,
                        max_evaluations=max_evaluations, **kwargs)
@@ -372,9 +376,14 @@ def _as_run(fn, args, has_aux) -> _AsRun:
     jaxpr, consts = ji.closed_parts(closed)
     body = ji.as_fun(jaxpr, consts)
     out_tree = jax.tree.structure(out_shape)
+    in_dtypes = [v.aval.dtype for v in jaxpr.invars]
 
     def program(*a):
-        return jax.tree.unflatten(out_tree, body(*jax.tree.leaves(a)))
+        # Each floating leaf in the dtype it had when traced: with x64 off a float64 NumPy
+        # leaf is float32 there, and the check hands the leaves over in float64.
+        leaves = [lax.convert_element_type(x, d) if is_float(d) and jnp.result_type(x) != d
+                  else x for x, d in zip(jax.tree.leaves(a), in_dtypes)]
+        return jax.tree.unflatten(out_tree, body(*leaves))
     program.__name__ = getattr(fn, "__name__", "fn")
     program.__qualname__ = getattr(fn, "__qualname__", program.__name__)
 

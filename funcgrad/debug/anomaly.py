@@ -353,10 +353,15 @@ def _rows(x, limit: int = 5) -> str:
 
 
 def _zero_elements(x, limit: int = 5) -> str:
-    """"[2]" or "[(0, 2), (1, 3)]": the first indices where `x` is exactly 0."""
-    found = [tuple(i) if len(i) > 1 else int(i[0]) for i in np.argwhere(np.asarray(x) == 0)]
+    """Where `x` is exactly 0, as the hints say it: "at element(s) [2] of its operand",
+    "at element(s) [(0, 2), (1, 3)] of its operand" (the first `limit` indices), or "(its
+    operand, a scalar, is 0)" for a 0-d `x` (a logsumexp over a whole array reduces to one)."""
+    a = np.asarray(x)
+    if a.ndim == 0:
+        return "(its operand, a scalar, is 0)"
+    found = [tuple(i) if len(i) > 1 else int(i[0]) for i in np.argwhere(a == 0)]
     more = f" (of {len(found)})" if len(found) > limit else ""
-    return f"{found[:limit]}{more}"
+    return f"at element(s) {found[:limit]}{more} of its operand"
 
 
 def _first(bad: list) -> _Origin:
@@ -420,9 +425,10 @@ def _stats(name: str, x) -> ValueStats:
 
 
 def _has_minus_inf_mask(ev: _Evaluator) -> bool:
-    """Whether the forward pass used a -inf constant of the user's (a mask)."""
-    return any(o.constant and not _own(o) and np.any(np.isneginf(np.asarray(o.produced)))
-               for o in ev.forward_origins)
+    """Whether the forward pass used a -inf constant of the user's or a -inf argument that is
+    not differentiated (a mask, additive or in a jnp.where)."""
+    return any((o.constant and not _own(o) or o.phase == "input")
+               and np.any(np.isneginf(np.asarray(o.produced))) for o in ev.forward_origins)
 
 
 def _own(origin: _Origin) -> bool:
@@ -485,11 +491,13 @@ _FORWARD_HINTS |= {"exp2": _FORWARD_HINTS["exp"], "expm1": _FORWARD_HINTS["exp"]
 
 def _masked_row_hint(origin: _Origin, backward: bool) -> str:
     """log of a sum of exp over rows that a -inf mask covers entirely (a logsumexp)."""
-    zeros = _zero_elements(origin.operands[0][1])
+    operand = origin.operands[0][1]
+    zeros = _zero_elements(operand)
+    row = "a row" if np.ndim(operand) else "the whole array (reduced to one value)"
     effect = ("its derivative 1/0 is infinite there, and the zero cotangent of the jnp.where "
               "that hides the row turns it into 0 * inf = NaN" if backward else
               "the logsumexp of that row is -inf")
-    return ("log of 0 at element(s) " + zeros + " of its operand: a sum of exp over a row "
+    return ("log of 0 " + zeros + ": a sum of exp over " + row + " "
             "that a -inf mask covers entirely (a fully masked row; exp(-inf) = 0), so "
             + effect + ". Fill the masked entries with a large negative finite number instead "
             "of -inf, e.g. jnp.where(mask, s, jnp.finfo(s.dtype).min) (exp of it is 0 too, so "

@@ -44,7 +44,7 @@ from jax.extend import source_info_util
 from jax.interpreters import ad, batching, mlir
 
 from funcgrad import _jax_internals as ji
-from funcgrad._jaxpr import arg_names, interpret, source_line
+from funcgrad._jaxpr import arg_names, check_array_args, interpret, source_line
 from funcgrad._library_objects import split_equinox_args
 from funcgrad._traced import traced_values
 
@@ -266,8 +266,9 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
         same shape), or a tap sits inside a while_loop or a custom_jvp/custom_vjp function; if
         the output is not a real scalar (a ``(loss, aux)`` pair without `has_aux` gets the
         has_aux hint, a non-scalar the hint to reduce it), or with `has_aux` not a pair whose
-        first element is one.
-      TypeError: `funcgrad.TracedValueError` when `fn` uses a traced value as a Python value
+        first element is one; if `argnums` names no argument of the call (out of range).
+      TypeError: when called, if an argument leaf is not an array or a number (its path is
+        named); `funcgrad.TracedValueError` when `fn` uses a traced value as a Python value
         (``if h > 0:``, ``range(n)``): the message names fn's line and the fix.
     """
     if not callable(fn):
@@ -277,8 +278,16 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
 
     def transformed(*args, **kwargs):
         of_arrays, args = split_equinox_args(fn, args, "intermediate_grads")  # floating arrays
+        names = arg_names(fn, len(args))
+        check_array_args("intermediate_grads", args, names)
+        if any(isinstance(n, bool) or not isinstance(n, int) or not -len(args) <= n < len(args)
+               for n in nums) or not nums:
+            raise ValueError(f"intermediate_grads: argnums={argnums!r} must name positions of "
+                             f"the {len(args)} argument(s) given (0 to {len(args) - 1}, or "
+                             "negative from the end), as in jax.grad.")
+        at = tuple(n % len(args) for n in nums)  # -1 is the last argument, as in jax.grad
         bound = functools.partial(of_arrays, **kwargs) if kwargs else of_arrays
-        with traced_values("intermediate_grads", bound, args, arg_names(fn, len(args)), nums):
+        with traced_values("intermediate_grads", bound, args, names, at):
             closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)
         _check_output(out_shape, has_aux)
         sites: dict[str, _Site] = {}
@@ -294,7 +303,7 @@ def intermediate_grads(fn: Callable, argnums: int | Sequence[int] = 0, *,
 
         # allow_int: integer and key leaves (an nnx RngCount, RngKey) are not differentiated
         # and get JAX's float0 zeros, as jax.grad(..., allow_int=True) gives them.
-        value, grads = jax.value_and_grad(with_perts, argnums=(0, *(n + 1 for n in nums)),
+        value, grads = jax.value_and_grad(with_perts, argnums=(0, *(n + 1 for n in at)),
                                           has_aux=has_aux, allow_int=True)(zeros, *args)
         tap_grads, arg_grads = grads[0], grads[1:]
         return value, (arg_grads[0] if single else arg_grads), tap_grads

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from funcgrad._jaxpr import arg_names
+from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._paths import key_paths, keystr
 from funcgrad._traced import traced_values
 
@@ -128,7 +128,9 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
       ValueError: if the output is not a scalar and no cotangent is given, or the cotangent's
         structure, shape or dtype differs from the output's (the message names both), or
         `argnums` is out of range or names an argument twice.
-      TypeError: if an output leaf is not floating point, or a cotangent leaf is not an array;
+      TypeError: if an argument leaf is not an array or a number (its path is named), a
+        differentiated leaf or an output leaf is not floating point, or a cotangent leaf is
+        not an array;
         `funcgrad.TracedValueError` (a TypeError) when `fn` uses a traced value as a Python
         value where it is traced (under its own ``jax.jit``): the message names its line.
     Example:
@@ -152,6 +154,7 @@ def backward(fn: Callable, *args: Any, cotangent: PyTree | None = None,
             full[i] = x
         return fn(*full)
 
+    check_array_args("backward", args, arg_names(fn, len(args)))
     primals = tuple(args[i] for i in nums)
     for i, x in zip(nums, primals):
         for path, leaf in zip(key_paths(x), jax.tree.leaves(x)):

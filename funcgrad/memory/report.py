@@ -241,7 +241,8 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
 
     Args:
       fn: a pure function of pytree arguments. With ``grad=True`` it returns a scalar loss
-        and ``jax.jit(jax.grad(fn, argnums))`` is compiled; else ``jax.jit(fn)``. A function
+        and ``jax.jit(jax.grad(fn, argnums))`` is compiled (its integer, boolean and key
+        leaves passed through, as ``allow_int=True`` does); else ``jax.jit(fn)``. A function
         that is already jitted (it has ``.lower``, e.g. `funcgrad.make_train_step`'s step)
         is compiled as given, with its own donation and static arguments.
       *args: arrays or pytrees of arrays (``jax.ShapeDtypeStruct`` works: only shapes are
@@ -286,7 +287,10 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
         _check_differentiable(fn, args, nums, names, grad)
     target: Callable
     if grad:
-        target = jax.jit(jax.grad(fn, argnums if isinstance(argnums, int) else nums))
+        # Integer, boolean and PRNG-key leaves of the differentiated arguments are passed
+        # through (their gradient is JAX's zero-byte float0), as in every other tool.
+        target = jax.jit(jax.grad(fn, argnums if isinstance(argnums, int) else nums,
+                                  allow_int=True))
         mode = "grad"
     else:
         target, mode = (fn, "step") if jitted else (jax.jit(fn), "function")
@@ -577,7 +581,8 @@ def _remat_view(fn, args, nums, names, rows, compiled_bytes) -> dict | None:
                             "compiled bytes), so trust the compiled figures above.")}
     plain = _inline_remat(closed, jax.tree.structure(shape))
     plain.__name__ = _fn_name(fn)
-    stats = _compiled(jax.jit(jax.grad(plain, nums if len(nums) > 1 else nums[0])), args)
+    stats = _compiled(jax.jit(jax.grad(plain, nums if len(nums) > 1 else nums[0],
+                                       allow_int=True)), args)
     plain_bytes = stats.temp_bytes + stats.output_bytes
     with_res = sum(r.nbytes for r in rows or () if r.origin in _ACTIVATION)
     plain_rows = _rows(plain, args, nums, names)

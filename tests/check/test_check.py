@@ -731,3 +731,29 @@ def test_a_resolution_near_the_derivative_is_flagged():
     assert any(n.startswith("low resolution") for n in row.notes), row.notes
     quiet = fg.check_grads(lambda w: jnp.sum(0.01 * w), jnp.array([1.0, 2.0]))
     assert not any(n.startswith("low resolution") for n in quiet.rows[0].notes)
+
+
+# --- fuzz-found (tests/test_fuzz.py) ------------------------------------------------------------
+
+def test_a_float64_numpy_leaf_with_a_random_draw_is_checked_as_the_user_runs_it():
+    # Found by the fuzz: with x64 off, a float64 NumPy leaf is float32 in the program the user
+    # runs, and a uniform draw from the key takes 32 bits there, 64 in the check's float64
+    # trace (another value), so the check is rebuilt on the user's program. It was handed the
+    # leaf in float64 and raised "lax.mul requires arguments to have the same dtypes".
+    def loss(p, key):
+        return jnp.sum(jnp.sin(p["w"]) * p["v"]) * jax.random.uniform(key, ())
+
+    params = {"w": np.array([0.5, -1.0]), "v": jnp.array([2.0, 3.0])}
+    report = fg.check_grads(loss, params, jax.random.key(0))
+    assert report.ok and [r.path for r in report.rows] == ["p['v']", "p['w']"], str(report)
+    assert any("differs" in n for n in report.notes), report.notes  # the rebuilt check, said
+
+
+def test_audit_names_an_argument_that_is_not_an_array():
+    # Found by the fuzz: audit asked jnp.result_type of an unregistered dataclass leaf
+    # ("Cannot determine dtype of ...") before check_grads could name it.
+    class Config:  # not a pytree: a leaf that is not an array
+        scale = 2.0
+
+    with pytest.raises(TypeError, match=r"audit: argument params\[1\] is a Config"):
+        fg.audit(lambda params: jnp.sum(params[0] * params[1].scale), (jnp.ones(2), Config()))

@@ -610,3 +610,65 @@ def test_funcgrads_own_guards_are_not_listed_as_masked_from_any_subpackage():
     report = fg.find_nonfinite(
         lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"]), params, batch)
     assert report.ok and report.masked == ()
+
+
+# --- issue 25 point 4: a logsumexp over a whole array that is all -inf (a 0-d log operand) ----
+
+_NONE = jnp.array([False, False, False])  # a mask that hides every element
+
+
+def lse_all_masked_nn(x):
+    return jax.nn.logsumexp(jnp.where(_NONE, x, -jnp.inf))  # <- lse_nn
+
+
+def lse_all_masked_scipy(x):
+    return jax.scipy.special.logsumexp(jnp.where(_NONE, x, -jnp.inf))  # <- lse_scipy
+
+
+def lse_all_masked_hidden(x):  # an additive mask; the where drops the masked logsumexp
+    s = x + jnp.where(_NONE, 0.0, -jnp.inf)
+    return jnp.where(_NONE.any(), jax.nn.logsumexp(s), 0.0)  # <- lse_hidden
+
+
+@pytest.mark.parametrize("fn, marker", [(lse_all_masked_nn, "lse_nn"),
+                                        (lse_all_masked_scipy, "lse_scipy")],
+                         ids=["jax.nn", "jax.scipy.special"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "forward"])
+def test_logsumexp_over_an_all_minus_inf_array_is_reported_not_an_index_error(fn, marker, grad):
+    # Hand: every element is -inf, so logsumexp's max is -inf (replaced by 0, not finite),
+    # exp(-inf - 0) = 0, the sum is the scalar 0 and log(0) = -inf: the log is the first
+    # primitive to make a non-finite value, with a 0-d operand. The hint's code used to call
+    # np.argwhere on that 0-d operand and raise IndexError instead of returning the report.
+    x = jnp.array([1.0, 2.0, 3.0])
+    assert np.isneginf(fn(x))
+    report = find_nonfinite(fn, x, grad=grad)
+    assert_located(report, "forward", "log", marker)
+    assert report.inputs[0].shape == () and report.inputs[0].max == 0.0  # log's operand: 0
+    assert "its operand, a scalar, is 0" in report.hint and "fully masked row" in report.hint
+    assert "jnp.finfo(s.dtype).min" in report.hint
+
+
+def test_a_hidden_all_minus_inf_logsumexp_is_named_in_the_backward_pass():
+    # The forward value is 0 (the where takes its 0.0), but the backward pass multiplies log's
+    # infinite derivative 1/0 by the where's zero cotangent: 0 * inf = NaN, as jax.grad says.
+    x = jnp.array([1.0, 2.0, 3.0])
+    assert float(lse_all_masked_hidden(x)) == 0.0
+    assert np.isnan(jax.grad(lse_all_masked_hidden)(x)).all()
+    report = find_nonfinite(lse_all_masked_hidden, x)
+    assert_located(report, "backward", "log", "lse_hidden")
+    assert "its operand, a scalar, is 0" in report.hint and "0 * inf" in report.hint
+    assert "safe_x" not in report.hint  # the masked-row hint, not the generic double where
+
+
+def test_an_all_minus_inf_mask_argument_gets_the_masked_row_hint():
+    # The mask is an argument (not differentiated): w + mask is -inf everywhere, logsumexp's
+    # sum of exp is the scalar 0 and log(0) = -inf, made by the log from a finite operand.
+    loss = lambda w, mask: jax.nn.logsumexp(w + mask)  # <- lse_arg
+    w, mask = jnp.array([1.0, 2.0, 3.0]), jnp.full(3, -jnp.inf)
+    assert np.isneginf(loss(w, mask))
+    report = find_nonfinite(loss, w, mask)
+    assert_located(report, "forward", "log", "lse_arg")
+    assert "its operand, a scalar, is 0" in report.hint and "fully masked row" in report.hint
+    # Before: the generic log hint ("clip the argument: jnp.log(jnp.maximum(x, eps))"),
+    # which does not apply to a logsumexp.
+    assert "jnp.maximum(x, eps)" not in report.hint

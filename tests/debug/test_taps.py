@@ -223,3 +223,31 @@ def test_a_non_scalar_output_gets_the_reduce_or_has_aux_hint():
         intermediate_grads(squares)(jnp.ones(3), jnp.arange(3.0))
     with pytest.raises(ValueError, match=r"has_aux=True\) needs fn to return a pair \(loss, aux\)"):
         intermediate_grads(squares, has_aux=True)(jnp.ones(3), jnp.arange(3.0))
+
+
+# --- fuzz-found (tests/test_fuzz.py) ------------------------------------------------------------
+
+def test_a_negative_argnums_differentiates_the_argument_it_names():
+    # Found by the fuzz: argnums=-1 was shifted by one for the taps' own argument and became
+    # 0, so the "gradient" returned was the taps' dict. -1 is the last argument, as in jax.grad.
+    def loss(x, w):
+        return jnp.sum(tap("h", x * w) ** 2)
+
+    x, w = jnp.array([1.0, 2.0]), jnp.array([3.0, -1.0])
+    value, grads, taps = intermediate_grads(loss, argnums=-1)(x, w)
+    # L = sum((x w)^2): dL/dw = 2 x^2 w = [6, -8]; dL/dh = 2 h = 2 x w = [6, -4].
+    np.testing.assert_array_equal(grads, jnp.array([6.0, -8.0]))
+    np.testing.assert_array_equal(taps["h"], jnp.array([6.0, -4.0]))
+    np.testing.assert_array_equal(grads, jax.grad(loss, argnums=-1)(x, w))
+    with pytest.raises(ValueError, match="argnums=2 must name positions of the 2"):
+        intermediate_grads(loss, argnums=2)(x, w)
+
+
+def test_an_argument_that_is_not_an_array_is_named():
+    # Found by the fuzz: an unregistered dataclass (one leaf to JAX) reached jax.jit's
+    # "Error interpreting argument" from inside intermediate_grads.
+    class Config:  # not a pytree: a leaf that is not an array
+        scale = 2.0
+
+    with pytest.raises(TypeError, match="intermediate_grads: argument c is a Config"):
+        intermediate_grads(lambda x, c: jnp.sum(x * c.scale))(jnp.ones(2), Config())

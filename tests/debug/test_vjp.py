@@ -119,3 +119,13 @@ def test_an_argument_named_twice_in_argnums_is_refused():
     # Both slots would be the gradient of the same argument, and one would overwrite the other.
     with pytest.raises(ValueError, match=r"argnums=\(0, 0\) names an argument twice"):
         backward(lambda x, y: jnp.sum(x * y), jnp.ones(2), 2 * jnp.ones(2), argnums=(0, 0))
+
+
+def test_an_argument_that_is_not_an_array_is_named():
+    # Found by the fuzz: an unregistered dataclass leaf reached jnp.result_type ("Cannot
+    # determine dtype of ...") inside backward instead of an error naming it.
+    class Config:  # not a pytree: a leaf that is not an array
+        scale = 2.0
+
+    with pytest.raises(TypeError, match=r"backward: argument p\['c'\] is a Config"):
+        backward(lambda p: jnp.sum(p["x"] * p["c"].scale), {"x": jnp.ones(2), "c": Config()})

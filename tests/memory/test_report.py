@@ -290,3 +290,21 @@ def test_forward_alone_in_a_library_fusion_is_not_printed_as_a_measurement():
     # counts; on a backend without library fusions the figure is XLA's own and is shown.
     assert ("not measured" in line) == (r.forward_library_fusions > 0)
     assert (f"{r.forward_bytes:,}" in line) == (r.forward_library_fusions == 0)
+
+
+# --- fuzz-found (tests/test_fuzz.py) ------------------------------------------------------------
+
+def test_grad_mode_passes_integer_bool_and_key_leaves_through():
+    # Found by the fuzz: with grad=True an int, bool or PRNG-key leaf among the parameters made
+    # jax.grad raise "grad requires real- or complex-valued inputs" from inside the compile.
+    # They take no gradient (JAX's zero-byte float0), as in every other tool.
+    params = {"w": jnp.array([0.5, -1.0]), "n": 3, "flag": True, "key": jax.random.key(0),
+              "raw": jax.random.PRNGKey(1)}
+
+    def loss(p):
+        noise = jax.random.uniform(p["key"], ()) + jax.random.uniform(p["raw"], ())
+        return jnp.sum(jnp.sin(p["w"]) * p["n"]) * jnp.where(p["flag"], 1.0, 2.0) + noise
+
+    report = memory_report(loss, params, grad=True)
+    # The gradient output holds at least w's float32[2] (8 bytes) and nothing float for the rest.
+    assert report.output_bytes >= 8 and report.mode == "grad"
