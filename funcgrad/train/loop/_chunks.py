@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad.train.sources import split_for_accumulation
+from funcgrad.train.loop.sources import split_for_accumulation
 
 PyTree = Any
 
@@ -226,16 +226,3 @@ def alert_flag(m) -> Any:
     step before and are found by `fit` from the dead fractions."""
     flag = m.nonfinite | m.explosion
     return flag | m.vanishing.any(-1) if len(m.layout.layer_names) else flag
-
-
-def owned_copy(tree: PyTree) -> PyTree:
-    """A copy of every array leaf (on its own device), so that donating it leaves the
-    caller's arrays valid."""
-    return jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a,
-                        tree)
-
-
-def to_device(data: PyTree) -> PyTree:
-    """The dataset's leaves as device arrays (one transfer each)."""
-    return jax.tree.map(lambda a: jax.device_put(np.asarray(a) if not isinstance(a, jax.Array)
-                                                 else a), data)
