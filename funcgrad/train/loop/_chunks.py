@@ -11,6 +11,8 @@ so the host reads them once per chunk:
   times K with accumulation: K micro-batches of one update); the order is a permutation drawn
   on the device in the same call (`epoch_order`), and the epoch's last, smaller batch (or
   partial group) is one more step of the last chunk: one dispatch per epoch.
+* `ChunkRunner.epochs`: several whole epochs in one call (an outer ``lax.scan`` over
+  `gathered`'s epoch), when nothing on the host needs an epoch's numbers before the next.
 * `ChunkRunner.stacked`: the batches come from a loader, stacked on the host into
   ``(T, batch, ...)`` and sent in one transfer.
 
@@ -95,6 +97,21 @@ class ChunkRunner:
                 functools.partial(self._gathered, length=length, size=size, tail=tail,
                                   batch_size=batch_size), donate_argnums=self._donate)
         return program(state, data, key, epoch, start, count)
+
+    def epochs(self, state, data, key, first, *, epochs, length, size, tail, batch_size):
+        """`epochs` whole epochs from epoch `first` (0-based) in one call: each as `gathered`
+        runs it from its step 0 (its order, its `length` full steps, its `tail`), under an
+        outer ``lax.scan``. Returns ``(state, counts, rows)``, counts ``(epochs,)`` int32 and
+        each row ``(epochs, length + (tail > 0), ...)``. Unguarded runners only: nothing
+        halts, and a bad step anywhere makes the caller run these epochs again one by one."""
+        assert self.unguarded, "several epochs per call: unguarded chunks only"
+        shape = ("epochs", epochs, length, size, tail, batch_size)
+        program = self._programs.get(shape)
+        if program is None:
+            program = self._programs[shape] = jax.jit(
+                functools.partial(self._epochs, epochs=epochs, length=length, size=size,
+                                  tail=tail, batch_size=batch_size))
+        return program(state, data, key, first)
 
     # --- one step inside the loop --------------------------------------------------------
     def _compute(self, state, batch):
@@ -213,6 +230,15 @@ class ChunkRunner:
                                                               (size,)))
         last = self._tail_of(data, order[n - tail:], batch_size) if tail else None
         return self._loop(state, batch_at if size <= n else None, count, length, last)
+
+    def _epochs(self, state, data, key, first, *, epochs, length, size, tail, batch_size):
+        def one(state, e):
+            state, count, rows = self._gathered(
+                state, data, key, first + e, jnp.int32(0), jnp.int32(length), length=length,
+                size=size, tail=tail, batch_size=batch_size)
+            return state, (count, rows)
+        state, (counts, rows) = jax.lax.scan(one, state, jnp.arange(epochs, dtype=jnp.int32))
+        return state, counts, rows
 
     def _stacked(self, state, batches):
         length = jax.tree.leaves(batches)[0].shape[0]

@@ -4,8 +4,9 @@ without the guard's selects first and again, guarded, only when one of its steps
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ class _Run(Recorder):
     run an epoch (chunks of steps on the device, or one call per batch)."""
 
     def __init__(self, *, step, raw, source, history, log, accumulate, chunk, skip_bad, seed,
-                 chunked, optimistic, epochs):
+                 chunked, optimistic, epochs, epochs_per_dispatch=None):
         self.step, self.source, self.history, self.log = step, source, history, log
         self.accumulate, self.chunk, self.skip_bad, self.seed = accumulate, chunk, skip_bad, seed
         self.runner = _runner(step, raw, skip_bad) if chunked else None
@@ -40,17 +41,44 @@ class _Run(Recorder):
                      if chunked and optimistic and not skip_bad and unguarded is not None
                      else None)
         self.data = (place_data(source.tree) if chunked and source.tree is not None else None)
-        self.key = jax.random.key(seed)  # the order's base key, on the device once
+        self.key = _base_key(seed)  # the order's base key, on the device once
         self.first_call, self.previous_report = True, None
         self.owned = False  # whether self.state's buffers are fit's own (may be donated)
-        self.ahead = None  # (epoch, step, launched chunk, the state it started from)
+        self.ahead = None  # (epoch, step, what was launched, its result, its starting state)
         self.epochs = epochs
+        # Several epochs per dispatch: fit says how many it can leave unobserved from an
+        # epoch on (no evaluation, no checkpoint due, no progress bar before their last).
+        self.epochs_per_dispatch = epochs_per_dispatch or (lambda epoch: 1)
+        self.group: _Group | None = None  # the epochs of the last such dispatch
+        self.ungrouped_until = 0  # epochs re-run one by one after a bad step in a group
+        self.held: list[str] | None = None  # log lines held back while a group is recorded
         # Set by fit before the first epoch: the TrainState, its tqdm bar and its log writer.
         self.state: Any = None
         self.verified: Any = None
         self.run_step = 0
         self.bar: Any = None
-        self.say: Any = None
+        self.write: Any = None
+
+    def say(self, line: str) -> None:
+        """Passes `line` to the log, or holds it while the epochs of one dispatch are being
+        recorded (the state is already their last one's: no user code runs in between)."""
+        if self.held is not None:
+            self.held.append(line)
+        else:
+            self.write(line)
+
+    def holds(self, epoch: int) -> bool:
+        """Whether `epoch` was run by the last dispatch of several epochs (the state is past
+        it): its rows are recorded whatever happens, a Ctrl-C included."""
+        return self.group is not None and self.group.first <= epoch <= self.group.last
+
+    def epoch_ended(self, epoch: int) -> None:
+        """After `epoch`'s row: the log lines held for a dispatch of several epochs go out
+        once its last epoch is recorded."""
+        if self.held is not None and self.group is not None and epoch >= self.group.last:
+            lines, self.held = self.held, None
+            for line in lines:
+                self.write(line)
 
     # --- epochs -------------------------------------------------------------------------
     def epoch(self, epoch: int, skip: int, stopper, position) -> NonFiniteReport | None:
@@ -92,6 +120,17 @@ class _Run(Recorder):
             if k > 1 and tail and getattr(self.step, "tail", None) == "drop":
                 tail, dropped = 0, tail  # a partial group is dropped, not run
             length = self.chunk or max(1, min(full, MAX_CHUNK))
+            shape = (full, size, tail, b)
+            got = self._from_group(epoch, shape, stopper) if done == 0 else None
+            if got is not None:  # this epoch ran in a dispatch of several
+                def whole(i):
+                    return self._locate(order, call_of, i, 0, full, shape, k)
+                report, done = self._record(with_ran(got), full + (1 if tail else 0), epoch,
+                                            whole)
+                position.update(step_in_epoch=done, run_step=self.run_step)
+                self.history.dropped_examples += dropped
+                self.epoch_done = True
+                return report
             while done < full or (done == full and tail):
                 active = min(length, full - done)
                 last_tail = tail if done + active == full else 0
@@ -102,35 +141,17 @@ class _Run(Recorder):
                         state, self.data, self.key, np.int32(epoch - 1), np.int32(done),
                         np.int32(active), length=active if runner.unguarded else length,
                         size=size, tail=last_tail, batch_size=b)
-                ahead, self.ahead = self.ahead, None
-                launched = (ahead[2] if ahead is not None and ahead[:2] == (epoch, done)
-                            and ahead[3] is self.state else None)
+                launched = self._ahead_for(epoch, done, ("chunk", active, last_tail))
                 self.state, got = _chunk(self.fast, self.runner, call, self.state, self.owned,
                                          launched)
                 self.owned = True  # a chunk's output: fit's own buffers
                 start = done
-                if (self.fast is not None and epoch < self.epochs and done + active == full
-                        and not stopper.raised and not np.asarray(got[1]["bad"]).any()):
-                    # The next epoch's first chunk goes to the device now, from this state
-                    # (an unguarded chunk does not consume it): the host's work on this one
-                    # (its rows, the evaluation, a checkpoint) overlaps it. Used only if the
-                    # next epoch starts from this very state.
-                    following = min(length, full)
-
-                    def next_call(runner, state, following=following):
-                        return runner.gathered(
-                            state, self.data, self.key, np.int32(epoch), np.int32(0),
-                            np.int32(following), length=following, size=size,
-                            tail=tail if following == full else 0, batch_size=b)
-                    self.ahead = (epoch + 1, 0, next_call(self.fast, self.state), self.state)
+                if (self.fast is not None and done + active == full and not stopper.raised
+                        and not np.asarray(got[1]["bad"]).any()):
+                    self._launch_ahead(epoch + 1, shape, length)
 
                 def locate(i, start=start, active=active):
-                    if i < active:
-                        rows_ = order()[(start + i) * size:(start + i + 1) * size]
-                        return (start + i) * k, k, tuple(int(r) for r in rows_), call_of(rows_)
-                    rows_ = order()[n - tail:]
-                    return full * k, -(-len(rows_) // b), tuple(int(r) for r in rows_), \
-                        call_of(rows_)
+                    return self._locate(order, call_of, i, start, active, shape, k)
 
                 report, steps = self._record(with_ran(got), active + (1 if last_tail else 0),
                                              epoch, locate)
@@ -156,6 +177,92 @@ class _Run(Recorder):
                 return report
         self.epoch_done = True
         return None
+
+    # --- dispatches of several epochs, and the next one launched ahead -------------------
+    def _from_group(self, epoch, shape, stopper):
+        """``(count, rows)`` of `epoch`, from step 0, when it runs in one dispatch with the
+        epochs after it (`ChunkRunner.epochs`), launched now or ahead; None when it runs on
+        its own. A dispatch in which a step was bad is dropped: its epochs then run one by
+        one (unguarded, then guarded from the chunk with the bad step)."""
+        if not self.holds(epoch):
+            m = self._group_size(epoch, shape)
+            if m < 2:
+                return None
+            launched = self._ahead_for(epoch, 0, ("epochs", m))
+            if launched is None:
+                launched = self._launch_group(epoch, m, shape, self.state)
+            state, counts, rows = launched
+            got = fetched(counts, rows)
+            if np.asarray(got[1]["bad"]).any():
+                self.ungrouped_until = epoch + m - 1
+                return None
+            self.group = _Group(epoch, epoch + m - 1, got)
+            self.state, self.owned = state, True
+            self.held = []  # the log waits until every epoch of it is recorded
+            if not stopper.raised:
+                self._launch_ahead(self.group.last + 1, shape, None)
+        group = cast(_Group, self.group)
+        counts, rows = group.got
+        e = epoch - group.first
+        one = {k: (tuple(_Epoch(d, e) for d in v) if k == "monitor_dead" else v[e])
+               for k, v in rows.items()}
+        return counts[e], one
+
+    def _group_size(self, epoch, shape) -> int:
+        """How many epochs from `epoch` on run in one dispatch (1: on its own)."""
+        full, _, tail, _ = shape
+        if (self.fast is None or self.chunk is not None or epoch <= self.ungrouped_until
+                or full > MAX_CHUNK):
+            return 1
+        per_epoch = full + (1 if tail else 0)
+        return max(1, min(self.epochs_per_dispatch(epoch), self.epochs - epoch + 1,
+                          MAX_CHUNK // max(per_epoch, 1)))
+
+    def _launch_group(self, epoch, m, shape, state):
+        full, size, tail, b = shape
+        return self.fast.epochs(state, self.data, self.key, np.int32(epoch - 1), epochs=m,
+                                length=full, size=size, tail=tail, batch_size=b)
+
+    def _launch_ahead(self, epoch, shape, length) -> None:
+        """The first dispatch of `epoch` (from its step 0) goes to the device now, from this
+        state (an unguarded call does not consume it): the host's work on the rows just
+        read (the history, the evaluation, a checkpoint) overlaps it. Used only if the
+        epoch starts from this very state (`_ahead_for`)."""
+        if epoch > self.epochs or self.fast is None:
+            return
+        m = self._group_size(epoch, shape)
+        full, size, tail, b = shape
+        what: tuple
+        if m >= 2:
+            what, launched = ("epochs", m), self._launch_group(epoch, m, shape, self.state)
+        else:
+            following = min(length or self.chunk or max(1, min(full, MAX_CHUNK)), full)
+            last_tail = tail if following == full else 0
+            what = ("chunk", following, last_tail)
+            launched = self.fast.gathered(
+                self.state, self.data, self.key, np.int32(epoch - 1), np.int32(0),
+                np.int32(following), length=following, size=size, tail=last_tail,
+                batch_size=b)
+        self.ahead = (epoch, 0, what, launched, self.state)
+
+    def _ahead_for(self, epoch, start, what):
+        """The result launched ahead for this dispatch (`epoch`, from step `start`, `what`),
+        if it started from the current state; None otherwise. Forgets it either way."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[:3] == (epoch, start, what) and ahead[4] is self.state:
+            return ahead[3]
+        return None
+
+    def _locate(self, order, call_of, i, start, active, shape, k):
+        """Step `i` of a chunk of `active` full steps from step `start` (the tail after
+        them): its first batch index, how many batches it took, its example rows and the
+        call that ran it."""
+        full, size, tail, b = shape
+        if i < active:
+            rows_ = order()[(start + i) * size:(start + i + 1) * size]
+            return (start + i) * k, k, tuple(int(r) for r in rows_), call_of(rows_)
+        rows_ = order()[len(order()) - tail:]
+        return full * k, -(-len(rows_) // b), tuple(int(r) for r in rows_), call_of(rows_)
 
     def _loader_epoch(self, epoch, skip, stopper, position):
         k = self.accumulate
@@ -303,3 +410,28 @@ def _all_finite_device(params):
 
 def _all_finite(params) -> bool:
     return bool(_all_finite_device(params)) if jax.tree.leaves(params) else True
+
+
+class _Group:
+    """The epochs ``first .. last`` (numbered from 1) of one dispatch and their fetched
+    ``(counts, rows)``, each with a leading epoch axis."""
+
+    def __init__(self, first: int, last: int, got: tuple):
+        self.first, self.last, self.got = first, last, got
+
+
+class _Epoch:
+    """Epoch `e`'s rows of a device array of several epochs' rows, read only where indexed
+    (the monitor's dead-unit masks stay on the device until an alert needs one)."""
+
+    def __init__(self, rows: Any, e: int):
+        self.rows, self.e = rows, e
+
+    def __getitem__(self, i):
+        return self.rows[self.e, i]
+
+
+@functools.lru_cache(maxsize=16)
+def _base_key(seed: int) -> jax.Array:
+    """``jax.random.key(seed)``, made once per seed (a dispatch of its own each time)."""
+    return jax.random.key(seed)

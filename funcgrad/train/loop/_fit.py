@@ -54,11 +54,17 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     epoch_order`; `funcgrad.train.data.batches` yields the same order on the host), and one
     jitted call runs `chunk` steps inside ``lax.scan`` (default: all the full batches of an
     epoch, at most 1,024), reading the per-step loss, norm and monitor values back once per
-    chunk. A loader's batches are stacked `chunk` at a time (default 64) and sent in one
-    transfer when their shapes agree. The epoch's last, smaller batch (or partial group with
-    accumulation) runs as one more call. Everything the step does runs inside the chunk:
-    clipping, the guard, accumulation, loss scaling, the monitor, masks, model state, keys.
-    A hand-written step, or one made with ``jit=False``, is called once per batch.
+    chunk. The epoch's last, smaller batch (or partial group with accumulation) is one more
+    step of the same call: one dispatch per epoch. When nothing on the host needs an epoch's
+    numbers before the next (no `evaluate`, ``progress=False``, no checkpoint due, default
+    `chunk`, `optimistic` chunks: no loss scale, ``on_nonfinite="stop"``), several epochs
+    run in one call (up to 1,024 steps), with the
+    same history, log lines, alerts and state, bit for bit; their log lines come out together
+    once the last of them is recorded. A loader's batches are stacked `chunk` at a time
+    (default 64) and sent in one transfer when their shapes agree. Everything the step does
+    runs inside the chunk: clipping, the guard, accumulation, loss scaling, the monitor,
+    masks, model state, keys. A hand-written step, or one made with ``jit=False``, is called
+    once per batch.
 
     **Non-finite steps.** A step whose loss, gradient norm or update is NaN/inf (the step's
     guard skipped it) stops the chunk at that step: later steps of the chunk are not applied,
@@ -81,8 +87,9 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     True`` continues from the newest checkpoint there (its epoch and batch), so training 10
     epochs equals training 5, stopping and resuming for 5 more, bit for bit.
 
-    **Ctrl-C.** The first SIGINT stops the run after the current chunk and returns a
-    `FitResult` with ``interrupted=True`` (a second one interrupts at once).
+    **Ctrl-C.** The first SIGINT stops the run after the current chunk (all the epochs of a
+    call that ran several) and returns a `FitResult` with ``interrupted=True`` (a second one
+    interrupts at once).
 
     Args:
       step: a step from `make_train_step` (or any ``(state, batch) -> (TrainState,
@@ -109,9 +116,10 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
       optimistic: run each chunk first with the step's ``unguarded`` form (the guard's test
         without its per-leaf selects, which wait for the global reductions: 1.2x on a
         1.1M-parameter MLP), keeping the chunk's starting state; a chunk in which a step was
-        skipped is run again from that state with the guarded step, so no non-finite update
-        is ever applied. Not with a loss scale or ``on_nonfinite="skip"``. False: the guarded
-        step only, which donates the state (half the state's memory during a chunk).
+        skipped is run again from that state with the guarded step (a call of several epochs:
+        its epochs one by one), so no non-finite update is ever applied. Not with a loss
+        scale or ``on_nonfinite="skip"``. False: the guarded step only, which donates the
+        state (half the state's memory during a chunk), one epoch per call.
     Returns:
       a `FitResult`.
     Raises:
@@ -174,13 +182,24 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
             epoch_first = position.get("epoch_first", len(history.step_loss))
             if start_in_epoch == 0:
                 epoch_first = len(history.step_loss)
+
+    def epochs_per_dispatch(epoch: int) -> int:
+        # Epochs from `epoch` on whose numbers nothing on the host needs before the last of
+        # them: no evaluation, no progress bar to move, no checkpoint due.
+        if progress or evaluator is not None:
+            return 1
+        if checkpoint_dir is not None:
+            return every - (epoch - 1) % every
+        return epochs - epoch + 1
+
     run = _Run(step=step, raw=raw, source=source, history=history, log=log,
                accumulate=accumulate, chunk=chunk, skip_bad=on_nonfinite == "skip",
-               seed=seed, chunked=chunked, optimistic=optimistic, epochs=epochs)
+               seed=seed, chunked=chunked, optimistic=optimistic, epochs=epochs,
+               epochs_per_dispatch=epochs_per_dispatch)
     total = epochs * source.steps_per_epoch(accumulate) if source.n is not None else None
     bar = tqdm(total=total, disable=not progress, unit="step", leave=False)
     run.bar = bar
-    run.say = lambda line: _say(log, tqdm, line)
+    run.write = lambda line: _say(log, tqdm, line)
     run.state, run.run_step = state, run_step
     position = {"epoch": start_epoch - 1, "step_in_epoch": start_in_epoch, "run_step": run_step,
                 "epoch_first": epoch_first, **settings}
@@ -190,8 +209,8 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     try:
         with stopper:
             for epoch in range(start_epoch, epochs + 1):  # numbered from 1 wherever shown
-                if stopper.raised:  # Ctrl-C during the evaluation or the checkpoint
-                    interrupted = True
+                if stopper.raised and not run.holds(epoch):  # Ctrl-C during the evaluation
+                    interrupted = True                             # or the checkpoint
                     break
                 first_skip = len(history.skipped_steps)
                 skip_in_epoch = start_in_epoch if epoch == start_epoch else 0
@@ -210,6 +229,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                 history.epochs.append(row)
                 run.verify()
                 run.say(format_epoch(row))
+                run.epoch_ended(epoch)
                 position.update(epoch=epoch, step_in_epoch=0, run_step=run.run_step,
                                 epoch_first=len(history.step_loss))
                 if checkpoint_dir is not None and (epoch % every == 0 or epoch == epochs):
