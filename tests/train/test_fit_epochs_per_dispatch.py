@@ -42,10 +42,17 @@ def _setup(loss=_loss, **step_kwargs):
     return step, fg.init_train_state(params, tx, monitor=monitor)
 
 
-def _grouped_programs(step):
-    """The shapes of the several-epochs programs this step has compiled for fit."""
-    return [shape for runner in step._fit_runners.values() for shape in runner._programs
-            if shape[0] == "epochs"]
+@pytest.fixture
+def calls(monkeypatch):
+    """The epochs of each call of several epochs that fit makes (launched ahead or not)."""
+    from funcgrad.train.loop._chunks import ChunkRunner
+    made, original = [], ChunkRunner.epochs
+
+    def counted(self, state, data, key, first, count, **kw):
+        made.append(int(count))
+        return original(self, state, data, key, first, count, **kw)
+    monkeypatch.setattr(ChunkRunner, "epochs", counted)
+    return made
 
 
 def _bits(tree):
@@ -72,11 +79,12 @@ def _both(step, state, *args, **kw):
 @pytest.mark.parametrize("step_kwargs", [{}, {"accumulate": 2}, {"accumulate": 2,
                                                                  "tail": "drop"}],
                          ids=["plain", "accumulate", "accumulate_drop"])
-def test_several_epochs_per_dispatch_are_the_run_of_one_epoch_per_dispatch(step_kwargs):
+def test_several_epochs_per_dispatch_are_the_run_of_one_epoch_per_dispatch(step_kwargs,
+                                                                          calls):
     loss = _per_example if step_kwargs else _loss
     step, state = _setup(loss, **step_kwargs)
     many, one, lines_many, lines_one = _both(step, state, X, Y, epochs=4, batch_size=10)
-    assert [shape[1] for shape in _grouped_programs(step)] == [4]  # 4 epochs, one call
+    assert calls == [4]  # the 4 epochs in one call (and none for one epoch per dispatch)
     _assert_same_run(many, one)
     assert lines_many == lines_one  # the same lines, alerts included, in the same order
     h = many.history
@@ -87,7 +95,7 @@ def test_several_epochs_per_dispatch_are_the_run_of_one_epoch_per_dispatch(step_
         assert h.dropped_examples == 4 * 8  # each epoch's tail of 8, dropped, as one by one
 
 
-def test_a_nan_in_a_later_epoch_of_a_dispatch_is_found_as_one_by_one():
+def test_a_nan_in_a_later_epoch_of_a_dispatch_is_found_as_one_by_one(calls):
     def loss(params, batch):  # NaN once the last bias has moved past 0.06: in epoch 2
         drift = jnp.abs(params[1]["b"]).max()
         return _loss(params, batch) + jnp.where(drift > 0.06, jnp.nan, 0.0)
@@ -95,7 +103,7 @@ def test_a_nan_in_a_later_epoch_of_a_dispatch_is_found_as_one_by_one():
     step, state = _setup(loss)
     with pytest.warns(RuntimeWarning, match="non-finite value at step") as caught:
         many = fg.fit(step, state, X, Y, epochs=4, batch_size=10, progress=False)
-    assert _grouped_programs(step)  # dispatched together, then run again one by one
+    assert calls == [4]  # dispatched together, then run again one by one
     with pytest.warns(RuntimeWarning, match="non-finite value at step") as caught_one:
         one = fg.fit(step, state, X, Y, epochs=4, batch_size=10, progress=False,
                      evaluate=lambda params: {})
@@ -105,7 +113,7 @@ def test_a_nan_in_a_later_epoch_of_a_dispatch_is_found_as_one_by_one():
     _assert_same_run(many, one)
 
 
-def test_checkpoints_cut_the_dispatches_and_resume_is_bit_for_bit(tmp_path):
+def test_checkpoints_cut_the_dispatches_and_resume_is_bit_for_bit(tmp_path, calls):
     step, state = _setup()
     kw = dict(batch_size=10, progress=False)
     straight = fg.fit(step, state, X, Y, epochs=6, **kw)  # 6 epochs in one dispatch
@@ -115,15 +123,16 @@ def test_checkpoints_cut_the_dispatches_and_resume_is_bit_for_bit(tmp_path):
                        latest_checkpoint_step(tmp_path)), **kw)
     # Epochs 1-2 and 3-4 in two dispatches, each checkpointed at its end (5 steps an epoch);
     # the log lines of a dispatch come out after its last epoch is recorded.
-    assert sorted({shape[1] for shape in _grouped_programs(step)}) == [2, 6]
+    assert calls == [6, 2, 2]
     assert int(first.state.step) == 20 and latest_checkpoint_step(tmp_path) == 20
     assert saved == [None, None, 10, 10]
     resumed = fg.fit(step, state, X, Y, epochs=6, checkpoint_dir=tmp_path, every=2,
                      resume=True, **kw)
+    assert calls[3:] == [2]  # epochs 5-6
     _assert_same_run(resumed, straight)
 
 
-def test_ctrl_c_stops_after_the_dispatch_and_keeps_its_epochs(tmp_path):
+def test_ctrl_c_stops_after_the_dispatch_and_keeps_its_epochs(tmp_path, calls):
     step, state = _setup()
 
     def log(line):  # Ctrl-C at the first line, which comes once epochs 1-2 are recorded
@@ -132,9 +141,21 @@ def test_ctrl_c_stops_after_the_dispatch_and_keeps_its_epochs(tmp_path):
 
     got = fg.fit(step, state, X, Y, epochs=6, batch_size=10, progress=False, log=log,
                  checkpoint_dir=tmp_path / "ck", every=2)
+    assert calls[0] == 2  # epochs 1-2 in one call (the next one may be launched already)
     assert got.interrupted and [row["epoch"] for row in got.history.epochs] == [1, 2]
     assert int(got.state.step) == 10 == len(got.history.step_loss)
     assert latest_checkpoint_step(tmp_path / "ck") == 10
     # The two epochs are those of the run that was not stopped.
     whole = fg.fit(step, state, X, Y, epochs=2, batch_size=10, progress=False)
     _assert_same_run(got._replace(interrupted=False), whole)
+
+
+def test_one_program_serves_every_number_of_epochs(calls):
+    # A new number of epochs must not compile a new program (seconds each on a CPU).
+    step, state = _setup()
+    runs = [fg.fit(step, state, X, Y, epochs=k, batch_size=10, progress=False)
+            for k in (2, 3)]
+    assert calls == [2, 3]
+    programs = [shape for runner in step._fit_runners.values() for shape in runner._programs]
+    assert len(programs) == 1 and programs[0][0] == "epochs"
+    assert runs[1].history.step_loss[:10] == runs[0].history.step_loss

@@ -98,20 +98,23 @@ class ChunkRunner:
                                   batch_size=batch_size), donate_argnums=self._donate)
         return program(state, data, key, epoch, start, count)
 
-    def epochs(self, state, data, key, first, *, epochs, length, size, tail, batch_size):
-        """`epochs` whole epochs from epoch `first` (0-based) in one call: each as `gathered`
-        runs it from its step 0 (its order, its `length` full steps, its `tail`), under an
-        outer ``lax.scan``. Returns ``(state, counts, rows)``, counts ``(epochs,)`` int32 and
-        each row ``(epochs, length + (tail > 0), ...)``. Unguarded runners only: nothing
-        halts, and a bad step anywhere makes the caller run these epochs again one by one."""
+    def epochs(self, state, data, key, first, count, *, most, length, size, tail,
+               batch_size):
+        """`count` whole epochs (at most `most`) from epoch `first` (0-based) in one call:
+        each as `gathered` runs it from its step 0 (its order, its `length` full steps, its
+        `tail`), in an outer loop. One program for every `count` (`most` is static): it
+        returns ``(state, counts, rows)``, counts ``(most,)`` int32 and each row ``(most,
+        length + (tail > 0), ...)``, of which the first `count` epochs are filled (zeros
+        after). Unguarded runners only: nothing halts, and a bad step anywhere makes the
+        caller run these epochs again one by one."""
         assert self.unguarded, "several epochs per call: unguarded chunks only"
-        shape = ("epochs", epochs, length, size, tail, batch_size)
+        shape = ("epochs", most, length, size, tail, batch_size)
         program = self._programs.get(shape)
         if program is None:
             program = self._programs[shape] = jax.jit(
-                functools.partial(self._epochs, epochs=epochs, length=length, size=size,
+                functools.partial(self._epochs, most=most, length=length, size=size,
                                   tail=tail, batch_size=batch_size))
-        return program(state, data, key, first)
+        return program(state, data, key, first, count)
 
     # --- one step inside the loop --------------------------------------------------------
     def _compute(self, state, batch):
@@ -231,13 +234,19 @@ class ChunkRunner:
         last = self._tail_of(data, order[n - tail:], batch_size) if tail else None
         return self._loop(state, batch_at if size <= n else None, count, length, last)
 
-    def _epochs(self, state, data, key, first, *, epochs, length, size, tail, batch_size):
+    def _epochs(self, state, data, key, first, count, *, most, length, size, tail,
+                batch_size):
         def one(state, e):
-            state, count, rows = self._gathered(
-                state, data, key, first + e, jnp.int32(0), jnp.int32(length), length=length,
-                size=size, tail=tail, batch_size=batch_size)
-            return state, (count, rows)
-        state, (counts, rows) = jax.lax.scan(one, state, jnp.arange(epochs, dtype=jnp.int32))
+            return self._gathered(state, data, key, first + e, jnp.int32(0), jnp.int32(length),
+                                  length=length, size=size, tail=tail, batch_size=batch_size)
+        _, ran, rows = jax.eval_shape(one, state, jnp.int32(0))
+        buffers = jax.tree.map(lambda s: jnp.zeros((most, *s.shape), s.dtype), (ran, rows))
+
+        def body(e, carry):
+            state, buffers = carry
+            state, ran, rows = one(state, e)
+            return state, jax.tree.map(lambda b, v: b.at[e].set(v), buffers, (ran, rows))
+        state, (counts, rows) = jax.lax.fori_loop(0, count, body, (state, buffers))
         return state, counts, rows
 
     def _stacked(self, state, batches):

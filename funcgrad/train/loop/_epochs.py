@@ -210,18 +210,16 @@ class _Run(Recorder):
 
     def _group_size(self, epoch, shape) -> int:
         """How many epochs from `epoch` on run in one dispatch (1: on its own)."""
-        full, _, tail, _ = shape
-        if (self.fast is None or self.chunk is not None or epoch <= self.ungrouped_until
-                or full > MAX_CHUNK):
+        if self.fast is None or self.chunk is not None or epoch <= self.ungrouped_until:
             return 1
-        per_epoch = full + (1 if tail else 0)
         return max(1, min(self.epochs_per_dispatch(epoch), self.epochs - epoch + 1,
-                          MAX_CHUNK // max(per_epoch, 1)))
+                          _most_epochs(shape)))
 
     def _launch_group(self, epoch, m, shape, state):
         full, size, tail, b = shape
-        return self.fast.epochs(state, self.data, self.key, np.int32(epoch - 1), epochs=m,
-                                length=full, size=size, tail=tail, batch_size=b)
+        return self.fast.epochs(state, self.data, self.key, np.int32(epoch - 1), np.int32(m),
+                                most=_most_epochs(shape), length=full, size=size, tail=tail,
+                                batch_size=b)
 
     def _launch_ahead(self, epoch, shape, length) -> None:
         """The first dispatch of `epoch` (from its step 0) goes to the device now, from this
@@ -429,6 +427,13 @@ class _Epoch:
 
     def __getitem__(self, i):
         return self.rows[self.e, i]
+
+
+def _most_epochs(shape) -> int:
+    """The most epochs one dispatch runs: as many as fit in `MAX_CHUNK` steps. Fixed by the
+    epoch's shape alone, so that every run of a step and data shares one program."""
+    full, _, tail, _ = shape
+    return MAX_CHUNK // max(full + (1 if tail else 0), 1)
 
 
 @functools.lru_cache(maxsize=16)
