@@ -3,7 +3,9 @@
 * `_fit`: `fit` itself, the run's outline: its arguments, the epochs, evaluation,
   checkpoints, Ctrl-C and crashes;
 * `_epochs`: an epoch of array data in chunks of steps on the device (or one call per
-  batch), or of a loader's batches; `_chunks`: the jitted programs that run those chunks;
+  batch), or of a loader's batches; `_dispatches`: several epochs in one dispatch when the
+  host needs nothing in between, and the next dispatch launched ahead; `_chunks`: the jitted
+  programs that run them;
 * `_record`: the host's side of a chunk: its rows into the history, the monitor's alerts,
   the report of a non-finite step;
 * `sources`: what `fit` trains on (arrays or a loader); `placement`: where the data and the

@@ -58,13 +58,12 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     step of the same call: one dispatch per epoch. When nothing on the host needs an epoch's
     numbers before the next (no `evaluate`, ``progress=False``, no checkpoint due, default
     `chunk`, `optimistic` chunks: no loss scale, ``on_nonfinite="stop"``), several epochs
-    run in one call (up to 1,024 steps), with the
-    same history, log lines, alerts and state, bit for bit; their log lines come out together
-    once the last of them is recorded. A loader's batches are stacked `chunk` at a time
-    (default 64) and sent in one transfer when their shapes agree. Everything the step does
-    runs inside the chunk: clipping, the guard, accumulation, loss scaling, the monitor,
-    masks, model state, keys. A hand-written step, or one made with ``jit=False``, is called
-    once per batch.
+    run in one call (up to 1,024 steps), with the same history, log lines, alerts and state,
+    bit for bit; their log lines come out together once the last of them is recorded. A
+    loader's batches are stacked `chunk` at a time (default 64) and sent in one transfer
+    when their shapes agree. Everything the step does runs inside the chunk: clipping, the
+    guard, accumulation, loss scaling, the monitor, masks, model state, keys. A hand-written
+    step, or one made with ``jit=False``, is called once per batch.
 
     **Non-finite steps.** A step whose loss, gradient norm or update is NaN/inf (the step's
     guard skipped it) stops the chunk at that step: later steps of the chunk are not applied,

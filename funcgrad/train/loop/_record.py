@@ -36,9 +36,9 @@ class Recorder:
 
     The run that subclasses it sets: ``history`` (a `History`), ``step`` (the train step),
     ``state`` (the current `TrainState`), ``source`` (the `Source`), ``skip_bad``,
-    ``run_step`` (steps applied so far), ``bar`` (a tqdm bar), ``say`` (the log writer or
-    None), ``fast`` and ``runner`` (its `ChunkRunner`s or None) and ``previous_report``
-    (None at the start).
+    ``run_step`` (steps applied so far), ``bar`` (a tqdm bar), ``say`` (a function of one
+    line for the log), ``fast`` and ``runner`` (its `ChunkRunner`s or None) and
+    ``previous_report`` (None at the start).
     """
     history: Any
     step: Any
