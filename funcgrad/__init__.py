@@ -61,10 +61,10 @@ if TYPE_CHECKING:
     from funcgrad.train.data import Dataset as Dataset
     from funcgrad.train.data import batches as batches
     from funcgrad.train.data import load_digits as load_digits
-    from funcgrad.train.fit import FitResult as FitResult
-    from funcgrad.train.fit import History as History
-    from funcgrad.train.fit import NonFiniteReport as NonFiniteReport
-    from funcgrad.train.fit import fit as fit
+    from funcgrad.train.loop import FitResult as FitResult
+    from funcgrad.train.loop import History as History
+    from funcgrad.train.loop import NonFiniteReport as NonFiniteReport
+    from funcgrad.train.loop import fit as fit
     from funcgrad.train.loss import Loss as Loss
     from funcgrad.train.loss import LossOutput as LossOutput
     from funcgrad.train.loss import as_loss as as_loss

@@ -366,7 +366,7 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
 
     from funcgrad.train.coupling import CoupledExamplesWarning
     from funcgrad.train.data import load_digits
-    from funcgrad.train.fit import fit
+    from funcgrad.train.loop import fit
     from funcgrad.train.monitor import grad_monitor
     from funcgrad.train.precision import dynamic_loss_scale
     from funcgrad.train.step import init_train_state, make_optimizer, make_train_step

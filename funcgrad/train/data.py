@@ -236,7 +236,7 @@ def batches(x: Any, y: Any, *, batch_size: int, seed: int = 0, epoch: int = 0,
         if not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"batches: {name} must be an int >= 0, got {value!r}.")
     if shuffle:  # the order fit draws on the device for array data (threefry, any backend)
-        from funcgrad.train._chunks import epoch_order
+        from funcgrad.train.loop._chunks import epoch_order
         order = np.asarray(epoch_order(int(seed), int(epoch), n))
     else:
         order = np.arange(n)

@@ -537,7 +537,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         return _explain_skipped_update(state, metrics)
 
     out.explain_skipped_update = explain_skipped_update
-    out.unjitted = step if jit else None  # fit runs it in chunks (funcgrad.train._chunks)
+    out.unjitted = step if jit else None  # fit runs it in chunks (funcgrad.train.loop._chunks)
     # The same without the guard's selects, for fit's re-checked chunks; not with a loss scale
     # (its routine overflows would each send a chunk back to be re-run).
     out.unguarded = (build(functools.partial(apply_update, optimistic=True))

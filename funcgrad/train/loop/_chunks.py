@@ -11,6 +11,8 @@ so the host reads them once per chunk:
   times K with accumulation: K micro-batches of one update); the order is a permutation drawn
   on the device in the same call (`epoch_order`), and the epoch's last, smaller batch (or
   partial group) is one more step of the last chunk: one dispatch per epoch.
+* `ChunkRunner.epochs`: several whole epochs in one call (an outer ``lax.scan`` over
+  `gathered`'s epoch), when nothing on the host needs an epoch's numbers before the next.
 * `ChunkRunner.stacked`: the batches come from a loader, stacked on the host into
   ``(T, batch, ...)`` and sent in one transfer.
 
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad.train.sources import split_for_accumulation
+from funcgrad.train.loop.sources import split_for_accumulation
 
 PyTree = Any
 
@@ -95,6 +97,24 @@ class ChunkRunner:
                 functools.partial(self._gathered, length=length, size=size, tail=tail,
                                   batch_size=batch_size), donate_argnums=self._donate)
         return program(state, data, key, epoch, start, count)
+
+    def epochs(self, state, data, key, first, count, *, most, length, size, tail,
+               batch_size):
+        """`count` whole epochs (at most `most`) from epoch `first` (0-based) in one call:
+        each as `gathered` runs it from its step 0 (its order, its `length` full steps, its
+        `tail`), in an outer loop. One program for every `count` (`most` is static): it
+        returns ``(state, counts, rows)``, counts ``(most,)`` int32 and each row ``(most,
+        length + (tail > 0), ...)``, of which the first `count` epochs are filled (zeros
+        after). Unguarded runners only: nothing halts, and a bad step anywhere makes the
+        caller run these epochs again one by one."""
+        assert self.unguarded, "several epochs per call: unguarded chunks only"
+        shape = ("epochs", most, length, size, tail, batch_size)
+        program = self._programs.get(shape)
+        if program is None:
+            program = self._programs[shape] = jax.jit(
+                functools.partial(self._epochs, most=most, length=length, size=size,
+                                  tail=tail, batch_size=batch_size))
+        return program(state, data, key, first, count)
 
     # --- one step inside the loop --------------------------------------------------------
     def _compute(self, state, batch):
@@ -214,6 +234,21 @@ class ChunkRunner:
         last = self._tail_of(data, order[n - tail:], batch_size) if tail else None
         return self._loop(state, batch_at if size <= n else None, count, length, last)
 
+    def _epochs(self, state, data, key, first, count, *, most, length, size, tail,
+                batch_size):
+        def one(state, e):
+            return self._gathered(state, data, key, first + e, jnp.int32(0), jnp.int32(length),
+                                  length=length, size=size, tail=tail, batch_size=batch_size)
+        _, ran, rows = jax.eval_shape(one, state, jnp.int32(0))
+        buffers = jax.tree.map(lambda s: jnp.zeros((most, *s.shape), s.dtype), (ran, rows))
+
+        def body(e, carry):
+            state, buffers = carry
+            state, ran, rows = one(state, e)
+            return state, jax.tree.map(lambda b, v: b.at[e].set(v), buffers, (ran, rows))
+        state, (counts, rows) = jax.lax.fori_loop(0, count, body, (state, buffers))
+        return state, counts, rows
+
     def _stacked(self, state, batches):
         length = jax.tree.leaves(batches)[0].shape[0]
         return self._loop(state, lambda i: jax.tree.map(lambda leaf: leaf[i], batches),
@@ -226,16 +261,3 @@ def alert_flag(m) -> Any:
     step before and are found by `fit` from the dead fractions."""
     flag = m.nonfinite | m.explosion
     return flag | m.vanishing.any(-1) if len(m.layout.layer_names) else flag
-
-
-def owned_copy(tree: PyTree) -> PyTree:
-    """A copy of every array leaf (on its own device), so that donating it leaves the
-    caller's arrays valid."""
-    return jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a,
-                        tree)
-
-
-def to_device(data: PyTree) -> PyTree:
-    """The dataset's leaves as device arrays (one transfer each)."""
-    return jax.tree.map(lambda a: jax.device_put(np.asarray(a) if not isinstance(a, jax.Array)
-                                                 else a), data)
