@@ -6,6 +6,7 @@ or a ``funcgrad.Loss``), or ``model`` (from funcgrad.interop) and ``objective``;
 pytree of arrays with a leading example axis, or ``epoch -> iterable of batches``); optionally
 ``optimizer``, ``step_kwargs``, ``classes``, ``evaluate``; and ``EXPECT``.
 """
+import functools
 import importlib.util
 import pathlib
 import sys
@@ -36,6 +37,12 @@ def import_file(path: pathlib.Path) -> types.ModuleType:
     finally:
         sys.modules.pop(name, None)
     return module
+
+
+@functools.cache
+def module_of(path: pathlib.Path) -> types.ModuleType:
+    """The model file imported once per process (`load` and the EXPECT readers share it)."""
+    return import_file(path)
 
 
 class Loaded(types.SimpleNamespace):
@@ -84,7 +91,7 @@ class Loaded(types.SimpleNamespace):
 
 
 def load(path: pathlib.Path) -> Loaded:
-    module = import_file(path)
+    module = module_of(path)
     if hasattr(module, "model"):
         m = module.model
         params, model_state = m.params, m.model_state

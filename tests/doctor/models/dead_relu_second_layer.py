@@ -1,4 +1,4 @@
-"""Fault: dead-ReLU init in the second of three hidden layers (bias -6 after a LayerNorm-free
+"""Fault: dead-ReLU init in the second of three hidden layers (bias -10 after a LayerNorm-free
 stack), made with funcgrad's mlp_init and one overwritten bias."""
 import jax.numpy as jnp
 
@@ -11,7 +11,7 @@ classes = 10
 
 def init(key):
     params = fg.mlp_init(key, (64, 64, 64, 32, 10))
-    params[1]["b"] = jnp.full(64, -6.0)
+    params[1]["b"] = jnp.full(64, -10.0)
     return params
 
 

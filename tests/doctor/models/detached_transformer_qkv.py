@@ -56,4 +56,4 @@ def loss(params, batch):
     return fg.softmax_cross_entropy(logits.reshape(-1, VOCAB), batch["y"].reshape(-1))
 
 
-EXPECT = {"fault": "detached_weight", "checks": {"grad_flow"}, "place": "['block1']['qkv']"}
+EXPECT = {"fault": "detached_weight", "checks": {"grad_flow"}, "place": "['block1']['qkv']['w']"}

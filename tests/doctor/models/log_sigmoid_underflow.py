@@ -12,7 +12,7 @@ data = {"x": _x[:512].astype(np.float32), "y": (_y[:512] == 0).astype(np.float32
 
 
 def init(key):
-    return {"w": jax.random.normal(key, (64,)) * 0.5, "b": jnp.zeros(())}
+    return {"w": jax.random.normal(key, (64,)) * 2.0, "b": jnp.zeros(())}
 
 
 def loss(params, batch):

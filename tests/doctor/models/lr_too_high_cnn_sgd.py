@@ -1,4 +1,4 @@
-"""Fault: a learning rate far too high: SGD with momentum 0.9 at lr 3.0 on funcgrad's CNN with
+"""Fault: a learning rate far too high: SGD with momentum 0.9 at lr 10 on funcgrad's CNN with
 BatchNorm."""
 import optax
 
@@ -7,7 +7,7 @@ import funcgrad as fg
 _d = fg.load_digits(seed=0)
 data = {"x": _d.x_train[:512], "y": _d.y_train[:512]}
 classes = 10
-optimizer = optax.sgd(3.0, momentum=0.9)
+optimizer = optax.sgd(10.0, momentum=0.9)
 
 
 def init(key):

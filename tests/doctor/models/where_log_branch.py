@@ -1,6 +1,6 @@
-"""Fault: a where with a NaN branch: log-features of ReLU outputs guarded by where(h > 0,
-log(h), 0); at h == 0 (every dead unit) the unused branch's gradient is 0 * inf = NaN."""
-import jax
+"""Fault: a where with a NaN branch: log-magnitude features of learned per-pixel gains,
+where(u != 0, log|u|, 0) with u = gain * x; the blank border pixels (x == 0 exactly) make the
+unused branch log(0), and its gradient 0 * inf = NaN reaches the gains."""
 import jax.numpy as jnp
 
 import funcgrad as fg
@@ -11,16 +11,14 @@ classes = 10
 
 
 def init(key):
-    k1, k2 = jax.random.split(key)
-    return {"hidden": {"w": jax.random.normal(k1, (64, 32)) * jnp.sqrt(2 / 64), "b": jnp.zeros(32)},
-            "readout": {"w": jax.random.normal(k2, (32, 10)) / jnp.sqrt(32), "b": jnp.zeros(10)}}
+    return {"gain": jnp.ones(64), "mlp": fg.mlp_init(key, (128, 32, 10))}
 
 
 def loss(params, batch):
-    h = jax.nn.relu(batch["x"] @ params["hidden"]["w"] + params["hidden"]["b"])
-    feats = jnp.where(h > 0, jnp.log1p(h) + jnp.log(h), 0.0)
-    return fg.softmax_cross_entropy(feats @ params["readout"]["w"] + params["readout"]["b"],
-                                    batch["y"])
+    u = params["gain"] * batch["x"]
+    log_mag = jnp.where(u != 0, jnp.log(jnp.abs(u)), 0.0)
+    x = jnp.concatenate([u, log_mag], axis=1)
+    return fg.softmax_cross_entropy(fg.mlp_apply(params["mlp"], x), batch["y"])
 
 
-EXPECT = {"fault": "where_nan", "checks": {"nonfinite"}, "place": "where_log_branch.py:21"}
+EXPECT = {"fault": "where_nan", "checks": {"nonfinite"}, "place": "where_log_branch.py:19"}
