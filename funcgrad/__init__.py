@@ -11,6 +11,7 @@ of public names: type checkers and IDEs read it as imports, `_lazy_names` reads 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from funcgrad import doctor as doctor  # the checklist; callable: fg.doctor(loss, params, data)
     from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
     from funcgrad import memory as memory
     from funcgrad._jax_internals import TESTED_JAX as TESTED_JAX

@@ -556,3 +556,13 @@ def compiled_text(compiled: Any) -> str:
         return compiled.as_text() or ""
     except Exception:  # noqa: BLE001 - only used to count fusions, best effort
         return ""
+
+
+def frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of every frame where `eqn` was made, innermost first (JAX's
+    own frames included); [] when JAX kept no traceback."""
+    try:
+        tb = eqn.source_info.traceback
+        return [(f.file_name, int(f.line_num), f.function_name) for f in tb.frames]
+    except Exception:  # noqa: BLE001 - source info is best effort
+        return []

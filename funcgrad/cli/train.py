@@ -1,5 +1,5 @@
-"""The command line: ``funcgrad train`` trains a perceptron (or, with ``--model cnn``, a small
-convolutional net) on the digits set and saves its history."""
+"""``funcgrad train``: trains a perceptron (or, with ``--model cnn``, a small convolutional net)
+on the digits set and saves its history (metrics.json, training.png, checkpoints)."""
 from __future__ import annotations
 
 import argparse
@@ -7,78 +7,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr (exit status 2), no usage dump,
-    and which takes no abbreviations: argparse would read ``--epoch 3`` as ``--epochs 3``
-    (a prefix of one flag), so a typo or a flag of another version would silently mean
-    another one; here it is an unrecognized argument, with the flag it may have meant."""
-
-    train_parser: argparse.ArgumentParser  # the top-level parser's "train" subparser
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):  # noqa: D401 - argparse's hook
-        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)} "
-                     f"(see {self.prog} --help)\n")
-
-    def _suggestion(self, message: str) -> str:
-        """"; did you mean --epochs?" for an unrecognized ``--epoch`` (a prefix of one flag, or
-        close to one), else ""."""
-        prefix = "unrecognized arguments: "
-        if not message.startswith(prefix):
-            return ""
-        import difflib
-
-        parsers = [self, getattr(self, "train_parser", None)]
-        known = sorted({flag for parser in parsers if parser is not None
-                        for action in parser._actions for flag in action.option_strings
-                        if flag.startswith("--")})
-        meant = []
-        for word in message[len(prefix):].split():
-            flag = word.split("=", 1)[0]
-            if not flag.startswith("--") or flag in known:
-                continue
-            close = ([k for k in known if k.startswith(flag)]
-                     or difflib.get_close_matches(flag, known, n=1, cutoff=0.75))
-            if len(close) == 1:
-                meant.append((close[0], flag))
-        if len(meant) == 1:
-            return f"; did you mean {meant[0][0]}?"
-        return f"; did you mean {', '.join(f'{k} for {f}' for k, f in meant)}?" if meant else ""
-
-
-def _checked(kind, ok, expected: str):
-    """An argparse type: parse `text` with `kind`, accept it if ok(value), else one clear line."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-    return parse
-
-
-def _positive(kind):
-    return _checked(kind, lambda v: v > 0 and math.isfinite(v), f"a positive {kind.__name__}")
-
-
-# Each split needs every one of the 10 classes: at least 10 of the 1,797 digits each.
-_fraction = _checked(float, lambda v: 10 <= round(1797 * v) <= 1787,
-                     "a number in (0, 1) leaving at least 10 of the 1797 digits in each split "
-                     "(0.006 to 0.994)")
-_unit_interval = _checked(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
-_seed = _checked(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
+from funcgrad.cli._flags import _fraction, _Parser, _positive, _seed, _unit_interval
+from funcgrad.cli._run import _strict_json, _use_caches
 
 #: Flags that belong to one model only, with the model's default (None: the flag was not
 #: given). A flag given for the other model is an error, not silently ignored.
@@ -98,15 +33,12 @@ def _remat_segments(text: str):
     return k
 
 
-def _build_parser() -> _Parser:
-    from funcgrad import __version__
+
+def add_parser(sub: Any) -> _Parser:
+    """Adds the ``train`` command and its flags to `sub` (the top-level subparsers)."""
     from funcgrad.train.nn import ACTIVATIONS
     from funcgrad.train.step import OPTIMIZERS
 
-    parser = _Parser(prog="funcgrad",
-                     description="funcgrad: see, check and trust gradients in JAX.")
-    parser.add_argument("--version", action="version", version=f"funcgrad {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     t = sub.add_parser(
         "train", help="train an MLP or a CNN on scikit-learn's digits set (the main job)",
         description="Train an MLP (64 -> hidden... -> 10), or with --model cnn a small "
@@ -197,69 +129,45 @@ def _build_parser() -> _Parser:
     t.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                    help="at a step whose loss, gradient or update is NaN/inf: stop with a "
                         "report (default), or skip the batch, count it and go on")
-    parser.train_parser = t  # flag errors found after parsing use its "funcgrad train" prefix
-    return parser
+    return t
 
 
-def console_main() -> None:
-    """The ``funcgrad`` console script and ``python -m funcgrad``: `main` on ``sys.argv``, then
-    the exit handlers (atexit) and a flush of stdout and stderr, then ``os._exit``.
+def run(train_parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``funcgrad train`` with its parsed `args`: the checks of flag combinations (exit 2 through
+    `train_parser`), then the run; returns the exit status."""
+    from funcgrad import cli  # the package's names (_train, _mlp, _cnn) are the seams tests patch
 
-    That skips only the interpreter's own teardown -- freeing every module, array and
-    compiled XLA program one by one, which the OS does at once anyway: 0.45-0.5 s of a
-    ~4 s ``funcgrad train`` on 2026-12-02 here (a process that has imported jax, optax and
-    matplotlib). Everything the run writes is closed before `main` returns.
-    """
-    status = main()
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (funcgrad train | head) or stream
-            pass
-    os._exit(status)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """What ``funcgrad`` does with `argv` (default: ``sys.argv[1:]``); returns the exit status."""
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "train" and args.momentum is not None and args.optimizer != "momentum":
-        parser.train_parser.error(
+    if args.momentum is not None and args.optimizer != "momentum":
+        train_parser.error(
             f"argument --momentum: applies to --optimizer momentum only (got --optimizer "
             f"{args.optimizer}); drop it or add --optimizer momentum")
-    if args.command == "train" and args.resume is not None:
+    if args.resume is not None:
         if not os.path.isdir(os.path.join(args.resume, "checkpoints")):
-            parser.train_parser.error(
+            train_parser.error(
                 f"argument --resume: {args.resume} holds no checkpoints/ folder; pass the --out "
                 "folder of an earlier funcgrad train run")
-        resumed = _resumed_settings(parser.train_parser, args,
+        resumed = _resumed_settings(train_parser, args,
                                     list(argv if argv is not None else sys.argv[1:]))
     else:
         resumed = None
-    if args.command == "train":
-        _model_flags(parser.train_parser, args)
-    if args.command == "train" and os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
-                                  "pass a folder path (it is created if missing)")
-    if args.command == "train":
-        _check_out(parser.train_parser, args)
-        try:
-            return _train(args, resumed)
-        except KeyboardInterrupt:
-            print("funcgrad: interrupted", file=sys.stderr)
-            return 130
-        except (ImportError, OSError, ValueError, MemoryError) as e:
-            print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
-            return 1
-        except Exception as e:  # e.g. XLA running out of memory for a huge --hidden
-            if type(e).__name__ != "JaxRuntimeError":
-                raise
-            print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
-            return 1
-    return 2  # pragma: no cover - argparse requires a command
+    _model_flags(train_parser, args)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
+                           "pass a folder path (it is created if missing)")
+    _check_out(train_parser, args)
+    try:
+        return cli._train(args, resumed)
+    except KeyboardInterrupt:
+        print("funcgrad: interrupted", file=sys.stderr)
+        return 130
+    except (ImportError, OSError, ValueError, MemoryError) as e:
+        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except Exception as e:  # e.g. XLA running out of memory for a huge --hidden
+        if type(e).__name__ != "JaxRuntimeError":
+            raise
+        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
 
 
 #: What funcgrad train writes into --out: a folder holding any of them holds an earlier run,
@@ -475,7 +383,10 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
         print("funcgrad: note: float16 without --loss-scale dynamic: small gradients may "
               "underflow to zero", file=sys.stderr)
 
-    model = _mlp(args, data, accumulate) if args.model == "mlp" else _cnn(args, data, accumulate)
+    from funcgrad import cli  # the package's _mlp and _cnn: the seams tests patch
+
+    model = (cli._mlp(args, data, accumulate) if args.model == "mlp"
+             else cli._cnn(args, data, accumulate))
 
     print(f"funcgrad train: {model.description}, {args.optimizer} lr={args.lr:g}, "
           f"{len(data.x_train)} train / {len(data.x_test)} test "
@@ -654,33 +565,6 @@ class _Clock:
         return f"{total:.1f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
 
 
-def _use_caches(flag: str | None) -> str | None:
-    """The cache folder of this run (see --cache-dir), made if missing, with JAX's persistent
-    compilation cache in its jax/ subfolder unless one is configured already; None, after a
-    note on stderr, when there is no usable folder (a read-only or missing home)."""
-    root = flag or os.environ.get("FUNCGRAD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "funcgrad")
-    try:
-        if root.startswith("~"):  # no HOME and no password entry to find it
-            raise OSError("no home folder to put it in")
-        os.makedirs(os.path.join(root, "jax"), exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):  # writable? (os.access says yes to root)
-            pass
-    except OSError as e:
-        print(f"funcgrad: note: no cache folder ({root}: {e.strerror or e}); the run compiles "
-              "and loads everything afresh; pass --cache-dir DIR to keep them", file=sys.stderr)
-        return None
-    import jax
-
-    # jax 0.10's Config stub lacks the (dynamically added) option attributes; 0.12's has them.
-    if not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined,unused-ignore]
-        jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
-        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-            # JAX's default (1 s) would keep none of these programs: each compiles in 0.01-1 s.
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return root
-
 
 def _memory_report(step, state, data, batch_size: int, accumulate: int | None) -> dict:
     """Prints `funcgrad.memory_report` of the compiled step on one batch of the run's shape
@@ -776,16 +660,6 @@ def _cnn(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
                   {"model_state": model_state, "key": dropout_key}, test_accuracy,
                   {"channels": list(args.channels)})
 
-
-def _strict_json(value):
-    """NaN and inf become null: metrics.json stays valid JSON for any reader."""
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
 
 
 def _prefetch_modules() -> None:

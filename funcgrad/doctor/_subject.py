@@ -1,0 +1,252 @@
+"""The model a doctor examines, normalised once at the door: its loss under the train step's
+contract, params, model state, data source, optimizer and train-step keywords."""
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from funcgrad.doctor._model_file import EXPECTED_FILE, ModelFileError, user_line
+
+PyTree = Any
+
+
+class Data:
+    """Batches of the user's data: arrays with a leading example axis, or a loader (a function
+    ``epoch -> iterable of batches``, or a list of batches)."""
+
+    def __init__(self, data: Any, *, batch_size: int, seed: int):
+        self.batch_size, self.seed = batch_size, seed
+        self.loader: Callable[[int], Any] | None = None
+        if callable(data):
+            self.loader = data
+        elif isinstance(data, list):
+            self.loader = lambda epoch, batches=data: batches
+        else:
+            leaves = jax.tree.leaves(data)
+            if not leaves or not all(hasattr(x, "shape") and np.ndim(x) >= 1 for x in leaves):
+                raise ModelFileError(
+                    "data must be a pytree of arrays with a leading example axis (e.g. "
+                    "{'x': (n, 64), 'y': (n,)}), a list of batches or a function epoch -> "
+                    f"iterable of batches; got {_describe(data)}.\n\n{EXPECTED_FILE}")
+            self.arrays = jax.tree.map(np.asarray, data)
+            sizes = {np.shape(x)[0] for x in jax.tree.leaves(self.arrays)}
+            if len(sizes) != 1:
+                raise ModelFileError(
+                    "data: the leaves have different numbers of examples (leading axes "
+                    f"{_describe(data)}); every leaf needs the same leading example axis."
+                    f"\n\n{EXPECTED_FILE}")
+            self.n = sizes.pop()
+            if self.n == 0:
+                raise ModelFileError("data holds no examples (a leading axis of 0).")
+        self._cached: list[PyTree] = []
+
+    def _loader_batches(self) -> Iterator[PyTree]:
+        """The loader's batches, epoch after epoch (the first ones cached)."""
+        yield from self._cached
+        for epoch in itertools.count():
+            produced = False
+            for i, batch in enumerate(self.loader(epoch) if self.loader else ()):
+                produced = True
+                if epoch == 0 and i < len(self._cached):
+                    continue
+                batch = jax.tree.map(np.asarray, batch)
+                if len(self._cached) < 64:
+                    self._cached.append(batch)
+                yield batch
+            if not produced:
+                raise ModelFileError("data: the loader gave no batches for epoch "
+                                     f"{epoch}.\n\n{EXPECTED_FILE}")
+
+    def rows(self, n: int, start: int = 0) -> PyTree:
+        """Examples ``start .. start+n-1`` (fewer when the data has fewer), as one batch."""
+        if self.loader is None:
+            n = min(n, self.n)
+            start = min(start, max(0, self.n - n))
+            return jax.tree.map(lambda x: x[start:start + n], self.arrays)
+        got: list[PyTree] = []
+        count = 0
+        for batch in self._loader_batches():
+            got.append(batch)
+            count += _rows(batch)
+            if count >= start + n or len(got) >= 64:
+                break
+        joined = jax.tree.map(lambda *xs: np.concatenate(xs), *got)
+        total = _rows(joined)
+        start = min(start, max(0, total - n))
+        return jax.tree.map(lambda x: x[start:start + n], joined)
+
+    def sample(self, limit: int = 50_000) -> PyTree:
+        """Up to `limit` examples for the data checks: all of array data, or the first batches
+        of a loader (at most 16 of them)."""
+        if self.loader is None:
+            return self.rows(limit)
+        batches = list(itertools.islice(self._loader_batches(), 16))
+        return jax.tree.map(lambda *xs: np.concatenate(xs)[:limit], *batches)
+
+    def train_batches(self) -> Iterator[PyTree]:
+        """Training batches without end: shuffled epochs of `batch_size` (the last, partial
+        batch of an epoch dropped, so shapes stay fixed), or the loader's own batches."""
+        if self.loader is not None:
+            yield from self._loader_batches()
+            return
+        size = min(self.batch_size, self.n)
+        rng = np.random.default_rng(self.seed)
+        while True:
+            order = rng.permutation(self.n)
+            for i in range(0, self.n - size + 1, size):
+                rows = order[i:i + size]
+                yield jax.tree.map(lambda x, r=rows: x[r], self.arrays)
+
+
+def _rows(batch: PyTree) -> int:
+    return int(np.shape(jax.tree.leaves(batch)[0])[0])
+
+
+def _describe(tree: Any) -> str:
+    try:
+        return str(jax.tree.map(lambda x: tuple(np.shape(x)) if hasattr(x, "shape")
+                                else type(x).__name__, tree))
+    except Exception:  # noqa: BLE001 - a description only
+        return type(tree).__name__
+
+
+class Subject:
+    """Everything a check needs about the model; built once by `funcgrad.doctor.doctor`.
+
+    Attributes:
+      loss: the `funcgrad.Loss`; params, model_state, key (the loss's PRNG key when it takes
+      one); optimizer (optax); step_kwargs (dict for `funcgrad.make_train_step`); trainable
+      (a mask pytree, or None); accumulate (K or None); classes (K or None); evaluate; data
+      (`Data`); source (the model file, or None); seed.
+    """
+
+    def __init__(self, loss: Any, params: PyTree, data: Any, *, model_state: PyTree = None,
+                 optimizer: Any = None, step_kwargs: dict | None = None,
+                 classes: int | None = None, evaluate: Callable | None = None,
+                 key: jax.Array | None = None, batch_size: int = 32, seed: int = 0,
+                 source: str | None = None):
+        from funcgrad.train.loss import as_loss
+        from funcgrad.train.step import _trainable_of, make_optimizer
+
+        step_kwargs = dict(step_kwargs or {})
+        flags = {name: bool(step_kwargs.pop(name)) for name in ("has_aux", "has_state",
+                                                                  "takes_key")
+                 if name in step_kwargs}
+        try:
+            self.loss = as_loss(loss, **flags)
+        except (TypeError, ValueError) as error:
+            raise ModelFileError(f"loss: {error}\n\n{EXPECTED_FILE}") from None
+        self.params, self.model_state = params, model_state
+        if self.loss.has_state and model_state is None:
+            raise ModelFileError(f"loss {self.loss!r} declares model state, but init(key) "
+                                 "returned no model state: return (params, model_state)."
+                                 f"\n\n{EXPECTED_FILE}")
+        self.key = key if key is not None else jax.random.key(seed)
+        self.optimizer = make_optimizer(optimizer) if optimizer is not None else \
+            make_optimizer("adam", 1e-3)
+        self.step_kwargs = step_kwargs
+        unknown = sorted(set(self.step_kwargs) - _STEP_KEYWORDS)
+        if unknown:
+            verb = "is" if len(unknown) == 1 else "are"
+            raise ModelFileError(f"step_kwargs: {', '.join(unknown)} {verb} not a "
+                                 "make_train_step keyword that doctor takes; known: "
+                                 f"{', '.join(sorted(_STEP_KEYWORDS))} (and has_aux, "
+                                 "has_state, takes_key).")
+        self.trainable = self.step_kwargs.get("trainable")
+        if self.trainable is None:
+            self.trainable = _trainable_of(self.optimizer)
+        self.accumulate = self.step_kwargs.get("accumulate")
+        self.classes = classes
+        self.evaluate = evaluate
+        self.batch_size, self.seed, self.source = batch_size, seed, source
+        self.data = Data(data, batch_size=batch_size, seed=seed)
+
+    # --- the loss as the analysis tools take it ---------------------------------------------
+
+    def scalar_loss(self, params_name: str = "params") -> Callable[[PyTree, PyTree], jax.Array]:
+        """``loss(params, batch) -> scalar``: the loss with the model state and key fixed (the
+        mean of per-example losses under ``accumulate``), aux and new state dropped."""
+        bound = self.loss.bind(self.model_state, self.key)
+
+        def loss(params, batch):
+            out = bound(params, batch)
+            return jnp.mean(out) if jnp.ndim(out) else out
+        loss.__name__ = loss.__qualname__ = getattr(self.loss.fn, "__name__", "loss")
+        return loss
+
+    def per_example_loss(self) -> Callable[[PyTree, PyTree], jax.Array]:
+        """The loss as bound, unreduced (shape (m,) under ``accumulate``, else ())."""
+        return self.loss.bind(self.model_state, self.key)
+
+    def trained_paths(self, paths: list[str]) -> list[bool]:
+        """For leaf paths of params (``jax.tree.leaves`` order): is the leaf trained?"""
+        if self.trainable is None:
+            return [True] * len(paths)
+        from funcgrad.train.masks import _leaf_flags
+
+        return list(_leaf_flags(self.trainable, self.params, "funcgrad doctor"))
+
+    # --- the train step -----------------------------------------------------------------------
+
+    def make_step(self, *, monitor: Any = None, accumulate: bool = True, **overrides: Any):
+        """``(step, state)``: `funcgrad.make_train_step` with the user's optimizer and
+        step_kwargs (and `overrides`), and its initial `TrainState`."""
+        from funcgrad.train.step import init_train_state, make_train_step
+
+        kwargs = {**self.step_kwargs, **overrides}
+        if not accumulate:
+            kwargs.pop("accumulate", None)
+        step = make_train_step(self.loss, self.optimizer, monitor=monitor, **kwargs)
+        state = init_train_state(
+            self.params, self.optimizer, trainable=kwargs.get("trainable"),
+            loss_scale=kwargs.get("loss_scale"), monitor=monitor,
+            model_state=self.model_state,
+            key=self.key if self.loss.takes_key else None)
+        return step, state
+
+    def step_batch(self, batches: Iterator[PyTree], accumulate: bool = True) -> Any:
+        """The next argument of the step: one batch, or K stacked micro-batches."""
+        if self.accumulate and accumulate:
+            from funcgrad.train.accumulate import stack_microbatches
+
+            return stack_microbatches([next(batches) for _ in range(int(self.accumulate))])
+        return next(batches)
+
+    def preflight(self, batch: PyTree) -> None:
+        """ModelFileError when the loss does not run on `batch` (data of the wrong shape, a
+        loss that raises), naming the error and its line in the model file."""
+        try:
+            out = jax.eval_shape(self.scalar_loss(), self.params, batch)
+        except Exception as error:  # noqa: BLE001 - the user's loss: reported as usage error
+            where = user_line(error, self.source)
+            text = str(error).strip().splitlines()
+            first = next((line for line in text if line.strip()), type(error).__name__)
+            raise ModelFileError(
+                f"the loss does not run on a batch of the data ({_describe(batch)}): "
+                f"{type(error).__name__}: {first}{where}. Check that the data has the shapes "
+                f"the model expects and that loss(params, batch) runs.\n\n{EXPECTED_FILE}"
+            ) from None
+        if getattr(out, "shape", None) != () or not jnp.issubdtype(out.dtype, jnp.floating):
+            raise ModelFileError(
+                f"the loss must return a real scalar (one loss per example, shape (m,), with "
+                f"accumulate), got {getattr(out, 'dtype', type(out).__name__)}"
+                f"{list(getattr(out, 'shape', ()))}.\n\n{EXPECTED_FILE}")
+
+    def describe(self) -> str:
+        leaves = [x for x in jax.tree.leaves(self.params) if hasattr(x, "size")]
+        size = sum(int(x.size) for x in leaves)
+        data = (f"{self.data.n} examples" if self.data.loader is None else "a loader")
+        name = os.path.basename(self.source) if self.source else "model"
+        return (f"{name}: {len(leaves)} params leaves ({size:,} elements), {data}, "
+                f"loss {self.loss!r}")
+
+
+#: The keywords of `funcgrad.make_train_step` a model file's step_kwargs may set.
+_STEP_KEYWORDS = {"clip_norm", "nonfinite", "trainable", "compute_dtype", "loss_scale",
+                  "accumulate", "tail", "detect_anomaly"}

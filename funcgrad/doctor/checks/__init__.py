@@ -1,0 +1,1 @@
+"""The doctor's checks, one module each; every module has ``check(ctx) -> Finding``."""

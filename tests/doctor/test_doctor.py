@@ -1,0 +1,251 @@
+"""funcgrad.doctor: each check on a healthy model and on a small hand-made fault, the report's
+outputs, and a check that crashes. Each doctor run here runs only the checks it is about
+(compilation is most of the time)."""
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funcgrad as fg
+from funcgrad.doctor import CHECKS, DoctorReport, Finding, ModelFileError, doctor
+
+from . import _small
+
+
+def run(loss=_small.loss, params=None, data=None, **kwargs):
+    return doctor(loss, _small.params() if params is None else params,
+                  _small.data() if data is None else data, classes=_small.K, **kwargs)
+
+
+def test_the_checks_are_the_interface_names():
+    assert CHECKS == ("data", "init_loss", "grad_flow", "fd_audit", "nonfinite", "grad_stats",
+                      "training", "overfit", "baseline", "semantics", "memory")
+    assert fg.doctor.CHECKS is CHECKS and callable(fg.doctor)
+    assert issubclass(ModelFileError, ValueError)
+
+
+def test_a_healthy_model_passes_every_check():
+    report = run()
+    assert [f.check for f in report.findings] == list(CHECKS)
+    verdicts = {f.check: f.verdict for f in report.findings}
+    assert verdicts == {**{c: "pass" for c in CHECKS}, "semantics": "skipped"}, report.table()
+    assert report.exit_code == 0
+    assert all(f.seconds > 0 for f in report.findings if f.verdict != "skipped")
+    # The loss at init of a near-uniform classifier is about log(3) = 1.0986.
+    init = report.by_check("init_loss")
+    assert init.evidence["expected"] == pytest.approx(math.log(3), rel=1e-12)
+    assert 0.5 < init.evidence["ratio"] < 2.0
+
+
+def test_data_shifted_labels_fail_and_name_the_label_leaf():
+    d = _small.data()
+    d["y"] = d["y"] + 1  # 1..3 for K = 3
+    report = run(data=d, checks=["data"])
+    f = report.by_check("data")
+    assert f.verdict == "fail" and "shifted" in f.summary, f.summary
+    assert f.place["leaf"] == "data['y']"
+    assert report.exit_code == 1
+
+
+def test_data_nan_feature_fails_naming_its_rows():
+    d = _small.data()
+    d["x"][[5, 17], 2] = np.nan
+    f = run(data=d, checks=["data"]).by_check("data")
+    assert f.verdict == "fail" and f.evidence["nonfinite"]["rows"] == [5, 17]
+    assert f.evidence["nonfinite"]["features"] == [2]
+
+
+def test_data_constant_input_fails_and_a_zero_column_passes():
+    d = _small.data()
+    d["x"][:, 3] = 0.0  # a blank pixel: not a fault
+    assert run(data=d, checks=["data"]).by_check("data").verdict == "pass"
+    d["x"][:] = 1.5
+    f = run(data=d, checks=["data"]).by_check("data")
+    assert f.verdict == "fail" and "same for every example" in f.summary
+
+
+def test_data_coupling_through_the_batch_is_found():
+    # Centring the logits on the batch mean couples every example with every other one; the
+    # plain mean of per-example losses has a block-diagonal Hessian in the inputs (exactly 0
+    # across examples).
+    healthy = run(checks=["data"]).by_check("data")
+    assert healthy.evidence["coupling"]["coupled"] is False
+    assert healthy.evidence["coupling"]["relative_cross_term"] == 0.0
+    f = run(_small.mean_logits_loss, checks=["data"]).by_check("data")
+    assert f.verdict == "warn" and "coupled" in f.summary
+
+
+def test_init_loss_warns_on_large_initial_logits():
+    params = _small.params()
+    params = [params[0], {"w": params[1]["w"] * 100.0, "b": params[1]["b"]}]
+    f = run(params=params, checks=["init_loss"]).by_check("init_loss")
+    assert f.verdict == "warn" and f.evidence["ratio"] > 2.0
+
+
+def test_grad_flow_names_a_detached_and_an_unused_leaf():
+    def detached(params, batch):
+        frozen = [params[0], {"w": jax.lax.stop_gradient(params[1]["w"]), "b": params[1]["b"]}]
+        return _small.loss(frozen, batch)
+
+    f = run(detached, checks=["grad_flow"]).by_check("grad_flow")
+    assert f.verdict == "fail" and f.place["leaf"] == "params[1]['w']"
+    assert "blocked_by_stop_gradient" in f.summary
+    assert f.place["line"].startswith("test_doctor.py:")
+    params = {"net": _small.params(), "extra": jnp.ones(4)}
+    f = run(lambda params, batch: _small.loss(params["net"], batch), params=params,
+            checks=["grad_flow"]).by_check("grad_flow")
+    assert f.verdict == "fail" and f.place["leaf"] == "params['extra']" and "unused" in f.summary
+
+
+@jax.custom_vjp
+def _scaled_tanh(x):
+    return jnp.tanh(x)
+
+
+def _fwd(x):
+    return jnp.tanh(x), x
+
+
+def _bwd(x, g):
+    return (1.1 * g * (1 - jnp.tanh(x) ** 2),)  # 10% too large
+
+
+_scaled_tanh.defvjp(_fwd, _bwd)
+
+
+def test_fd_audit_names_a_wrong_custom_rule():
+    def loss(params, batch):
+        h = _scaled_tanh(batch["x"] @ params[0]["w"] + params[0]["b"][None])
+        return fg.softmax_cross_entropy(h @ params[1]["w"] + params[1]["b"][None], batch["y"])
+
+    f = run(loss, checks=["fd_audit"]).by_check("fd_audit")
+    assert f.verdict == "fail", f.summary
+    assert "_scaled_tanh" in f.summary or "_bwd" in f.summary or "_scaled_tanh" in f.fix
+    assert run(checks=["fd_audit"]).by_check("fd_audit").verdict == "pass"
+
+
+def test_nonfinite_locates_the_log_of_zero():
+    def loss(params, batch):
+        probs = jax.nn.softmax(fg.mlp_apply(params, batch["x"], activation="tanh") * 0.0)
+        return -jnp.mean(jnp.log(probs - probs))  # log(0): -inf, its gradient inf
+
+    f = run(loss, checks=["nonfinite"]).by_check("nonfinite")
+    assert f.verdict == "fail" and f.place.get("primitive") == "log", f.summary
+    assert f.place["line"].startswith("test_doctor.py:")
+
+
+def test_training_fails_when_the_learning_rate_is_far_too_high():
+    f = run(optimizer=fg.make_optimizer("sgd", 300.0), checks=["training"],
+            steps=40).by_check("training")
+    assert f.verdict == "fail", f.summary
+
+
+def test_training_advises_clipping_from_the_observed_norms():
+    f = run(checks=["training"], steps=30).by_check("training")
+    norms = np.asarray(run(checks=["training"], steps=30).curves["grad_norm"])
+    assert f.verdict == "pass"
+    # The 90th percentile of the observed norms, as numpy computes it from the same curve.
+    assert f.evidence["grad_norm_p90"] == pytest.approx(float(np.quantile(norms, 0.9)),
+                                                        rel=1e-12)
+    assert f"clip_norm={f.evidence['grad_norm_p90']:.3g}" in f.fix
+
+
+def test_overfit_fails_when_the_labels_cannot_be_reached():
+    # The logits are detached from the params: the loss cannot move at all.
+    def loss(params, batch):
+        logits = jax.lax.stop_gradient(fg.mlp_apply(params, batch["x"], activation="tanh"))
+        return fg.softmax_cross_entropy(logits, batch["y"]) + 0.0 * params[0]["b"].sum()
+
+    f = run(loss, checks=["overfit"], overfit_steps=30).by_check("overfit")
+    assert f.verdict == "fail" and f.evidence["loss_last"] == pytest.approx(
+        f.evidence["loss_first"], rel=1e-6)
+
+
+def test_baseline_warns_when_the_model_ignores_its_input():
+    def loss(params, batch):  # the input never reaches the logits: only the bias learns
+        logits = fg.mlp_apply(params, batch["x"] * 0.0, activation="tanh")
+        return fg.softmax_cross_entropy(logits, batch["y"])
+
+    f = run(loss, checks=["baseline"], steps=60).by_check("baseline")
+    assert f.verdict == "warn", f.summary
+
+
+def test_semantics_accumulation_divided_by_the_micro_batch_count_fails():
+    def divided(params, batch):  # the PyTorch habit loss / accum_steps, under accumulate=4
+        return _small.per_example(params, batch) / 4.0
+
+    good = run(_small.per_example, step_kwargs={"accumulate": 4},
+               checks=["semantics"]).by_check("semantics")
+    assert good.verdict == "pass", good.summary
+    assert good.evidence["accumulate"]["relative_error"] < 1e-5
+    # Both gradients come from the same divided loss, so they agree: dividing is not visible
+    # to this comparison... but a loss normalised by its own batch size is.
+    def normalised(params, batch):
+        losses = _small.per_example(params, batch)
+        return losses / losses.shape[0]
+
+    f = run(normalised, step_kwargs={"accumulate": 4}, checks=["semantics"]).by_check(
+        "semantics")
+    assert f.verdict == "fail" and "accumulate=4" in f.summary
+    assert f.evidence["accumulate"]["norm_ratio"] == pytest.approx(4.0, rel=1e-4)
+    assert run(divided, step_kwargs={"accumulate": 4},
+               checks=["semantics"]).by_check("semantics").verdict == "pass"
+
+
+def test_semantics_frozen_leaves_stay_put_and_clipping_uses_the_true_norm():
+    params = _small.params()
+    mask = fg.trainable_mask(params, freeze="0/*")
+    f = run(params=params, step_kwargs={"trainable": mask, "clip_norm": 0.5},
+            checks=["semantics"]).by_check("semantics")
+    assert f.verdict == "pass", f.summary
+    assert f.evidence["trainable"]["frozen"] == ["params[0]['b']", "params[0]['w']"]
+    assert f.evidence["trainable"]["frozen_moved"] == []
+
+
+def test_a_crashing_check_is_an_error_and_the_others_still_run(monkeypatch):
+    from funcgrad.doctor.checks import init_loss
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(init_loss, "check", broken)
+    report = run(checks=["init_loss", "grad_flow"])
+    assert report.by_check("init_loss").verdict == "error"
+    assert "RuntimeError: boom" in report.by_check("init_loss").summary
+    assert report.by_check("grad_flow").verdict == "pass"
+    assert report.exit_code == 0
+
+
+def test_bad_pieces_are_model_file_errors():
+    with pytest.raises(ModelFileError, match="different numbers of examples"):
+        run(data={"x": np.zeros((10, 8), np.float32), "y": np.zeros(9, np.int32)})
+    with pytest.raises(ModelFileError, match="the loss does not run"):
+        run(data={"x": np.zeros((10, 7), np.float32), "y": np.zeros(10, np.int32)})
+    with pytest.raises(ValueError, match="unknown check"):
+        run(checks=["dat"])
+
+
+def test_report_outputs(tmp_path):
+    report = run(checks=["init_loss", "training"], steps=20)
+    table = report.table()
+    assert table.splitlines()[1].split() == ["check", "verdict", "time", "summary"]
+    assert "init_loss" in table and "exit status 0" in table
+    data = json.loads(pathlib.Path(report.to_json(tmp_path / "r.json")).read_text())
+    assert [f["check"] for f in data["findings"]] == ["init_loss", "training"]
+    assert len(data["curves"]["loss"]) == 20
+    page = pathlib.Path(report.to_html(tmp_path / "r.html")).read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.count("data:image/png;base64,") >= 1
+    assert "src='http" not in page and "<script" not in page  # self-contained
+
+
+def test_findings_order_worst_first_in_the_table():
+    report = DoctorReport([Finding("data", "pass", "ok"), Finding("memory", "fail", "bad"),
+                           Finding("overfit", "warn", "hmm")])
+    rows = report.table().splitlines()[2:5]
+    assert [r.split()[0] for r in rows] == ["memory", "overfit", "data"]
+    assert report.exit_code == 1
+    with pytest.raises(ValueError, match="verdict"):
+        Finding("data", "ok", "x")
