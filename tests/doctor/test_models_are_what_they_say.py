@@ -20,12 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _modelfile import load, model_files, module_of, train
 from jax.test_util import check_grads
+
+from ._modelfile import load, model_files, module_of, train
 
 CHECKS = {"data", "init_loss", "grad_flow", "fd_audit", "nonfinite", "grad_stats", "training",
           "overfit", "baseline", "semantics", "memory"}
 FILES = model_files()
+
+
+@pytest.fixture(autouse=True)
+def _no_implicit_rank_promotion():
+    """Overrides tests/conftest.py's fixture of that name: the model files are user code written
+    with JAX's default settings (``x @ w + b`` promotes the bias's rank)."""
+    with jax.numpy_rank_promotion("allow"):
+        yield
 
 
 def _marks(path: pathlib.Path):
