@@ -66,11 +66,14 @@ def _pct(a: int, b: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="run only the files whose name contains this")
+    parser.add_argument("--only", default="",
+                        help="run only the files whose name contains one of these "
+                             "(comma-separated)")
     parser.add_argument("--out", default="benchmarks/results/doctor.json")
     args = parser.parse_args()
+    only = [o for o in args.only.split(",") if o] or [""]
     files = sorted(p for p in MODELS.glob("*.py")
-                   if not p.name.startswith("_") and args.only in p.stem)
+                   if not p.name.startswith("_") and any(o in p.stem for o in only))
     rows = []
     print(f"{'model':32s} {'expected':24s} {'det':>4s} {'loc':>4s} {'time':>6s}  flagged")
     for path in files:
@@ -82,7 +85,9 @@ def main() -> None:
                 report = doctor_file(path)
             row = score(report, expect)
         except Exception as e:  # a model the doctor cannot run at all is a miss, not a crash
-            row = {"flagged": [], "errors": [f"doctor_file raised {type(e).__name__}: {e}"]}
+            first = str(e).splitlines()[0] if str(e) else ""
+            row = {"flagged": [], "raised": f"{type(e).__name__}: {first}",
+                   "errors": [f"doctor_file raised {type(e).__name__}: {first}"]}
             row |= ({"false_alarms": []} if expect is None
                     else {"detected": False, "localised": None if expect["place"] is None
                           else False, "said": []})
@@ -92,7 +97,8 @@ def main() -> None:
                 "seconds": round(time.perf_counter() - start, 2)}
         rows.append(row)
         mark = lambda v: "-" if v is None else ("yes" if v else "NO")
-        det = mark(row.get("detected")) if expect else ("ok" if not row["false_alarms"] else "FA")
+        det = (mark(row.get("detected")) if expect else
+               "ERR" if row.get("raised") else "ok" if not row["false_alarms"] else "FA")
         loc = mark(row.get("localised")) if expect else ""
         print(f"{path.stem:32s} {row['fault'] or 'healthy':24s} {det:>4s} {loc:>4s} "
               f"{row['seconds']:5.1f}s  {', '.join(row['flagged'])}", flush=True)
@@ -124,6 +130,7 @@ def main() -> None:
         "localisation": localised / len(placed) if placed else None,
         "false_alarm_models": len({m for m, _ in false_alarms}),
         "false_alarms": len(false_alarms),
+        "healthy_not_examined": sorted(r["model"] for r in healthy if r.get("raised")),
         "errors": sum(len(r["errors"]) for r in rows),
         "seconds_total": round(sum(seconds), 1),
         "seconds_median": round(sorted(seconds)[len(seconds) // 2], 1) if seconds else None,
@@ -134,6 +141,9 @@ def main() -> None:
           f"{len(faulty) - len(placed)} faults have no place)")
     print(f"false alarms {len(false_alarms)} on {totals['false_alarm_models']} of "
           f"{len(healthy)} healthy models  (target 0)")
+    if totals["healthy_not_examined"]:
+        print(f"healthy models the doctor could not run (not counted as passing): "
+              f"{', '.join(totals['healthy_not_examined'])}")
     print(f"time per model: median {totals['seconds_median']} s, max {totals['seconds_max']} s, "
           f"total {totals['seconds_total']} s")
     for r in faulty:
