@@ -23,7 +23,8 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+("
                  + "|".join(re.escape(k) for k in KINDS) + r")(-start|-done)?\((.*)$")
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*(?:->.*)?\{\s*$")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
 _CALLS = re.compile(r"\b(?:to_apply|calls|body|condition|branch_computations)=\{?%?([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=(.*?)(?:, [a-z_]+=|$)")
@@ -114,9 +115,10 @@ def parse_collectives(hlo_text: str) -> CollectiveReport:
     loop_bodies: set[str] = set()
     calls: dict[str, set[str]] = {}
     for line in hlo_text.splitlines():
-        head = _COMPUTATION.match(line)
-        if head and "=" not in line.split("{")[0]:
-            current = head.group(1)
+        if line.rstrip().endswith("{") and not _INSTRUCTION.match(line):
+            head = _COMPUTATION.match(line)
+            if head:
+                current = head.group(1)
             continue
         for body in _WHILE_BODY.findall(line):
             loop_bodies.add(body)

@@ -154,9 +154,19 @@ def replicate(tree: PyTree, mesh: Mesh, *, check: bool = True) -> PyTree:
             placed.append(leaf)
         elif isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             placed.append(leaf)  # replicated on another mesh of the same devices: jit reshards
-        else:
+        elif jax.process_count() == 1:
             placed.append(jax.device_put(leaf, sharding))
+        else:  # this process's copy; JAX's device_put would compare every leaf (NaN != NaN)
+            placed.append(_replicated_from_local(leaf, sharding))
     return jax.tree.unflatten(treedef, placed)
+
+
+def _replicated_from_local(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    """A global replicated array from this process's copy of `leaf` (typed keys too)."""
+    typed = jax.dtypes.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key)
+    host = _local_value(leaf)
+    out = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.random.wrap_key_data(out, impl=jax.random.key_impl(leaf)) if typed else out
 
 
 def _rows_of(tree: PyTree, where: str, axis_index: int = 0) -> int:

@@ -13,6 +13,7 @@ rows' part of it). `funcgrad.parallel.collectives` lists what was inserted.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -44,9 +45,13 @@ def _check_rows(batch: Any, mask: Any, size: int, axis: str, row_axis: int) -> N
                                          accumulate=bool(row_axis))
 
 
-def _explain(error: ValueError, mesh: Any) -> ValueError | None:
+def _explain(error: ValueError, mesh: Any, axis: str) -> ValueError | None:
     """A clearer error for JAX's placement errors at the step's call, or None."""
     text = str(error)
+    split = re.search(r"partitioned (\d+) times, but the dimension size is (\d+)", text)
+    if split:
+        return divisibility_error("the data-parallel train step", int(split.group(2)),
+                                  int(split.group(1)), axis)
     if "non-trivial shardings for numpy inputs" in text:
         return ValueError(
             f"the data-parallel train step: a batch leaf is a host (NumPy) array in a run of "
@@ -89,7 +94,7 @@ def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | No
         try:
             return jitted(state, batch, mask)
         except ValueError as error:
-            clearer = _explain(error, mesh)
+            clearer = _explain(error, mesh, axis)
             if clearer is None:
                 raise
             raise clearer from error
