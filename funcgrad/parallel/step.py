@@ -52,6 +52,15 @@ def _explain(error: ValueError, mesh: Any, axis: str) -> ValueError | None:
     if split:
         return divisibility_error("the data-parallel train step", int(split.group(2)),
                                   int(split.group(1)), axis)
+    rank = re.search(r"key path (\S+) is incompatible.*?only valid for values of rank at "
+                     r"least (\d+), but was applied to a value of rank (\d+)", text, re.S)
+    if rank:
+        return ValueError(
+            f"the data-parallel train step: {rank.group(1)} has {rank.group(3)} axes; every "
+            f"leaf of a sharded batch needs at least {rank.group(2)}, with the rows split over "
+            f"the devices of {axis!r} (the batch (batch_size, ...), stacked micro-batches "
+            "(num_micro_batches, micro_batch_size, ...)). Keep settings (a temperature, a "
+            "flag) in the loss's closure.")
     if "non-trivial shardings for numpy inputs" in text:
         return ValueError(
             f"the data-parallel train step: a batch leaf is a host (NumPy) array in a run of "
@@ -87,18 +96,23 @@ def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | No
     jitted = jax.jit(traced, in_shardings=(replicated, rows, rows),
                      out_shardings=(replicated, None))
 
-    def call(state: Any, batch: Any, mask: Any = None) -> Any:
-        if accumulate is None and mask is not None:
-            raise TypeError("the train step takes (state, batch); a mask is for a step made "
-                            "with accumulate=K.")
+    def translated(run: Callable, state: Any, batch: Any, mask: Any) -> Any:
         try:
-            return jitted(state, batch, mask)
+            return run(state, batch, mask)
         except ValueError as error:
             clearer = _explain(error, mesh, axis)
             if clearer is None:
                 raise
             raise clearer from error
 
-    call.lower = lambda state, batch, mask=None: jitted.lower(state, batch, mask)  # type: ignore[attr-defined]
+    def call(state: Any, batch: Any, mask: Any = None) -> Any:
+        if accumulate is None and mask is not None:
+            raise TypeError("the train step takes (state, batch); a mask is for a step made "
+                            "with accumulate=K.")
+        return translated(jitted, state, batch, mask)
+
+    call.__name__ = call.__qualname__ = getattr(step, "__name__", "step")
+    call.lower = (  # type: ignore[attr-defined]
+        lambda state, batch, mask=None: translated(jitted.lower, state, batch, mask))
     call.jitted = jitted  # type: ignore[attr-defined]
     return call
