@@ -4,13 +4,15 @@ Inside a mapped function each device sees its own rows, and how a gradient with 
 the replicated params comes back depends on the mapping: under ``shard_map`` (which tracks
 which values vary over the axis) the cotangent of a replicated input is summed over the
 devices for you; under ``pmap`` it is not. So ``jax.grad`` of the local mean followed by a
-``pmean`` is right under ``pmap`` and N times too large under ``shard_map`` after a
-``psum``; the gradient of a ``psum``-ed loss is N times too large in one and right in the other
-only by luck of the normalisation. `data_parallel_value_and_grad` does not depend on it: it
-differentiates each device's *sum* with respect to a per-device copy of the params (marked
-varying over the axis, so nothing is summed implicitly), sums the partial gradients with one
-``psum`` and divides by the global count. The mean is then over every real row of the global
-batch, never a mean of per-device means.
+``pmean`` is right under ``pmap`` (with equal counts) and N times too large under
+``shard_map``; followed by a ``psum`` it is N and N² times too large; the gradient of a
+``psum``-ed global loss is right under ``shard_map`` and, under ``pmap``, N times each
+device's own share (measured on 2 processes: docs/guide/distributed.md).
+`data_parallel_value_and_grad` does not depend on the mapping: it differentiates each
+device's *sum* with respect to a per-device copy of the params (marked varying over the axis,
+so nothing is summed implicitly), sums the partial gradients with one ``psum`` and divides by
+the global count. The mean is then over every real row of the global batch, never a mean of
+per-device means.
 """
 from __future__ import annotations
 

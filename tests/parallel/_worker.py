@@ -284,6 +284,34 @@ def scenario_mapped() -> None:
     RESULT["pmap_err"] = max_diff(jax.tree.map(lambda g: np.asarray(g)[0], g_pm),
                                   right) / scale
 
+    # The habits, with every row real (equal counts): each gradient over the right one.
+    ones = {**batch, "w": np.ones(B, np.float32)}
+    right1 = jax.grad(global_mean)(params, ones)
+    local_mean = lambda p, shard: sum_and_count(p, shard)[0] / sum_and_count(p, shard)[1]
+
+    def psum_loss(p, shard):
+        s, n = sum_and_count(p, shard)
+        return jax.lax.psum(s, "data") / jax.lax.psum(n, "data")
+
+    habits = {
+        "mean_then_pmean": lambda p, sh: jax.lax.pmean(jax.grad(local_mean)(p, sh), "data"),
+        "mean_then_psum": lambda p, sh: jax.lax.psum(jax.grad(local_mean)(p, sh), "data"),
+        "grad_of_psum_loss": lambda p, sh: jax.grad(psum_loss)(p, sh),
+        "grad_of_psum_loss_then_pmean": lambda p, sh: jax.lax.pmean(
+            jax.grad(psum_loss)(p, sh), "data"),
+    }
+    ratio = lambda g: float(np.median([np.sum(np.abs(np.asarray(a))) / np.sum(np.abs(b))
+                                       for a, b in zip(jax.tree.leaves(g),
+                                                       jax.tree.leaves(right1))]))
+    sharded1 = fg.process_batch(global_rows(ones), MESH)
+    per_device1 = jax.tree.map(lambda v: v[None], global_rows(ones))
+    for name, habit in habits.items():
+        g = jax.jit(jax.shard_map(habit, mesh=MESH, in_specs=(P(), P("data")),
+                                  out_specs=P()))(reps, sharded1)
+        RESULT[f"habit/shard_map/{name}"] = ratio(local(g))
+        g = jax.pmap(habit, axis_name="data", in_axes=(None, 0))(params, per_device1)
+        RESULT[f"habit/pmap/{name}"] = ratio(jax.tree.map(lambda x: np.asarray(x)[0], g))
+
     # The habit from one device: grad of the local mean, then pmean. Under shard_map the
     # replicated params' cotangent is already summed: N x (with equal counts).
     def naive(params, shard):

@@ -118,6 +118,20 @@ def test_shard_map_and_pmap_user_code_get_the_1x_gradient():
     # The one-device habit (grad of the local mean, then pmean) under shard_map: about N x
     # (not exactly 2: the two processes hold 4 and 2 real rows, and means of means differ).
     assert 1.5 < r["shard_map_naive_ratio"] < 2.5, r
+    # The habits of docs/guide/distributed.md's table, every row real (N = 2): the gradient's
+    # size over the right one.
+    for results_of in results:
+        got = {k.split("/", 1)[1]: round(v, 6) for k, v in results_of.items()
+               if k.startswith("habit/")}
+        per_device = got.pop("pmap/grad_of_psum_loss")
+        assert got == {"shard_map/mean_then_pmean": 2.0, "pmap/mean_then_pmean": 1.0,
+                       "shard_map/mean_then_psum": 4.0, "pmap/mean_then_psum": 2.0,
+                       "shard_map/grad_of_psum_loss": 1.0,
+                       "shard_map/grad_of_psum_loss_then_pmean": 1.0,
+                       "pmap/grad_of_psum_loss_then_pmean": 1.0}, got
+        assert per_device != 1.0  # N x this device's own share: differs per device
+    assert (results[0]["habit/pmap/grad_of_psum_loss"]
+            != results[1]["habit/pmap/grad_of_psum_loss"])
 
 
 def test_bad_input_fails_clearly_before_any_collective():
