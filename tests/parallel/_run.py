@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -17,8 +18,10 @@ RUN_LIMIT = 60
 HARD_LIMIT = 90
 
 
-def launch(*scenarios: str, n: int = 2, limit: float = RUN_LIMIT) -> tuple[list[dict], float]:
-    """The RESULT of each process (ordered by process index) and the run's wall time."""
+def launch(*scenarios: str, n: int = 2, limit: float = RUN_LIMIT,
+           failing: bool = False) -> tuple[list[dict], float] | tuple[Any, float]:
+    """The RESULT of each process (ordered by process index) and the run's wall time; with
+    `failing`, the finished launcher process (a run expected to fail) instead of results."""
     command = [sys.executable, "-m", "funcgrad", "launch", "-n", str(n), "--timeout",
                str(limit), "--init-timeout", "20", "--grace", "2", "--",
                sys.executable, WORKER, *scenarios]
@@ -29,6 +32,8 @@ def launch(*scenarios: str, n: int = 2, limit: float = RUN_LIMIT) -> tuple[list[
         pytest.fail(f"funcgrad launch did not end within {HARD_LIMIT} s; output:\n"
                     f"{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
     seconds = time.perf_counter() - start
+    if failing:
+        return done, seconds
     if done.returncode != 0:
         pytest.fail(f"the {n}-process run of {scenarios} ended with status {done.returncode} "
                     f"after {seconds:.1f} s (124: it hit the {limit} s limit, a hang):\n"

@@ -324,6 +324,20 @@ def scenario_mapped() -> None:
     RESULT["shard_map_naive_ratio"] = float(np.median(ratio))
 
 
+def scenario_uneven() -> None:
+    """Process 1 runs one step fewer than the others: process 0's last step waits for it in
+    the all-reduce. It must end with an error (JAX's shutdown barrier, 10 s here), not hang."""
+    params = fg.mlp_init(jax.random.key(0), (16, 8, 10))
+    tx = optax.sgd(0.1)
+    step = fg.make_train_step(mlp_loss, tx, mesh=MESH)
+    state = fg.replicate(fg.init_train_state(params, tx), MESH)
+    batch = fg.process_batch(global_rows(data(8, 0)), MESH)
+    for _ in range(3 - (PID == 1)):
+        state, metrics = step(state, batch)
+        jax.block_until_ready(state)
+    print(f"process {PID} finished its steps", flush=True)
+
+
 def scenario_bad() -> None:
     """The errors that must come before a collective: swapped shards, disagreeing shapes,
     params that differ per process, a batch that does not divide."""

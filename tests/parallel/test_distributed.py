@@ -147,6 +147,16 @@ def test_bad_input_fails_clearly_before_any_collective():
             assert "Pad it to 6 rows" in e[key]
 
 
+def test_processes_running_different_step_counts_fail_instead_of_hanging():
+    done, seconds = launch("uneven", failing=True)
+    assert done.returncode not in (0, 124), done.stdout[-2000:] + done.stderr[-3000:]
+    assert seconds < 45  # the 10 s shutdown barrier, not the 60 s limit
+    assert "[1] process 1 finished its steps" in done.stdout
+    assert "[0] process 0 finished its steps" not in done.stdout
+    assert "Shutdown barrier" in done.stderr or "barrier" in done.stderr.lower(), \
+        done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_other_process_counts(n):
     results, _ = launch("smoke", n=n)
