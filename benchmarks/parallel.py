@@ -101,12 +101,20 @@ def worker(args: argparse.Namespace) -> None:
                "allreduce_share": t_reduce / t_step,
                "allreduce_bytes": comm.bytes if n > 1 else 0,
                "step_collectives": str(fg.collectives(step, state, batch)).splitlines()[0]}
-        if n == 1:
+        if n == 1:  # the plain step beside the mesh step, in shuffled rounds
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from _timing import medians, paired_ratio, ratio_quartiles, rounds, step_runner
+
             plain = fg.make_train_step(loss, tx)
-            t_plain = time_steps(plain, fg.init_train_state(params, tx),
-                                 {"x": jnp.asarray(x), "y": jnp.asarray(y)})
-            row["plain_steps_per_s"] = 1 / t_plain
-            row["mesh_vs_plain"] = t_plain / t_step
+            runs = {"mesh": step_runner(step, state, batch),
+                    "plain": step_runner(plain, fg.init_train_state(params, tx),
+                                         {"x": jnp.asarray(x), "y": jnp.asarray(y)})}
+            times = rounds(runs, args.steps, 5 * args.repeats, warmup=5)
+            row["plain_steps_per_s"] = 1 / medians(times)["plain"]
+            row["mesh_steps_per_s_paired"] = 1 / medians(times)["mesh"]
+            row["mesh_vs_plain"] = 1 / paired_ratio(times, "mesh", "plain")
+            low, high = ratio_quartiles(times, "plain", "mesh")
+            row["mesh_vs_plain_quartiles"] = [low, high]
         out["models"][name] = row
     if jax.process_index() == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -142,8 +150,9 @@ def main() -> None:
     print(f"{'model':<11} {'params':>9} {'procs':>5} {'steps/s':>9} {'step ms':>8} "
           f"{'all-reduce ms':>13} {'share':>6}  notes")
     for r in rows:
-        note = (f"plain step {r['plain_steps_per_s']:.0f}/s, mesh/plain "
-                f"{r['mesh_vs_plain']:.2f}x" if "plain_steps_per_s" in r else
+        note = (f"plain step {r['plain_steps_per_s']:.0f}/s; mesh speed / plain "
+                f"{r['mesh_vs_plain']:.2f}x [{r['mesh_vs_plain_quartiles'][0]:.2f}-"
+                f"{r['mesh_vs_plain_quartiles'][1]:.2f}]" if "plain_steps_per_s" in r else
                 r["step_collectives"])
         print(f"{r['model']:<11} {r['params']:>9,} {r['processes']:>5} {r['steps_per_s']:>9.1f} "
               f"{r['step_ms']:>8.2f} {r['allreduce_ms']:>13.2f} {r['allreduce_share']:>6.0%}  "
