@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -70,50 +68,36 @@ def worker(args: argparse.Namespace) -> None:
                          out_shardings=NamedSharding(mesh, P()))
         comm = fg.collectives(reduce, partial)
 
-        def time_steps(run, s, b):
-            for _ in range(3):  # compile and warm up
-                s = run(s, b)[0]
-            jax.block_until_ready(s)
-            per = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    s = run(s, b)[0]
-                jax.block_until_ready(s)
-                per.append((time.perf_counter() - start) / args.steps)
-            return statistics.median(per)
+        # Every variant once per round, the rounds' order shuffled with the same seed on every
+        # process (so the processes call the collectives in the same order); medians, and the
+        # all-reduce's share as the median of its within-round ratio to the step.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _timing import medians, paired_ratio, ratio_quartiles, rounds, step_runner
 
-        def time_reduce(reduce=reduce, partial=partial):
-            jax.block_until_ready(reduce(partial))
-            per = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    r = reduce(partial)
-                jax.block_until_ready(r)
-                per.append((time.perf_counter() - start) / args.steps)
-            return statistics.median(per)
+        def reducing(k, reduce=reduce, partial=partial):
+            for _ in range(k):
+                r = reduce(partial)
+            return jax.block_until_ready(r)
 
-        t_step = time_steps(step, state, batch)
-        t_reduce = time_reduce() if n > 1 else 0.0
+        runs = {"step": step_runner(step, state, batch)}
+        if n > 1:
+            runs["allreduce"] = reducing
+        else:  # the plain step beside the mesh step
+            plain = fg.make_train_step(loss, tx)
+            runs["plain"] = step_runner(plain, fg.init_train_state(params, tx),
+                                        {"x": jnp.asarray(x), "y": jnp.asarray(y)})
+        times = rounds(runs, args.steps, 5 * args.repeats, warmup=5)
+        t_step = medians(times)["step"]
+        t_reduce = medians(times)["allreduce"] if n > 1 else 0.0
         row = {"params": count, "global_batch": args.batch, "step_ms": 1e3 * t_step,
                "steps_per_s": 1 / t_step, "allreduce_ms": 1e3 * t_reduce,
-               "allreduce_share": t_reduce / t_step,
+               "allreduce_share": paired_ratio(times, "allreduce", "step") if n > 1 else 0.0,
                "allreduce_bytes": comm.bytes if n > 1 else 0,
                "step_collectives": str(fg.collectives(step, state, batch)).splitlines()[0]}
-        if n == 1:  # the plain step beside the mesh step, in shuffled rounds
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from _timing import medians, paired_ratio, ratio_quartiles, rounds, step_runner
-
-            plain = fg.make_train_step(loss, tx)
-            runs = {"mesh": step_runner(step, state, batch),
-                    "plain": step_runner(plain, fg.init_train_state(params, tx),
-                                         {"x": jnp.asarray(x), "y": jnp.asarray(y)})}
-            times = rounds(runs, args.steps, 5 * args.repeats, warmup=5)
+        if n == 1:
             row["plain_steps_per_s"] = 1 / medians(times)["plain"]
-            row["mesh_steps_per_s_paired"] = 1 / medians(times)["mesh"]
-            row["mesh_vs_plain"] = 1 / paired_ratio(times, "mesh", "plain")
-            low, high = ratio_quartiles(times, "plain", "mesh")
+            row["mesh_vs_plain"] = 1 / paired_ratio(times, "step", "plain")
+            low, high = ratio_quartiles(times, "plain", "step")
             row["mesh_vs_plain_quartiles"] = [low, high]
         out["models"][name] = row
     if jax.process_index() == 0:
