@@ -15,5 +15,5 @@ JAX_PLATFORMS=cpu timeout 300 python3 -m pytest tests/parallel -q -p no:cachepro
 echo "== CPU: steps per second on 1, 2, 4 processes"
 JAX_PLATFORMS=cpu python3 benchmarks/parallel.py --steps 50 --out "$OUT/parallel_cpu.json"
 echo "== CPU: stress"
-JAX_PLATFORMS=cpu timeout "${STRESS_SECONDS:-150}" python3 benchmarks/parallel_stress.py \
-    -n "${STRESS_RUNS:-50}" --out "$OUT/parallel_stress.json" | tail -12
+JAX_PLATFORMS=cpu python3 benchmarks/parallel_stress.py -n "${STRESS_RUNS:-50}" \
+    --max-seconds "${STRESS_SECONDS:-150}" --out "$OUT/parallel_stress.json" | tail -12

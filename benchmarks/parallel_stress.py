@@ -31,11 +31,18 @@ def main() -> int:
                         help="comma-separated; each run runs them all, one launch each")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--limit", type=float, default=60.0, help="seconds per launch")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no run after this many seconds (then report)")
     parser.add_argument("--out", default="benchmarks/results/parallel_stress.json")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
     outcomes: list[dict] = []
+    began = time.perf_counter()
     for run in range(args.runs):
+        if args.max_seconds is not None and time.perf_counter() - began > args.max_seconds:
+            print(f"stopping after {run} runs: --max-seconds {args.max_seconds:g}")
+            args.runs = run
+            break
         for scenario in scenarios:
             command = [sys.executable, "-m", "funcgrad", "launch", "-n", str(args.processes),
                        "--timeout", str(args.limit), "--init-timeout", "20", "--grace", "2",
@@ -58,7 +65,8 @@ def main() -> int:
             if verdict != "ok":
                 print(tail, flush=True)
     bad = [o for o in outcomes if o["verdict"] != "ok"]
-    by_scenario = {s: [o["seconds"] for o in outcomes if o["scenario"] == s] for s in scenarios}
+    by_scenario = {s: [o["seconds"] for o in outcomes if o["scenario"] == s] or [0.0]
+                   for s in scenarios}
     runs_ok = sum(all(o["verdict"] == "ok" for o in outcomes if o["run"] == r)
                   for r in range(args.runs))
     print(f"\n{runs_ok}/{args.runs} runs passed every scenario; "
