@@ -186,6 +186,11 @@ def scenario_smoke() -> None:
     state = fg.init_train_state(params, tx)
     one, many = both(mlp_loss, tx, state, clip_norm=0.5)
     compare("smoke", one, many, [data(12, s) for s in range(3)])  # 12 rows: 1 to 4 processes
+    # The metrics a user reads on the host: scalars replicated on every process.
+    _, metrics = many[0](fg.replicate(state, MESH), fg.process_batch(global_rows(data(12, 0)),
+                                                                      MESH))
+    RESULT["host_loss"] = float(metrics["loss"])
+    RESULT["loss_replicated"] = bool(metrics["loss"].is_fully_replicated)
 
 
 def scenario_accumulate() -> None:

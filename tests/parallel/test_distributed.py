@@ -163,3 +163,5 @@ def test_other_process_counts(n):
     assert len(results) == n and results[0]["devices"] == n
     _check_rows(results[0]["smoke"])
     _same_on_every_process(results, "smoke/fingerprint")
+    assert all(r["loss_replicated"] for r in results)
+    assert results[0]["host_loss"] == results[0]["smoke"][0]["loss"][0]  # float() works
