@@ -52,14 +52,19 @@ def main() -> int:
                 done = subprocess.run(command, capture_output=True, text=True,
                                       timeout=args.limit + 30)
                 status = done.returncode
-                tail = (done.stdout[-800:] + done.stderr[-1500:]) if status else ""
+                # The lines that say why (JAX's errors come before its stack traces).
+                said = [line for line in done.stderr.splitlines() if any(
+                    word in line for word in ("Error", "error", "barrier", "heartbeat",
+                                              "Terminating", "DEADLINE", "funcgrad launch"))]
+                tail = ("\n".join(said[:30]) + "\n" + done.stdout[-800:]) if status else ""
             except subprocess.TimeoutExpired:
                 status, tail = "killed", "the launcher itself did not end"
             seconds = time.perf_counter() - start
             verdict = ("ok" if status == 0 else "hang" if status in (124, "killed")
                        else "failed")
             outcomes.append({"run": run, "scenario": scenario, "status": status,
-                             "seconds": round(seconds, 2), "verdict": verdict})
+                             "seconds": round(seconds, 2), "verdict": verdict,
+                             "why": tail[-3000:]})
             print(f"run {run + 1:>3}/{args.runs} {scenario:<17} {verdict:<6} {seconds:6.1f} s",
                   flush=True)
             if verdict != "ok":

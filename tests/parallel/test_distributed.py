@@ -4,7 +4,7 @@ gloo collectives). Each compares the mesh step with the one-device step on the s
 batch, computed in the same process without any collective (the second method).
 
 Nothing here can hang: the launcher stops the run after 60 s (status 124, reported with the
-processes' output), the worker initializes with a 20 s join timeout and 10 s heartbeat and
+processes' output), the worker initializes with a 20 s join timeout, 30 s heartbeat and 10 s
 shutdown timeouts (a process left behind fails in seconds), and _run.launch kills the launcher
 after 90 s. Each run picks a free port (the OS binds port 0), so xdist workers do not clash.
 """
