@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fit.py
 	$(BIN)/python benchmarks/train_cli.py
 	$(BIN)/python benchmarks/micro.py
+	$(BIN)/python benchmarks/parallel.py
 
 clean:
 	rm -rf $(VENV) runs site .pytest_cache .hypothesis .mypy_cache .ruff_cache

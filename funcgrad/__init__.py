@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from funcgrad import doctor as doctor  # the checklist; callable: fg.doctor(loss, params, data)
     from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
     from funcgrad import memory as memory
+    from funcgrad import parallel as parallel  # data parallelism: meshes, placement, collectives
     from funcgrad._jax_internals import TESTED_JAX as TESTED_JAX
     from funcgrad._jax_internals import JaxInternalsError as JaxInternalsError
     from funcgrad._jax_internals import JaxVersionWarning as JaxVersionWarning
@@ -43,6 +44,20 @@ if TYPE_CHECKING:
     from funcgrad.memory.report import MemoryReport as MemoryReport
     from funcgrad.memory.report import memory_report as memory_report
     from funcgrad.memory.scan import checkpointed_scan as checkpointed_scan
+    from funcgrad.parallel.collectives import Collective as Collective
+    from funcgrad.parallel.collectives import CollectiveReport as CollectiveReport
+    from funcgrad.parallel.collectives import collectives as collectives
+    from funcgrad.parallel.distributed import DistributedInfo as DistributedInfo
+    from funcgrad.parallel.distributed import distributed_init as distributed_init
+    from funcgrad.parallel.grad import (
+        data_parallel_value_and_grad as data_parallel_value_and_grad,
+    )
+    from funcgrad.parallel.grad import device_key as device_key
+    from funcgrad.parallel.placement import data_mesh as data_mesh
+    from funcgrad.parallel.placement import process_batch as process_batch
+    from funcgrad.parallel.placement import process_rows as process_rows
+    from funcgrad.parallel.placement import replicate as replicate
+    from funcgrad.parallel.placement import shard_batch as shard_batch
     from funcgrad.train.accumulate import AccumulatedGrads as AccumulatedGrads
     from funcgrad.train.accumulate import Microbatches as Microbatches
     from funcgrad.train.accumulate import accumulate_grads as accumulate_grads

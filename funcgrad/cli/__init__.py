@@ -1,6 +1,8 @@
 """The command line, one module per command: ``funcgrad train`` (`funcgrad.cli.train`) trains an
 MLP or a CNN on the digits set; ``funcgrad doctor`` (`funcgrad.cli.doctor`) runs the
-gradient-debugging checklist on a model file. The shared flag parsing is `funcgrad.cli._flags`.
+gradient-debugging checklist on a model file; ``funcgrad launch`` (`funcgrad.cli.launch`) runs a
+command as N processes of one ``jax.distributed`` run. The shared flag parsing is
+`funcgrad.cli._flags`.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from funcgrad.cli import doctor as _doctor_command
+from funcgrad.cli import launch as _launch_command
 from funcgrad.cli import train as _train_command
 from funcgrad.cli._flags import _Parser
 
@@ -25,7 +28,7 @@ from funcgrad.cli.train import _plot as _plot
 from funcgrad.cli.train import _train as _train
 
 #: The commands: name -> module with ``add_parser(subparsers)`` and ``run(parser, args, argv)``.
-_COMMANDS = {"train": _train_command, "doctor": _doctor_command}
+_COMMANDS = {"train": _train_command, "doctor": _doctor_command, "launch": _launch_command}
 
 
 def _build_parser() -> _Parser:

@@ -31,6 +31,8 @@ PyTree = Any
 
 _ACTIVATION = ("output", "named")  # residuals made by the program; the rest exist anyway
 _NO_SAVING = 0.10  # a compiled saving below this fraction of the jaxpr's is "no saving"
+#: Words of the HLO text that mean it has collectives to list (funcgrad.parallel.collectives).
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _LIBRARY_FUSION = re.compile(r"^\s*(?:ROOT )?%[xy]nn_fusion\S* = ", re.M)
 
 
@@ -81,6 +83,9 @@ class MemoryReport:
         measured" rather than print it as the forward pass's memory.
       warnings: checkpoint settings that do not do what they say: a policy that saves names
         no ``checkpoint_name`` in fn carries (a typo), a name on a scan carry (kept anyway).
+      collectives: the compiled program's collectives (`funcgrad.parallel.collectives.
+        Collective` rows: all-reduce, all-gather, ... with their bytes), e.g. of a step made
+        with ``make_train_step(..., mesh=)``; empty on one device. Printed when present.
     """
     name: str
     mode: str
@@ -95,6 +100,7 @@ class MemoryReport:
     library_fusions: int = 0
     forward_library_fusions: int = 0
     warnings: tuple[str, ...] = ()
+    collectives: tuple = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -230,6 +236,10 @@ class MemoryReport:
                          f"{self.remat['compiled_bytes']:,} B")
         lines.append(self.dominant)
         lines.append(self.reconciliation)
+        if self.collectives:
+            from funcgrad.parallel.collectives import CollectiveReport
+
+            lines.append(str(CollectiveReport(self.collectives)))
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -295,7 +305,8 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
     else:
         target, mode = (fn, "step") if jitted else (jax.jit(fn), "function")
     fusions: list[int] = []
-    stats = _compiled(target, args, fusions)
+    communication: list = []
+    stats = _compiled(target, args, fusions, communication)
     rows = _rows(fn, args, nums, names) if want_res else None
     forward = remat = None
     forward_fusions: list[int] = []
@@ -310,7 +321,7 @@ def memory_report(fn: Callable, *args: PyTree, grad: bool = False,
                         rows, forward, remat, fusions[0],
                         forward_fusions[0] if forward_fusions else 0,
                         _checkpoint_warnings(jax.make_jaxpr(fn)(*args).jaxpr)
-                        if mode != "step" else ())
+                        if mode != "step" else (), tuple(communication))
 
 
 def _plain_loss(fn):
@@ -330,14 +341,21 @@ def _plain_loss(fn):
     return fn.bind()
 
 
-def _compiled(target, args, fusions: list | None = None):
+def _compiled(target, args, fusions: list | None = None, communication: list | None = None):
     """XLA's memory analysis of ``target.lower(*args).compile()`` (`ji.MemoryStats`);
-    appends the number of library fusions to `fusions` when given."""
+    appends the number of library fusions to `fusions` and the collectives
+    (`funcgrad.parallel.collectives`) to `communication` when given."""
     try:
         compiled = target.lower(*args).compile()
         stats = ji.memory_stats(compiled)
+        if fusions is not None or communication is not None:
+            text = ji.compiled_text(compiled)
         if fusions is not None:
-            fusions.append(len(_LIBRARY_FUSION.findall(ji.compiled_text(compiled))))
+            fusions.append(len(_LIBRARY_FUSION.findall(text)))
+        if communication is not None and any(kind in text for kind in _COLLECTIVES):
+            from funcgrad.parallel.collectives import parse_collectives
+
+            communication.extend(parse_collectives(text))
     except Exception as e:
         e.add_note("funcgrad.memory_report: raised while compiling the function with "
                    "jax.jit(...).lower(*args).compile() for its memory analysis.")

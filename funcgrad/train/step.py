@@ -259,7 +259,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
                     trainable: PyTree | None = None, compute_dtype: Any = None,
                     loss_scale: LossScale | None = None, accumulate: int | None = None,
                     tail: str = "apply", jit: bool = True, detect_anomaly: bool = False,
-                    monitor: GradMonitor | None = None
+                    monitor: GradMonitor | None = None, mesh: Any = None,
+                    data_axis: str = "data"
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
@@ -377,6 +378,15 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         Adds 9-17% to a batch-32 CPU step of a small MLP, 3-6% at batch 256
         (``benchmarks/monitor.py``). Create the state with
         ``init_train_state(..., monitor=monitor)``.
+      mesh: a ``jax.sharding.Mesh`` (``funcgrad.data_mesh()``) for data parallelism
+        (`funcgrad.parallel.step`): the step is jitted with the state replicated over the mesh
+        and the batch's rows (axis 0; axis 1 of stacked micro-batches) split over its
+        `data_axis`, in one process or across processes (``jax.distributed``). The loss is
+        written on the global batch as before; XLA inserts the gradient all-reduce, and the
+        numbers are the one-device step's on the same global batch. Rows must divide among
+        the axis's devices (pad and mask otherwise: the error says how). Not with
+        ``jit=False`` or `detect_anomaly`.
+      data_axis: the mesh axis the batch is split over (default "data").
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
       ``{"loss": (), "grad_norm": ()}``, plus ``"clip_coef": ()`` with `clip_norm`, and
@@ -403,13 +413,17 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
       ``unguarded``, that step without the guard's selects (it still reports "skipped"; None
       with a loss scale), which `fit` runs first and re-runs guarded when a step was skipped.
     Raises:
-      TypeError: if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
+      TypeError: if `mesh` is not a ``jax.sharding.Mesh``;
+        if `monitor` is not a `GradMonitor` or `loss_scale` not a `LossScale` (e.g.
         ``monitor=True`` or the uncalled ``funcgrad.grad_monitor``); at the first call, if a
         trained leaf of the params is not floating point (the message names its path, e.g.
         ``params['count']``, and how to freeze it), or `funcgrad.TracedValueError` naming
         loss_fn's line when it uses a traced value as a Python value (``if loss > 0:``), with
         the fix (``jnp.where`` / ``lax.cond``).
-      ValueError: if `clip_norm` is not positive or `nonfinite` is not a known policy, or if
+      ValueError: if `mesh` has no axis `data_axis` (or it is Explicit, or it leaves a process
+        out), or comes with ``jit=False`` or `detect_anomaly`; at the first call, if a batch's
+        rows do not divide among the devices;
+        if `clip_norm` is not positive or `nonfinite` is not a known policy, or if
         `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a
         scalar (with `accumulate`: not one loss per example) or the optimizer state does not
         match `optimizer` and the params.
@@ -425,6 +439,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
     _check_kinds(monitor, loss_scale)
+    if mesh is not None:
+        _check_parallel(mesh, data_axis, jit, detect_anomaly)
     if compute_dtype is not None:
         compute_dtype = _floating_dtype(compute_dtype, "make_train_step")
         require_dtype_compiles(compute_dtype, "make_train_step", "compute_dtype")
@@ -516,7 +532,11 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         return step
 
     step = build(apply_update)
-    out: Any = jax.jit(step) if jit else step  # a function with the attributes set below
+    out: Any = step if not jit else jax.jit(step)  # a function with the attributes set below
+    if mesh is not None:  # the same step jitted with the state replicated, the rows split
+        from funcgrad.parallel.step import data_parallel_jit
+
+        out = data_parallel_jit(step, mesh, data_axis, accumulate)
     if monitor is not None and accumulate is None:
         out = _attach_monitor(out)
     if detect_anomaly:
@@ -537,17 +557,35 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         return _explain_skipped_update(state, metrics)
 
     out.explain_skipped_update = explain_skipped_update
-    out.unjitted = step if jit else None  # fit runs it in chunks (funcgrad.train.loop._chunks)
+    # fit runs it in chunks (funcgrad.train.loop._chunks); not yet a mesh's step (one call a
+    # batch).
+    out.unjitted = step if jit and mesh is None else None
     # The same without the guard's selects, for fit's re-checked chunks; not with a loss scale
     # (its routine overflows would each send a chunk back to be re-run).
     out.unguarded = (build(functools.partial(apply_update, optimistic=True))
-                     if jit and loss_scale is None else None)
+                     if jit and loss_scale is None and mesh is None else None)
     out.detect_anomaly = detect_anomaly
     out.nonfinite = nonfinite
     out.accumulate = accumulate
     out.tail = tail if accumulate is not None else None
     out.loss = loss
+    out.mesh = mesh
+    out.data_axis = data_axis if mesh is not None else None
     return out
+
+
+def _check_parallel(mesh: Any, data_axis: str, jit: bool, detect_anomaly: bool) -> None:
+    """make_train_step's checks of `mesh` (`funcgrad.parallel.placement.check_mesh`)."""
+    from funcgrad.parallel.placement import check_mesh
+
+    check_mesh(mesh, data_axis, "make_train_step")
+    if not jit:
+        raise ValueError("make_train_step: mesh= shards the jitted step; with jit=False there "
+                         "is nothing to shard. Debug with the one-device step (no mesh).")
+    if detect_anomaly:
+        raise ValueError("make_train_step: detect_anomaly is not supported with mesh= yet: it "
+                         "re-runs the loss eagerly on the host's copy of the batch. Locate a "
+                         "NaN with the one-device step on the same global batch.")
 
 
 def applied_learning_rate(opt_state: optax.OptState) -> jax.Array | None:

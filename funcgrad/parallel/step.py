@@ -1,0 +1,118 @@
+"""The data-parallel train step: ``make_train_step(..., mesh=mesh)`` jits the same step with
+the state replicated over the mesh and the batch's rows split over its data axis.
+
+The loss is still written on the global batch. XLA's partitioner (GSPMD) runs each device's
+rows where they are and inserts the collectives the math needs: the sum of the per-device
+partial gradients (one all-reduce, of all the leaves together), the global sums of a mean
+loss, of a token count, of BatchNorm's statistics. So every number the step computes is the
+one-device step's on the same global batch, up to float rounding of the summation order:
+clipping on the global norm, the non-finite guard, accumulation, loss scaling, the monitor,
+masks, model state and keys (a dropout mask drawn for the global batch with JAX's
+partitionable threefry is the same bits as on one device; each device computes only its
+rows' part of it). `funcgrad.parallel.collectives` lists what was inserted.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from funcgrad._paths import key_paths, keystr
+from funcgrad.parallel.placement import check_mesh, divisibility_error
+
+
+def _check_rows(batch: Any, mask: Any, size: int, axis: str, row_axis: int) -> None:
+    """At trace time: every leaf has a row axis that divides among `size` devices."""
+    where = "the data-parallel train step"
+    for name, tree in (("batch", batch), ("mask", mask)):
+        for path, leaf in zip(key_paths(tree), jax.tree.leaves(tree)):
+            shape = np.shape(leaf)
+            if len(shape) <= row_axis:
+                what = ("(num_micro_batches, micro_batch_size, ...)" if row_axis
+                        else "(batch_size, ...)")
+                raise ValueError(
+                    f"{where}: {name}{keystr(path)} has shape {shape}; every leaf of a "
+                    f"sharded batch has the shape {what}, whose rows are split over the "
+                    f"devices of {axis!r}. Keep settings (a temperature, a flag) in the "
+                    "loss's closure.")
+            if shape[row_axis] % size:
+                raise divisibility_error(where, shape[row_axis], size, axis,
+                                         accumulate=bool(row_axis))
+
+
+def _explain(error: ValueError, mesh: Any, axis: str) -> ValueError | None:
+    """A clearer error for JAX's placement errors at the step's call, or None."""
+    text = str(error)
+    split = re.search(r"partitioned (\d+) times, but the dimension size is (\d+)", text)
+    if split:
+        return divisibility_error("the data-parallel train step", int(split.group(2)),
+                                  int(split.group(1)), axis)
+    rank = re.search(r"key path (\S+) is incompatible.*?only valid for values of rank at "
+                     r"least (\d+), but was applied to a value of rank (\d+)", text, re.S)
+    if rank:
+        return ValueError(
+            f"the data-parallel train step: {rank.group(1)} has {rank.group(3)} axes; every "
+            f"leaf of a sharded batch needs at least {rank.group(2)}, with the rows split over "
+            f"the devices of {axis!r} (the batch (batch_size, ...), stacked micro-batches "
+            "(num_micro_batches, micro_batch_size, ...)). Keep settings (a temperature, a "
+            "flag) in the loss's closure.")
+    if "non-trivial shardings for numpy inputs" in text:
+        return ValueError(
+            f"the data-parallel train step: a batch leaf is a host (NumPy) array in a run of "
+            f"{jax.process_count()} processes, where each process holds only its own rows. "
+            "Build the global batch with fg.process_batch(local_rows, mesh) (each process "
+            "its rows, fg.process_rows) or fg.shard_batch(global_batch, mesh) (every process "
+            "holding the whole batch).")
+    if "does not match the sharding" in text or "incompatible devices" in text.lower():
+        return ValueError(
+            "the data-parallel train step: an argument is placed on other devices or sharded "
+            f"otherwise than the step expects (the state replicated over {mesh}, the batch's "
+            "rows split over its data axis). Place them with fg.replicate(state, mesh) and "
+            "fg.shard_batch / fg.process_batch, or leave them uncommitted (host arrays in one "
+            f"process). JAX said: {text.splitlines()[0]}")
+    return None
+
+
+def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | None) -> Any:
+    """`step` (unjitted) jitted for `mesh`: ``(state, batch[, mask]) -> (state, metrics)``
+    with the state and the new state replicated, the batch's rows (axis 0; axis 1 of stacked
+    micro-batches) split over `axis`, and the metrics where XLA puts them (scalars are
+    replicated). The returned function has ``lower`` for `funcgrad.collectives` and
+    `funcgrad.memory_report`."""
+    size = check_mesh(mesh, axis, "make_train_step")
+    row_axis = 0 if accumulate is None else 1
+    replicated = NamedSharding(mesh, P())
+    rows = NamedSharding(mesh, P(*([None] * row_axis), axis))
+
+    def traced(state: Any, batch: Any, mask: Any) -> Any:
+        _check_rows(batch, mask, size, axis, row_axis)
+        return step(state, batch) if accumulate is None else step(state, batch, mask)
+
+    jitted = jax.jit(traced, in_shardings=(replicated, rows, rows),
+                     out_shardings=(replicated, None))
+
+    def translated(run: Callable, state: Any, batch: Any, mask: Any) -> Any:
+        try:
+            return run(state, batch, mask)
+        except ValueError as error:
+            clearer = _explain(error, mesh, axis)
+            if clearer is None:
+                raise
+            raise clearer from error
+
+    def call(state: Any, batch: Any, mask: Any = None) -> Any:
+        if accumulate is None and mask is not None:
+            raise TypeError("the train step takes (state, batch); a mask is for a step made "
+                            "with accumulate=K.")
+        return translated(jitted, state, batch, mask)
+
+    call.__name__ = call.__qualname__ = getattr(step, "__name__", "step")
+    call.lower = (  # type: ignore[attr-defined]
+        lambda state, batch, mask=None: translated(jitted.lower, state, batch, mask))
+    call.jitted = jitted  # type: ignore[attr-defined]
+    return call

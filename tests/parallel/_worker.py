@@ -1,0 +1,387 @@
+"""One process of a multi-process test, started by ``funcgrad launch`` (tests/parallel/_run.py).
+
+``python _worker.py SCENARIO`` initializes jax.distributed from the launcher's environment
+(a 10 s shutdown timeout: a process left behind fails in seconds), runs the
+scenario and prints one line ``RESULT {json}``. Every comparison has a second method computed
+in the same process without any collective: the one-device step (no mesh) on the same global
+batch, held whole on this process's own device.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import funcgrad as fg
+
+T0 = time.perf_counter()
+# Heartbeats: 30 s. At 10 s a loaded 2-core machine (load 10) starved a process long enough
+# that the coordination service declared it dead (1 run in 6 of state_keys_scale); a process
+# that really dies is seen by the launcher at once, and a hung one by its 60 s limit.
+INFO = fg.distributed_init(heartbeat_timeout=30, shutdown_timeout=10)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+PID, N = INFO.process_id, INFO.num_processes
+MESH = fg.data_mesh()
+RESULT: dict = {"process": PID, "processes": N, "devices": len(jax.devices())}
+
+
+def local(tree):
+    """This process's copy of replicated arrays, as NumPy."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = x.addressable_data(0)
+        if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+    return jax.tree.map(one, tree)
+
+
+def max_abs(tree) -> float:
+    return max((float(np.max(np.abs(x))) for x in jax.tree.leaves(tree) if np.size(x)),
+               default=0.0)
+
+
+def max_diff(a, b) -> float:
+    """The largest |a - b| over the leaves; NaN/inf in the same places count as equal."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        same = (x == y) | (np.isnan(x) & np.isnan(y))
+        if not np.all(same | (np.isfinite(x) & np.isfinite(y))):
+            return float("inf")
+        if x.size:
+            worst = max(worst, float(np.max(np.where(same, 0.0, np.abs(x - y)))))
+    return worst
+
+
+def record_grads() -> optax.GradientTransformation:
+    """An optax stage whose state is the last gradient it was given (after clipping): the
+    step's gradient, read back exactly."""
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda updates, state, params=None: (updates, updates))
+
+
+def global_rows(batch: dict, axis: int = 0) -> dict:
+    """This process's rows of a global batch held whole by every process."""
+    rows = batch[next(iter(batch))].shape[axis]
+    mine = fg.process_rows(rows, MESH)
+    index = (slice(None),) * axis + (mine,)
+    return {k: np.asarray(v)[index] for k, v in batch.items()}
+
+
+def compare(name: str, one, many, steps) -> None:
+    """Runs `steps` (a list of global batches) through both steps; records per-step errors:
+    the recorded gradients relative to max|g|, params, model state, metrics."""
+    s1, sm = one[1], fg.replicate(many[1], MESH)
+    rows = []
+    for batch in steps:
+        s1, m1 = one[0](s1, batch)
+        sharded = fg.process_batch(global_rows(batch), MESH,
+                                   rows=fg.process_rows(len(batch["x"]), MESH))
+        sm, mm = many[0](sm, sharded)
+        p1, pm = local(s1.params), local(sm.params)
+        g1 = local(_recorded(s1.opt_state))
+        gm = local(_recorded(sm.opt_state))
+        scale = max(max_abs(g1), 1e-30)
+        rows.append({
+            "grad_err": max_diff(g1, gm) / scale, "max_g": scale,
+            "param_err": max_diff(p1, pm), "max_p": max_abs(p1),
+            "loss": [float(m1["loss"]), float(local(mm["loss"]))],
+            "grad_norm": [float(m1["grad_norm"]), float(local(mm["grad_norm"]))],
+            "skipped": [int(m1["skipped"]), int(local(mm["skipped"]))],
+            "model_state_err": max_diff(local(s1.model_state), local(sm.model_state)),
+            "key_same": bool(np.array_equal(local(s1.key), local(sm.key)))
+            if s1.key is not None else None,
+        })
+        if "monitor" in m1:
+            rows[-1]["monitor_err"] = max_diff(local(m1["monitor"].values),
+                                               local(mm["monitor"].values))
+        if "loss_scale" in m1:
+            rows[-1]["loss_scale"] = [float(m1["loss_scale"]), float(local(mm["loss_scale"]))]
+    RESULT[name] = rows
+    RESULT[name + "/fingerprint"] = float(sum(np.sum(np.asarray(x, np.float64) * (i + 1))
+                                              for i, x in enumerate(jax.tree.leaves(
+                                                  local(sm.params)))))
+
+
+def _recorded(opt_state):
+    """The record_grads stage's state in an ``optax.chain(record_grads(), ...)`` state, also
+    under fg.freeze's partition (frozen leaves are empty nodes there: no leaves)."""
+    if hasattr(opt_state, "inner_states"):  # optax.partition: the trained part
+        opt_state = opt_state.inner_states["trainable"].inner_state
+    return opt_state[0]
+
+
+def data(rows: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(rows, 16)).astype(np.float32),
+            "y": rng.integers(0, 10, size=rows).astype(np.int32)}
+
+
+def mlp_loss(params, batch):
+    return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
+
+
+def both(loss, tx, state, **options):
+    """The one-device step and the mesh step with the same options, and the state."""
+    return ((fg.make_train_step(loss, tx, **options), state),
+            (fg.make_train_step(loss, tx, mesh=MESH, **options), state))
+
+
+def scenario_step() -> None:
+    """The plain step with clipping, the monitor and the guard (a NaN in process 1's rows at
+    step 2), then a masked token-weighted loss with unequal real tokens per process and a
+    frozen layer; then the collectives of the compiled step."""
+    params = fg.mlp_init(jax.random.key(0), (16, 32, 10))
+    tx = optax.chain(record_grads(), optax.adam(1e-2))
+    mon = fg.grad_monitor()
+    state = fg.init_train_state(params, tx, monitor=mon)
+    one, many = both(mlp_loss, tx, state, clip_norm=0.5, monitor=mon)
+    steps = [data(16, s) for s in range(4)]
+    steps[2]["x"][-1, 0] = np.nan  # the last row: process N-1's
+    compare("clip_monitor_guard", one, many, steps)
+    mesh_step = many[0]
+
+    # Token-weighted: sum of per-token losses over real tokens / number of real tokens.
+    def token_loss(params, batch):
+        x = batch["x"]
+        logits = fg.mlp_apply(params, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:2], -1)
+        per = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        return jnp.sum(per * batch["mask"]) / jnp.sum(batch["mask"])
+
+    rng = np.random.default_rng(7)
+    B, T = 8, 6
+    mask = np.zeros((B, T), np.float32)
+    mask[: B // 2] = 1.0            # process 0's rows: every token real
+    mask[B // 2:, :1] = 1.0         # process 1's rows: one real token each
+    tokens = [{"x": rng.normal(size=(B, T, 16)).astype(np.float32),
+               "y": rng.integers(0, 10, size=(B, T)).astype(np.int32), "mask": mask}
+              for _ in range(3)]
+    tx2 = optax.chain(record_grads(), optax.sgd(0.1))
+    frozen = fg.trainable_mask(params, freeze="0/*")
+    state2 = fg.init_train_state(params, tx2, trainable=frozen)
+    one, many = both(token_loss, tx2, state2, trainable=frozen)
+    compare("token_weighted_frozen", one, many, tokens)
+    # The mean of per-process means, which the step must not compute: how far it is.
+    g = lambda b: jax.grad(token_loss)(params, b)
+    halves = [{k: v[i * B // 2:(i + 1) * B // 2] for k, v in tokens[0].items()} for i in (0, 1)]
+    wrong = jax.tree.map(lambda a, b: (a + b) / 2, g(halves[0]), g(halves[1]))
+    right = g(tokens[0])
+    RESULT["mean_of_means_err"] = max_diff(wrong, right) / max_abs(right)
+
+    batch = fg.process_batch(global_rows(steps[0]), MESH)
+    report = fg.collectives(mesh_step, fg.replicate(state, MESH), batch)
+    shapes = {f"f32[{','.join(map(str, np.shape(p)))}]" for p in jax.tree.leaves(params)}
+    RESULT["collectives"] = report.to_dict()
+    RESULT["param_shapes"] = sorted(shapes)
+
+
+def scenario_smoke() -> None:
+    """A short parity run of the plain step and its collectives (the stress script's)."""
+    params = fg.mlp_init(jax.random.key(0), (16, 32, 10))
+    tx = optax.chain(record_grads(), optax.adam(1e-2))
+    state = fg.init_train_state(params, tx)
+    one, many = both(mlp_loss, tx, state, clip_norm=0.5)
+    compare("smoke", one, many, [data(12, s) for s in range(3)])  # 12 rows: 1 to 4 processes
+    # The metrics a user reads on the host: scalars replicated on every process.
+    _, metrics = many[0](fg.replicate(state, MESH), fg.process_batch(global_rows(data(12, 0)),
+                                                                      MESH))
+    RESULT["host_loss"] = float(metrics["loss"])
+    RESULT["loss_replicated"] = bool(metrics["loss"].is_fully_replicated)
+
+
+def scenario_accumulate() -> None:
+    """accumulate=2 over the devices: equal to the one-device accumulating step, and its
+    first update equal to the full-batch step's."""
+    params = fg.mlp_init(jax.random.key(1), (16, 32, 10))
+
+    def per_example(params, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            fg.mlp_apply(params, batch["x"]), batch["y"])
+
+    tx = optax.chain(record_grads(), optax.sgd(0.1))
+    state = fg.init_train_state(params, tx)
+    one = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0)
+    many = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0, mesh=MESH)
+    full = fg.make_train_step(lambda p, b: jnp.mean(per_example(p, b)), tx, clip_norm=1.0)
+    s1, sm, sf = state, fg.replicate(state, MESH), state
+    rows = []
+    for seed in range(3):
+        batch = data(16, 10 + seed)
+        stacked = {k: v.reshape(2, 8, *v.shape[1:]) for k, v in batch.items()}
+        s1, m1 = one(s1, stacked)
+        mine = global_rows(stacked, axis=1)
+        sharded = jax.tree.map(lambda v: jax.make_array_from_process_local_data(
+            jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec(None, "data")), v,
+            (2, 8, *v.shape[2:])), mine)
+        sm, mm = many(sm, sharded)
+        sf, mf = full(sf, batch)
+        g1, gm, gf = (local(_recorded(s.opt_state)) for s in (s1, sm, sf))
+        scale = max_abs(g1)
+        rows.append({"grad_err": max_diff(g1, gm) / scale,
+                     "full_batch_err": max_diff(g1, gf) / scale if seed == 0 else None,
+                     "param_err": max_diff(local(s1.params), local(sm.params)),
+                     "loss": [float(np.mean(m1["loss"])), float(np.mean(local(mm["loss"])))]})
+    RESULT["accumulate"] = rows
+    report = fg.collectives(many, fg.replicate(state, MESH), sharded)
+    RESULT["collectives"] = report.to_dict()
+
+
+def scenario_state_keys_scale() -> None:
+    """A CNN with BatchNorm (model state) and dropout (keys), and a loss scale whose first
+    steps overflow (skipped, backed off): everything equal to the one-device step."""
+    cnn_params, stats = fg.cnn_init(jax.random.key(0), channels=(4, 8))
+
+    def loss(params, batch, *, model_state, key):
+        logits, model_state = fg.cnn_apply(params, model_state, batch["x"], train=True,
+                                           key=key)
+        return fg.softmax_cross_entropy(logits, batch["y"]), model_state
+
+    tx = optax.chain(record_grads(), optax.adam(1e-3))
+    ls = fg.dynamic_loss_scale(init_scale=2.0**127, max_scale=2.0**127,  # overflows at first
+                               growth_interval=2)
+    state = fg.init_train_state(cnn_params, tx, model_state=stats, seed=3, loss_scale=ls)
+    one, many = both(loss, tx, state, has_state=True, takes_key=True, loss_scale=ls,
+                     clip_norm=1.0)
+    rng = np.random.default_rng(5)
+    steps = [{"x": rng.normal(size=(8, 64)).astype(np.float32),
+              "y": rng.integers(0, 10, size=8).astype(np.int32)} for _ in range(4)]
+    steps[1]["x"] *= 1e4  # gradients above 2: times the scale 2**127 they overflow
+    compare("bn_dropout_loss_scale", one, many, steps)
+
+
+def scenario_mapped() -> None:
+    """User code in shard_map style and pmap style with fg.data_parallel_value_and_grad,
+    against the one-device gradient of the global token mean; and the naive habits."""
+    params = fg.mlp_init(jax.random.key(2), (16, 8, 10))
+    rng = np.random.default_rng(3)
+    B = 8
+    batch = {"x": rng.normal(size=(B, 16)).astype(np.float32),
+             "y": rng.integers(0, 10, size=B).astype(np.int32),
+             "w": np.array([1, 1, 1, 1, 1, 0, 0, 1], np.float32)}  # 4 real rows vs 2
+
+    def sum_and_count(params, shard):
+        per = optax.softmax_cross_entropy_with_integer_labels(
+            fg.mlp_apply(params, shard["x"]), shard["y"])
+        return jnp.sum(per * shard["w"]), jnp.sum(shard["w"])
+
+    def global_mean(params, batch):
+        s, n = sum_and_count(params, batch)
+        return s / n
+
+    right = jax.grad(global_mean)(params, batch)
+    vg = fg.data_parallel_value_and_grad(sum_and_count, "data")
+    P = jax.sharding.PartitionSpec
+    sharded = fg.process_batch(global_rows(batch), MESH)
+    reps = fg.replicate(params, MESH)
+    smap = jax.jit(jax.shard_map(vg, mesh=MESH, in_specs=(P(), P("data")),
+                                 out_specs=(P(), P())))
+    loss_sm, g_sm = smap(reps, sharded)
+    scale = max_abs(right)
+    RESULT["shard_map_err"] = max_diff(local(g_sm), right) / scale
+    RESULT["shard_map_loss"] = [float(local(loss_sm)), float(global_mean(params, batch))]
+    mine = global_rows(batch)
+    per_device = jax.tree.map(lambda v: v[None], mine)  # (local devices = 1, rows, ...)
+    loss_pm, g_pm = jax.pmap(vg, axis_name="data", in_axes=(None, 0))(params, per_device)
+    RESULT["pmap_err"] = max_diff(jax.tree.map(lambda g: np.asarray(g)[0], g_pm),
+                                  right) / scale
+
+    # The habits, with every row real (equal counts): each gradient over the right one.
+    ones = {**batch, "w": np.ones(B, np.float32)}
+    right1 = jax.grad(global_mean)(params, ones)
+    local_mean = lambda p, shard: sum_and_count(p, shard)[0] / sum_and_count(p, shard)[1]
+
+    def psum_loss(p, shard):
+        s, n = sum_and_count(p, shard)
+        return jax.lax.psum(s, "data") / jax.lax.psum(n, "data")
+
+    habits = {
+        "mean_then_pmean": lambda p, sh: jax.lax.pmean(jax.grad(local_mean)(p, sh), "data"),
+        "mean_then_psum": lambda p, sh: jax.lax.psum(jax.grad(local_mean)(p, sh), "data"),
+        "grad_of_psum_loss": lambda p, sh: jax.grad(psum_loss)(p, sh),
+        "grad_of_psum_loss_then_pmean": lambda p, sh: jax.lax.pmean(
+            jax.grad(psum_loss)(p, sh), "data"),
+    }
+    ratio = lambda g: float(np.median([np.sum(np.abs(np.asarray(a))) / np.sum(np.abs(b))
+                                       for a, b in zip(jax.tree.leaves(g),
+                                                       jax.tree.leaves(right1))]))
+    sharded1 = fg.process_batch(global_rows(ones), MESH)
+    per_device1 = jax.tree.map(lambda v: v[None], global_rows(ones))
+    for name, habit in habits.items():
+        g = jax.jit(jax.shard_map(habit, mesh=MESH, in_specs=(P(), P("data")),
+                                  out_specs=P()))(reps, sharded1)
+        RESULT[f"habit/shard_map/{name}"] = ratio(local(g))
+        g = jax.pmap(habit, axis_name="data", in_axes=(None, 0))(params, per_device1)
+        RESULT[f"habit/pmap/{name}"] = ratio(jax.tree.map(lambda x: np.asarray(x)[0], g))
+
+    # The habit from one device: grad of the local mean, then pmean. Under shard_map the
+    # replicated params' cotangent is already summed: N x (with equal counts).
+    def naive(params, shard):
+        g = jax.grad(lambda p: sum_and_count(p, shard)[0] / sum_and_count(p, shard)[1])(params)
+        return jax.lax.pmean(g, "data")
+    g_naive = jax.jit(jax.shard_map(naive, mesh=MESH, in_specs=(P(), P("data")),
+                                    out_specs=P()))(reps, sharded)
+    ratio = [float(np.sum(np.abs(local(a))) / np.sum(np.abs(b)))
+             for a, b in zip(jax.tree.leaves(g_naive), jax.tree.leaves(right))]
+    RESULT["shard_map_naive_ratio"] = float(np.median(ratio))
+
+
+def scenario_uneven() -> None:
+    """Process 1 runs one step fewer than the others: process 0's last step waits for it in
+    the all-reduce. It must end with an error (JAX's shutdown barrier, 10 s here), not hang."""
+    params = fg.mlp_init(jax.random.key(0), (16, 8, 10))
+    tx = optax.sgd(0.1)
+    step = fg.make_train_step(mlp_loss, tx, mesh=MESH)
+    state = fg.replicate(fg.init_train_state(params, tx), MESH)
+    batch = fg.process_batch(global_rows(data(8, 0)), MESH)
+    for _ in range(3 - (PID == 1)):
+        state, metrics = step(state, batch)
+        jax.block_until_ready(state)
+    print(f"process {PID} finished its steps", flush=True)
+
+
+def scenario_bad() -> None:
+    """The errors that must come before a collective: swapped shards, disagreeing shapes,
+    params that differ per process, a batch that does not divide."""
+    errors = {}
+    rows = fg.process_rows(8, MESH)
+    other = slice((rows.start + 4) % 8, (rows.start + 4) % 8 + 4)
+    try:
+        fg.process_batch({"x": np.zeros((4, 3), np.float32)}, MESH, rows=other)
+    except ValueError as e:
+        errors["swapped"] = str(e)
+    try:
+        fg.process_batch({"x": np.zeros((4 + PID, 3), np.float32)}, MESH)
+    except ValueError as e:
+        errors["shapes"] = str(e)
+    try:
+        fg.replicate(fg.mlp_init(jax.random.key(PID), (4, 2)), MESH)
+    except ValueError as e:
+        errors["params"] = str(e)
+    tx = optax.sgd(0.1)
+    st = fg.make_train_step(mlp_loss, tx, mesh=MESH)
+    state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (3, 2)), tx)
+    for name, rows in (("numpy_batch", 6), ("indivisible", 5)):
+        try:
+            st(state, {"x": np.zeros((rows, 3), np.float32), "y": np.zeros(rows, np.int32)})
+        except ValueError as e:
+            errors[name] = str(e)
+    try:
+        fg.process_batch({"x": np.zeros((3, 3), np.float32)}, MESH, check=False)
+        fg.shard_batch({"x": np.zeros((5, 3), np.float32)}, MESH)
+    except ValueError as e:
+        errors["shard_batch"] = str(e)
+    RESULT["errors"] = errors
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        globals()[f"scenario_{name}"]()
+    RESULT["seconds"] = time.perf_counter() - T0
+    print("RESULT " + json.dumps(RESULT), flush=True)
