@@ -380,6 +380,64 @@ def scenario_bad() -> None:
     RESULT["errors"] = errors
 
 
+def fit_rows(history) -> dict:
+    """A `History`'s per-step and per-epoch numbers, as JSON."""
+    return {"step_loss": [float(v) for v in history.step_loss],
+            "grad_norm": [float(v) for v in history.step_grad_norm],
+            "skipped": [str(s) for s in history.skipped_steps],
+            "epochs": [{k: (float(v) if isinstance(v, (int, float, np.number)) else str(v))
+                        for k, v in row.items()} for row in history.epochs]}
+
+
+def _chunk_collectives(step, state, x, y) -> list:
+    """The collectives of the mesh step's compiled chunk (one epoch's full batches): each
+    batch's rows are split over the devices, so the gradient's all-reduce sits in the loop."""
+    from funcgrad.parallel.collectives import parse_collectives
+    from funcgrad.train.loop.placement import place_data, place_state
+
+    runner = next(r for r in step._fit_runners.values() if r._programs)
+    shape, program = next(iter(runner._programs.items()))
+    data = place_data({"x": x, "y": y}, MESH)
+    key = place_state(jax.random.key(1), MESH, check=False)
+    args = ((np.int32(0), np.int32(1)) if shape[0] == "epochs"  # several epochs per call
+            else (np.int32(0), np.int32(0), np.int32(45)))
+    hlo = program.lower(state, data, key, *args).compile()
+    return [{"kind": c.kind, "in_loop": c.in_loop} for c in parse_collectives(hlo.as_text())]
+
+
+def scenario_fit() -> None:
+    """`fit` with the mesh step (chunked, every process holding the whole dataset) against
+    one-device `fit` on the same global data order, in this process; guarded and optimistic
+    chunks, several epochs per call and one per call, a partial last batch (1437 % 32)."""
+    digits = fg.load_digits(seed=0)
+    x, y = digits.x_train.astype(np.float32), digits.y_train.astype(np.int32)
+    params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
+    tx = fg.make_optimizer("adam", 1e-3)
+    for name, options, fit_options in (
+            ("optimistic", {"clip_norm": 1.0}, {}),
+            ("guarded_per_epoch", {}, {"optimistic": False, "chunk": 16})):
+        runs = {}
+        for where, mesh in (("one", None), ("mesh", MESH)):
+            step = fg.make_train_step(mlp_loss, tx, mesh=mesh, **options)
+            start = time.perf_counter()
+            result = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=3,
+                            batch_size=32, seed=1, progress=False, **fit_options)
+            runs[where] = (result, time.perf_counter() - start, step)
+        one, many = runs["one"][0], runs["mesh"][0]
+        p1, pm = local(one.state.params), local(many.state.params)
+        RESULT[name] = {"param_err": max_diff(p1, pm), "max_p": max_abs(p1),
+                        "one": fit_rows(one.history), "mesh": fit_rows(many.history),
+                        "steps": [int(local(one.state.step)), int(local(many.state.step))],
+                        "seconds": [runs["one"][1], runs["mesh"][1]],
+                        "chunked": runs["mesh"][2].unjitted is not None,
+                        "sharding": str(many.state.params[0]["w"].sharding)
+                        if isinstance(many.state.params, list) else None}
+        RESULT[name]["collectives"] = _chunk_collectives(runs["mesh"][2], many.state, x, y)
+        RESULT[name + "/fingerprint"] = float(sum(
+            np.sum(np.asarray(v, np.float64) * (i + 1))
+            for i, v in enumerate(jax.tree.leaves(pm))))
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:]:
         globals()[f"scenario_{name}"]()
