@@ -129,6 +129,11 @@ def add_parser(sub: Any) -> _Parser:
     t.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                    help="at a step whose loss, gradient or update is NaN/inf: stop with a "
                         "report (default), or skip the batch, count it and go on")
+    t.add_argument("--distributed", action="store_true",
+                   help="one process of a data-parallel run (under funcgrad launch -n N, or a "
+                        "cluster's launcher): fg.distributed_init(), the step on a mesh of every "
+                        "process's devices, each batch's rows split over them; only process 0 "
+                        "prints and writes metrics.json and training.png")
     return t
 
 
@@ -157,6 +162,11 @@ def run(train_parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | N
             train_parser.error(
                 "argument --dtype: XLA on this CPU cannot compile float16 (no F16C instructions, "
                 "openxla/xla#6787); use --dtype bfloat16, or a machine with F16C or a GPU")
+    if args.distributed and (args.detect_anomaly or args.memory_report):
+        train_parser.error(
+            f"argument --distributed: not with --"
+            f"{'detect-anomaly' if args.detect_anomaly else 'memory-report'} (debug on one "
+            "process, without --distributed)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                            "pass a folder path (it is created if missing)")
@@ -224,7 +234,7 @@ def _check_out(train_parser: argparse.ArgumentParser, args: argparse.Namespace) 
 #: What --resume may change about a run: how long, where, and how it reports; not what it
 #: trains (model, data, optimizer, batches), which must stay the run's own.
 _RESUME_MAY_CHANGE = {"epochs", "out", "no_progress", "cache_dir", "resume", "checkpoint_every",
-                      "memory_report", "detect_anomaly", "on_nonfinite", "overwrite"}
+                      "distributed", "memory_report", "detect_anomaly", "on_nonfinite", "overwrite"}
 
 
 def _resumed_settings(train_parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -372,6 +382,7 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
     from funcgrad.train.step import init_train_state, make_optimizer, make_train_step
 
     clock = _Clock()
+    mesh, main = _distributed() if args.distributed else (None, True)
     _prefetch_modules()
     os.makedirs(args.out, exist_ok=True)
     cache = _use_caches(args.cache_dir)
@@ -393,15 +404,23 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
 
     model = (cli._mlp(args, data, accumulate) if args.model == "mlp"
              else cli._cnn(args, data, accumulate))
+    if mesh is not None and args.batch_size % mesh.size:
+        print(f"funcgrad: error: argument --batch-size: {args.batch_size} rows do not divide "
+              f"among the {mesh.size} devices of the run; pass a multiple of {mesh.size}",
+              file=sys.stderr)
+        return 2
+    say = print if main else _quiet
 
-    print(f"funcgrad train: {model.description}, {args.optimizer} lr={args.lr:g}, "
+    say(f"funcgrad train: {model.description}, {args.optimizer} lr={args.lr:g}, "
           f"{len(data.x_train)} train / {len(data.x_test)} test "
           f"digits, {args.epochs} epochs of batch {args.batch_size}"
           + (f", clip_norm={args.clip_norm:g}" if args.clip_norm else "")
           + (f", compute {args.dtype}" if compute_dtype is not None else "")
           + (", dynamic loss scale" if loss_scale is not None else "")
           + (f", {accumulate} micro-batches per update (effective batch "
-             f"{min(accumulate * args.batch_size, len(data.x_train))})" if accumulate else ""),
+             f"{min(accumulate * args.batch_size, len(data.x_train))})" if accumulate else "")
+          + (f", data-parallel over {mesh.size} devices of {_process_count()} processes"
+             if mesh is not None else ""),
           flush=True)
     if accumulate and accumulate * args.batch_size > len(data.x_train):
         micro = math.ceil(len(data.x_train) / args.batch_size)
@@ -422,7 +441,7 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
         step = make_train_step(model.loss, tx, clip_norm=args.clip_norm,
                                compute_dtype=compute_dtype, loss_scale=loss_scale,
                                accumulate=accumulate, detect_anomaly=args.detect_anomaly,
-                               monitor=monitor)
+                               monitor=monitor, mesh=mesh)
         state = init_train_state(model.params, tx, loss_scale=loss_scale, monitor=monitor,
                                  **model.state_kwargs)
         if resumed is not None:
@@ -434,11 +453,17 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
             fit, args, step, state, data.x_train, data.y_train, epochs=args.epochs,
             batch_size=args.batch_size, seed=args.seed,
             evaluate=lambda *p: {"test_accuracy": model.test_accuracy(*p)},
-            progress=not args.no_progress and sys.stderr.isatty(), log=print,
+            progress=main and not args.no_progress and sys.stderr.isatty(),
+            log=print if main else None,
             on_nonfinite=args.on_nonfinite, every=args.checkpoint_every or args.epochs)
     clock.lap("train")
     history = result.history
     metrics_path = os.path.join(args.out, "metrics.json")
+    final = float(model.test_accuracy(  # the last finite state if stopped early
+        result.state.params, *(() if result.state.model_state is None
+                               else (result.state.model_state,))))
+    if not main:  # process 0 writes and reports the run (every process holds the same)
+        return 130 if result.interrupted else 1 if result.nonfinite is not None else 0
     with open(metrics_path, "w") as f:
         json.dump(_strict_json({
             "config": {k: v for k, v in vars(args).items() if k != "command"},
@@ -448,9 +473,6 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
     clock.lap("setup")
     plot_path = _plot(history, os.path.join(args.out, "training.png"))
     clock.lap("plot")
-    final = float(model.test_accuracy(  # the last finite state if stopped early
-        result.state.params, *(() if result.state.model_state is None
-                               else (result.state.model_state,))))
     if loss_scale is not None:
         print(f"loss scale {float(result.state.loss_scale.scale):g}, "
               f"{len(history.skipped_steps)} steps skipped")
@@ -492,6 +514,27 @@ def _check_resumable(args: argparse.Namespace, state, resumed: tuple[int, dict])
             f"--loss-scale, --no-monitor) build another state than the checkpointed run's: "
             f"{source}. Pass the flags that run was started with, or start a new run with "
             "another --out.") from None
+
+
+def _distributed():
+    """``--distributed``: joins the run (`funcgrad.distributed_init`, before any computation)
+    and returns its mesh over every process's devices and whether this is process 0."""
+    import jax
+
+    from funcgrad.parallel.distributed import distributed_init
+    from funcgrad.parallel.placement import data_mesh
+
+    distributed_init()
+    return data_mesh(), jax.process_index() == 0
+
+
+def _process_count() -> int:
+    import jax
+    return jax.process_count()
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """`print` on the processes other than 0 of a --distributed run."""
 
 
 def _fit_keeping_everything(fit, args, step, state, x, y, **kwargs):

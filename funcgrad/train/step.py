@@ -557,13 +557,13 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         return _explain_skipped_update(state, metrics)
 
     out.explain_skipped_update = explain_skipped_update
-    # fit runs it in chunks (funcgrad.train.loop._chunks); not yet a mesh's step (one call a
-    # batch).
-    out.unjitted = step if jit and mesh is None else None
+    # fit runs it in chunks (funcgrad.train.loop._chunks), a mesh's step too (the chunk splits
+    # each batch's rows over the mesh's data axis).
+    out.unjitted = step if jit else None
     # The same without the guard's selects, for fit's re-checked chunks; not with a loss scale
     # (its routine overflows would each send a chunk back to be re-run).
     out.unguarded = (build(functools.partial(apply_update, optimistic=True))
-                     if jit and loss_scale is None and mesh is None else None)
+                     if jit and loss_scale is None else None)
     out.detect_anomaly = detect_anomaly
     out.nonfinite = nonfinite
     out.accumulate = accumulate

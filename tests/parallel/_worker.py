@@ -380,6 +380,108 @@ def scenario_bad() -> None:
     RESULT["errors"] = errors
 
 
+def fit_rows(history) -> dict:
+    """A `History`'s per-step and per-epoch numbers, as JSON."""
+    return {"step_loss": [float(v) for v in history.step_loss],
+            "grad_norm": [float(v) for v in history.step_grad_norm],
+            "skipped": [str(s) for s in history.skipped_steps],
+            "epochs": [{k: (float(v) if isinstance(v, (int, float, np.number)) else str(v))
+                        for k, v in row.items()} for row in history.epochs]}
+
+
+def _chunk_collectives(step, state, x, y) -> list:
+    """The collectives of the mesh step's compiled chunk (one epoch's full batches): each
+    batch's rows are split over the devices, so the gradient's all-reduce sits in the loop."""
+    from funcgrad.parallel.collectives import parse_collectives
+    from funcgrad.train.loop.placement import place_data, place_state
+
+    runner = next(r for r in step._fit_runners.values() if r._programs)
+    shape, program = next(iter(runner._programs.items()))
+    data = place_data({"x": x, "y": y}, MESH)
+    key = place_state(jax.random.key(1), MESH, check=False)
+    args = ((np.int32(0), np.int32(1)) if shape[0] == "epochs"  # several epochs per call
+            else (np.int32(0), np.int32(0), np.int32(45)))
+    hlo = program.lower(state, data, key, *args).compile()
+    return [{"kind": c.kind, "in_loop": c.in_loop} for c in parse_collectives(hlo.as_text())]
+
+
+def scenario_fit() -> None:
+    """`fit` with the mesh step (chunked, every process holding the whole dataset) against
+    one-device `fit` on the same global data order, in this process; guarded and optimistic
+    chunks, several epochs per call and one per call, a partial last batch (1437 % 32)."""
+    digits = fg.load_digits(seed=0)
+    x, y = digits.x_train.astype(np.float32), digits.y_train.astype(np.int32)
+    params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
+    tx = fg.make_optimizer("adam", 1e-3)
+    for name, options, fit_options in (
+            ("optimistic", {"clip_norm": 1.0}, {}),
+            ("guarded_per_epoch", {}, {"optimistic": False, "chunk": 16})):
+        runs = {}
+        for where, mesh in (("one", None), ("mesh", MESH)):
+            step = fg.make_train_step(mlp_loss, tx, mesh=mesh, **options)
+            start = time.perf_counter()
+            result = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=3,
+                            batch_size=32, seed=1, progress=False, **fit_options)
+            runs[where] = (result, time.perf_counter() - start, step)
+        one, many = runs["one"][0], runs["mesh"][0]
+        p1, pm = local(one.state.params), local(many.state.params)
+        RESULT[name] = {"param_err": max_diff(p1, pm), "max_p": max_abs(p1),
+                        "one": fit_rows(one.history), "mesh": fit_rows(many.history),
+                        "steps": [int(local(one.state.step)), int(local(many.state.step))],
+                        "seconds": [runs["one"][1], runs["mesh"][1]],
+                        "chunked": runs["mesh"][2].unjitted is not None,
+                        "sharding": str(many.state.params[0]["w"].sharding)
+                        if isinstance(many.state.params, list) else None}
+        RESULT[name]["collectives"] = _chunk_collectives(runs["mesh"][2], many.state, x, y)
+        RESULT[name + "/fingerprint"] = float(sum(
+            np.sum(np.asarray(v, np.float64) * (i + 1))
+            for i, v in enumerate(jax.tree.leaves(pm))))
+
+
+def scenario_resume() -> None:
+    """Orbax checkpoints of the mesh step's replicated state, written by both processes into
+    one folder: 2 epochs, stop, resume to 4 equals 4 without stopping, bit for bit."""
+    import os
+    import shutil
+    import tempfile
+
+    digits = fg.load_digits(seed=0)
+    x, y = digits.x_train.astype(np.float32), digits.y_train.astype(np.int32)
+    params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
+    tx = fg.make_optimizer("adam", 1e-3)
+    step = fg.make_train_step(mlp_loss, tx, mesh=MESH, clip_norm=1.0)
+    port = os.environ["FUNCGRAD_COORDINATOR"].rsplit(":", 1)[1]  # one folder per run
+    root = os.path.join(tempfile.gettempdir(), f"funcgrad-resume-test-{port}")
+    options = {"batch_size": 32, "seed": 1, "progress": False}
+    try:
+        whole = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=4,
+                       checkpoint_dir=os.path.join(root, "whole"), **options)
+        first = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=2,
+                       checkpoint_dir=os.path.join(root, "parts"), **options)
+        resumed = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=4,
+                         checkpoint_dir=os.path.join(root, "parts"), resume=True, **options)
+        saved = sorted(os.listdir(os.path.join(root, "parts")))
+    finally:
+        multihost_sync("resume-done")
+        if PID == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    a, b = local(whole.state), local(resumed.state)
+    RESULT["resume"] = {
+        "bitwise": all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a),
+                                                            jax.tree.leaves(b))),
+        "leaves": len(jax.tree.leaves(a)),
+        "steps": [int(a.step), int(b.step), int(local(first.state.step))],
+        "history_same": whole.history.step_loss == resumed.history.step_loss
+        and whole.history.epochs == resumed.history.epochs,
+        "saved": saved,
+        "sharding": str(resumed.state.params[0]["w"].sharding)}
+
+
+def multihost_sync(name: str) -> None:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:]:
         globals()[f"scenario_{name}"]()

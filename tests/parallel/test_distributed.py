@@ -166,3 +166,51 @@ def test_other_process_counts(n):
     assert all(r["loss_replicated"] for r in results)
     # float() works on every process, and reads the mesh step's first loss again.
     assert results[0]["host_loss"] == pytest.approx(results[0]["smoke"][0]["loss"][1], rel=1e-6)
+
+
+def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
+    return len(a) == len(b) and all(abs(u - v) <= tol * max(1.0, abs(u)) for u, v in zip(a, b))
+
+
+def test_fit_with_the_mesh_step_equals_one_device_fit():
+    """`fit` runs the mesh step in chunks (the batch's rows split over the processes, the
+    state replicated) and ends where one-device `fit` on the same global order ends: params
+    within 1e-6·max|p|, the same per-step losses and norms, the same epoch rows."""
+    results, seconds = launch("fit")
+    assert seconds < RUN_LIMIT
+    for r in results:
+        for name in ("optimistic", "guarded_per_epoch"):
+            run = r[name]
+            assert run["chunked"], run
+            assert "spec=P()" in run["sharding"], run["sharding"]
+            assert run["steps"][0] == run["steps"][1] == 3 * 45, run["steps"]
+            assert run["param_err"] <= TOL * max(1.0, run["max_p"]), run["param_err"]
+            # The rows are split: each device differentiates its own, and one all-reduce per
+            # step sums the gradients (inside the chunk's loop); nothing is all-gathered.
+            kinds = [(c["kind"], c["in_loop"]) for c in run["collectives"]]
+            assert ("all-reduce", True) in kinds, kinds
+            assert not any(k == "all-gather" for k, _ in kinds), kinds
+            one, many = run["one"], run["mesh"]
+            assert _close(one["step_loss"], many["step_loss"])
+            assert _close(one["grad_norm"], many["grad_norm"])
+            assert one["skipped"] == many["skipped"]
+            assert len(one["epochs"]) == len(many["epochs"]) == 3
+            for a, b in zip(one["epochs"], many["epochs"]):
+                assert a.keys() == b.keys()
+                assert _close([v for v in a.values() if isinstance(v, float)],
+                              [v for v in b.values() if isinstance(v, float)]), (a, b)
+    for name in ("optimistic/fingerprint", "guarded_per_epoch/fingerprint"):
+        _same_on_every_process(results, name)
+
+
+def test_checkpoint_and_resume_of_a_mesh_run_is_bit_identical():
+    """Both processes save the replicated state with orbax into one folder; 2 epochs, then a
+    resumed run to 4, ends bit for bit where 4 epochs without stopping end."""
+    results, seconds = launch("resume")
+    assert seconds < RUN_LIMIT
+    for r in results:
+        run = r["resume"]
+        assert run["steps"] == [4 * 45, 4 * 45, 2 * 45], run
+        assert run["bitwise"] and run["history_same"], run
+        assert "spec=P()" in run["sharding"], run
+        assert "90" in run["saved"] and "180" in run["saved"], run

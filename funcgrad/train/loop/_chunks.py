@@ -75,9 +75,13 @@ class ChunkRunner:
     """
 
     def __init__(self, step: Callable, *, accumulate: int | None, skip_bad: bool,
-                 unguarded: bool = False):
+                 unguarded: bool = False, mesh: Any = None, data_axis: str = "data"):
         self.step, self.accumulate, self.skip_bad = step, accumulate, skip_bad
         self.unguarded = unguarded
+        # A data-parallel step's mesh: each batch's rows are split over `data_axis` (each
+        # device gathers its own rows from the replicated dataset), the state and the rows
+        # read back stay replicated (`funcgrad.train.loop.placement`).
+        self.mesh, self.data_axis = mesh, data_axis
         self.monitor_layout = None  # set while tracing a monitored step
         # A guarded chunk donates the state it starts from; an unguarded one keeps it (fit
         # re-runs the chunk from it, guarded, when a step was bad).
@@ -116,10 +120,39 @@ class ChunkRunner:
                                   tail=tail, batch_size=batch_size))
         return program(state, data, key, first, count)
 
+    # --- placement over a mesh (a data-parallel step) ------------------------------------
+    def _replicated(self, tree):
+        """`tree` constrained to be replicated over the mesh (no-op without one)."""
+        if self.mesh is None:
+            return tree
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, P()))
+
+    def _split_rows(self, batch):
+        """A batch with its rows (axis 0; axis 1 of stacked micro-batches and their mask)
+        split over the mesh's data axis. Rows that do not divide among the devices (an
+        epoch's last, smaller batch) stay replicated: the same numbers, computed on every
+        device."""
+        if self.mesh is None:
+            return batch
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        size = int(self.mesh.shape[self.data_axis])
+        row_axis = 0 if self.accumulate is None else 1
+
+        def split(leaf):
+            if leaf.ndim <= row_axis or leaf.shape[row_axis] % size:
+                return leaf
+            spec = P(*([None] * row_axis), self.data_axis)
+            return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
+        return jax.tree.map(split, batch)
+
     # --- one step inside the loop --------------------------------------------------------
     def _compute(self, state, batch):
         """One step and its metrics in the chunks' layout (see the class docstring)."""
-        new_state, metrics = self.step(state, batch)
+        new_state, metrics = self.step(state, self._split_rows(batch))
+        new_state = self._replicated(new_state)
         if self.accumulate is not None:  # one update: its metrics without the update axis
             metrics = {k: jax.tree.map(lambda a: a[0], v) for k, v in metrics.items()
                        if k not in ("aux", "examples", "dropped_examples")}
@@ -232,7 +265,8 @@ class ChunkRunner:
             return self._batch_of(data, jax.lax.dynamic_slice(order, ((start + i) * size,),
                                                               (size,)))
         last = self._tail_of(data, order[n - tail:], batch_size) if tail else None
-        return self._loop(state, batch_at if size <= n else None, count, length, last)
+        return self._replicated(self._loop(state, batch_at if size <= n else None, count,
+                                           length, last))
 
     def _epochs(self, state, data, key, first, count, *, most, length, size, tail,
                 batch_size):
@@ -247,12 +281,13 @@ class ChunkRunner:
             state, ran, rows = one(state, e)
             return state, jax.tree.map(lambda b, v: b.at[e].set(v), buffers, (ran, rows))
         state, (counts, rows) = jax.lax.fori_loop(0, count, body, (state, buffers))
-        return state, counts, rows
+        return self._replicated((state, counts, rows))
 
     def _stacked(self, state, batches):
         length = jax.tree.leaves(batches)[0].shape[0]
-        return self._loop(state, lambda i: jax.tree.map(lambda leaf: leaf[i], batches),
-                          jnp.int32(length), length)
+        return self._replicated(self._loop(
+            state, lambda i: jax.tree.map(lambda leaf: leaf[i], batches), jnp.int32(length),
+            length))
 
 
 def alert_flag(m) -> Any:

@@ -18,7 +18,13 @@ from funcgrad.train.loop._chunks import ChunkRunner, epoch_order
 from funcgrad.train.loop._dispatches import LOADER_CHUNK, MAX_CHUNK, Dispatches, base_key
 from funcgrad.train.loop._record import Recorder, fetched, host_row, with_ran
 from funcgrad.train.loop.history import NonFiniteReport
-from funcgrad.train.loop.placement import owned_copy, place_data, stack_batches
+from funcgrad.train.loop.placement import (
+    mesh_of,
+    owned_copy,
+    place_data,
+    place_state,
+    stack_batches,
+)
 from funcgrad.train.loop.sources import split_for_accumulation, take_rows
 from funcgrad.train.microbatches import Microbatches, group_microbatches, stack_microbatches
 from funcgrad.train.step import TrainState
@@ -38,8 +44,11 @@ class _Run(Recorder, Dispatches):
         self.fast = (_runner(step, unguarded, skip_bad, unguarded=True)
                      if chunked and optimistic and not skip_bad and unguarded is not None
                      else None)
-        self.data = (place_data(source.tree) if chunked and source.tree is not None else None)
-        self.key = base_key(seed)  # the order's base key, on the device once
+        mesh = mesh_of(step) if chunked else None
+        self.data = (place_data(source.tree, mesh) if chunked and source.tree is not None
+                     else None)
+        # The order's base key, on the device once (replicated over a data-parallel mesh).
+        self.key = place_state(base_key(seed), mesh, check=False)
         self.first_call, self.previous_report = True, None
         self.owned = False  # whether self.state's buffers are fit's own (may be donated)
         self.epochs = epochs
@@ -262,7 +271,8 @@ def _runner(step: Callable, raw: Callable, skip_bad: bool,
     if (skip_bad, unguarded) not in runners:
         runners[skip_bad, unguarded] = ChunkRunner(
             raw, accumulate=getattr(step, "accumulate", None), skip_bad=skip_bad,
-            unguarded=unguarded)
+            unguarded=unguarded, mesh=mesh_of(step),
+            data_axis=getattr(step, "data_axis", None) or "data")
     return runners[skip_bad, unguarded]
 
 

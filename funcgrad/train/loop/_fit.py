@@ -26,6 +26,7 @@ from funcgrad.train.loop._checks import check_accumulation, check_callables
 from funcgrad.train.loop._epochs import _Run
 from funcgrad.train.loop.evaluate import evaluated, evaluator_of
 from funcgrad.train.loop.history import FitResult, History, epoch_row, format_epoch
+from funcgrad.train.loop.placement import mesh_of, place_state
 from funcgrad.train.loop.sources import as_source
 from funcgrad.train.step import TrainState
 
@@ -199,7 +200,8 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     bar = tqdm(total=total, disable=not progress, unit="step", leave=False)
     run.bar = bar
     run.write = lambda line: _say(log, tqdm, line)
-    run.state, run.run_step = state, run_step
+    # A data-parallel step's state is replicated over its mesh (checked equal across processes).
+    run.state, run.run_step = place_state(state, mesh_of(step)), run_step
     position = {"epoch": start_epoch - 1, "step_in_epoch": start_in_epoch, "run_step": run_step,
                 "epoch_first": epoch_first, **settings}
     bar.update(run_step if total is not None else 0)
