@@ -53,6 +53,36 @@ class Collective:
     in_loop: bool
     replica_groups: str = ""
 
+    @property
+    def group_size(self) -> int | None:
+        """Devices in each group of this collective, read from `replica_groups` in any of the
+        forms XLA writes: explicit lists (``{{0,1,2,3}}``), iota lists (``[1,4]<=[4]``: 1 group
+        of 4), or mesh axes (``mesh['axis_0'=4,'axis_1'=1] {'axis_0'}``: the product of the
+        reduced axes' sizes). None when the HLO gives no groups (``{}``: every device) or in
+        a form not recognised."""
+        return _group_size(self.replica_groups)
+
+
+def _group_size(text: str) -> int | None:
+    text = text.strip()
+    mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+    if mesh:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'\s*=\s*(\d+)", mesh.group(1))}
+        reduced = re.findall(r"'([^']+)'", mesh.group(2))
+        if not reduced or any(r not in sizes for r in reduced):
+            return None
+        size = 1
+        for r in reduced:
+            size *= sizes[r]
+        return size
+    iota = re.match(r"\[(\d+),(\d+)\]<=", text)
+    if iota:
+        return int(iota.group(2))
+    first = re.match(r"\{\{([\d,\s]+)\}", text)
+    if first:
+        return len([d for d in first.group(1).split(",") if d.strip()])
+    return None
+
 
 def _shapes(text: str) -> tuple[tuple[str, ...], int]:
     """The array types in an HLO result type and their bytes (token and tuple wrappers skipped)."""
@@ -89,7 +119,7 @@ class CollectiveReport(tuple):
 
     def to_dict(self) -> list[dict]:
         """The rows as JSON-ready dicts."""
-        return [dict(c.__dict__, shapes=list(c.shapes)) for c in self]
+        return [dict(c.__dict__, shapes=list(c.shapes), group_size=c.group_size) for c in self]
 
     def __str__(self) -> str:
         if not self:

@@ -149,7 +149,8 @@ def test_parse_collectives():
     inner, body, fused, gather = report
     assert fused.shapes == ("f32[4,3]", "f32[3]", "f32[]") and fused.bytes == 4 * (12 + 3 + 1)
     assert fused.computation == "main.42" and not fused.in_loop
-    assert fused.replica_groups == "[1,2]<=[2]"
+    assert fused.replica_groups == "[1,2]<=[2]" and fused.group_size == 2
+    assert inner.group_size == 2  # {{0,1}}
     assert gather.shapes == ("f32[4,3]",) and gather.bytes == 48  # the done's result
     assert body.in_loop and body.computation == "body.7" and inner.in_loop
     assert report.count("all-reduce") == 3 and report.count("all-gather") == 1
@@ -161,6 +162,19 @@ def test_parse_collectives():
     assert str(parse_collectives("")).startswith("collectives: none")
     with pytest.raises(TypeError, match="jitted function"):
         fg.collectives(lambda x: x)
+
+
+@pytest.mark.parametrize("groups, size", [
+    ("{{0,1,2,3}}", 4), ("{{0,1},{2,3}}", 2), ("[2,4]<=[8]", 4),
+    ("mesh['axis_0'=4] {'axis_0'}", 4), ("mesh['axis_0'=4,'axis_1'=1] {'axis_0'}", 4),
+    ("mesh['data'=2,'model'=4] {'data','model'}", 8), ("mesh['data'=2,'model'=4] {'model'}", 4),
+    ("{}", None), ("", None)])
+def test_group_size_in_each_form_xla_writes(groups, size):
+    hlo = ("HloModule m\n\nENTRY %main.1 (p: f32[8]) -> f32[8] {\n  %p = f32[8]{0} parameter(0)\n"
+           f"  ROOT %all-reduce.1 = f32[8]{{0}} all-reduce(%p), replica_groups={groups}, "
+           "to_apply=%add\n}\n")
+    (row,) = parse_collectives(hlo)
+    assert row.replica_groups == groups and row.group_size == size
 
 
 SIMULATED = textwrap.dedent("""
@@ -197,9 +211,9 @@ def test_collectives_of_a_step_compiled_for_four_simulated_devices():
     # The 4 gradients (w and b of 2 layers) and the loss's global sum, in one tuple.
     assert grads["bytes"] == 4 * (64 * 32 + 32 + 32 * 10 + 10 + 1)
     assert len(grads["shapes"]) == 5 and not grads["in_loop"]
-    # Over all 4 devices: "mesh['axis_0'=4] {'axis_0'}" (jax 0.10), "mesh['data'=4] {'data'}"
-    # (0.12), or "{{0,1,2,3}}".
-    assert "=4]" in grads["replica_groups"] or "0,1,2,3" in grads["replica_groups"]
+    # Over all 4 devices, however XLA writes the groups ("mesh['axis_0'=4] {'axis_0'}",
+    # "mesh['axis_0'=4,'axis_1'=1] {'axis_0'}", "mesh['data'=4] {'data'}", "{{0,1,2,3}}").
+    assert grads["group_size"] == 4, grads["replica_groups"]
     assert "collectives: 1 (1 all-reduce), 9,644 bytes" in out["memory"]
     assert "30 rows does not divide among the 4 devices" in out["indivisible"]
     assert "Pad it to 32 rows" in out["indivisible"]
