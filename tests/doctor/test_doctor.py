@@ -68,6 +68,27 @@ def test_data_constant_input_fails_and_a_zero_column_passes():
     assert f.verdict == "fail" and "same for every example" in f.summary
 
 
+def test_data_a_nonzero_constant_column_passes_and_constant_tokens_fail():
+    d = _small.data()
+    d["x"][:, 3] = -0.0373  # a blank pixel after standardisation: harmless to the gradients
+    f = run(data=d, checks=["data"]).by_check("data")
+    assert f.verdict == "pass", f.summary
+    d["x"][:, :6] = 0.25    # most of the input constant: the input was lost
+    f = run(data=d, checks=["data"]).by_check("data")
+    assert f.verdict == "warn" and "6 of the 8 features" in f.summary, f.summary
+
+    def token_loss(params, batch):
+        x = jax.nn.one_hot(batch["tokens"], 8).sum(axis=1)
+        return _small.loss(params, {"x": x, "y": batch["y"]})
+    d = _small.data()
+    tokens = np.zeros((len(d["y"]), 5), np.int32)
+    f = run(token_loss, data={"tokens": tokens, "y": d["y"]}, checks=["data"]).by_check("data")
+    assert f.verdict == "fail" and f.place["leaf"] == "data['tokens']", f.summary
+    tokens[::2, 1] = 3
+    f = run(token_loss, data={"tokens": tokens, "y": d["y"]}, checks=["data"]).by_check("data")
+    assert f.verdict == "pass", f.summary
+
+
 def test_data_coupling_through_the_batch_is_found():
     # Centring the logits on the batch mean couples every example with every other one; the
     # plain mean of per-example losses has a block-diagonal Hessian in the inputs (exactly 0
@@ -77,6 +98,20 @@ def test_data_coupling_through_the_batch_is_found():
     assert healthy.evidence["coupling"]["relative_cross_term"] == 0.0
     f = run(_small.mean_logits_loss, checks=["data"]).by_check("data")
     assert f.verdict == "warn" and "coupled" in f.summary
+
+
+def test_data_coupling_probe_works_through_a_custom_vjp():
+    @jax.custom_vjp
+    def square(x):
+        return x * x
+
+    square.defvjp(lambda x: (x * x, x), lambda x, g: (2 * x * g,))
+
+    def loss(params, batch):
+        return _small.loss(params, {"x": square(batch["x"]), "y": batch["y"]})
+    f = run(loss, checks=["data"]).by_check("data")
+    assert f.verdict == "pass", f.summary
+    assert f.evidence["coupling"]["coupled"] is False
 
 
 def test_init_loss_warns_on_large_initial_logits():
