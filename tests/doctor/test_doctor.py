@@ -163,6 +163,25 @@ def test_fd_audit_names_a_wrong_custom_rule():
     assert run(checks=["fd_audit"]).by_check("fd_audit").verdict == "pass"
 
 
+def test_fd_audit_does_not_fail_a_correct_gradient_at_a_relu_kink():
+    # healthy_aux's check rows put a ReLU pre-activation 6.6e-7 from its kink: the gradient is
+    # right, and the disagreement goes away on other rows (a wrong rule's would not).
+    from funcgrad.doctor import doctor_file
+
+    path = pathlib.Path(__file__).parent / "models" / "healthy_aux.py"
+    with jax.numpy_rank_promotion("allow"):
+        f = doctor_file(path, checks=["fd_audit"]).by_check("fd_audit")
+    assert f.verdict == "pass", f.summary
+    assert f.evidence["recheck"]["still_failing"] == []
+
+
+def test_fd_audit_skips_a_non_finite_loss():
+    d = _small.data()
+    d["x"][0, 0] = np.nan
+    f = run(data=d, checks=["fd_audit"]).by_check("fd_audit")
+    assert f.verdict == "skipped" and "not finite" in f.summary, f.summary
+
+
 def test_nonfinite_locates_the_log_of_zero():
     def loss(params, batch):
         probs = jax.nn.softmax(fg.mlp_apply(params, batch["x"], activation="tanh") * 0.0)
