@@ -228,6 +228,23 @@ def test_baseline_warns_when_the_model_ignores_its_input():
     assert f.verdict == "warn", f.summary
 
 
+def test_baseline_of_a_regression_is_the_mean_target_and_keeps_the_target():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    y = (np.sin(x[:, 0]) + 0.5 * x[:, 1]).astype(np.float32)
+
+    def loss(params, batch):
+        return fg.mean_squared_error(fg.mlp_apply(params, batch["x"])[:, 0], batch["y"])
+
+    params = fg.mlp_init(jax.random.key(0), (8, 16, 1), activation="tanh")
+    f = doctor(loss, params, {"x": x, "y": y}, checks=["baseline"], steps=150,
+               optimizer=fg.make_optimizer("adam", 1e-2)).by_check("baseline")
+    assert f.verdict == "pass", f.summary
+    held = y[-64:]  # the check's held-out rows
+    assert f.evidence["baselines"]["mean_target"] == pytest.approx(float(np.var(held)), rel=1e-3)
+    assert f.evidence["baselines"]["mean_input"] > 0.5 * f.evidence["baselines"]["mean_target"]
+
+
 def test_semantics_accumulation_divided_by_the_micro_batch_count_fails():
     def divided(params, batch):  # the PyTorch habit loss / accum_steps, under accumulate=4
         return _small.per_example(params, batch) / 4.0
