@@ -290,6 +290,17 @@ def test_a_crashing_check_is_an_error_and_the_others_still_run(monkeypatch):
     assert report.exit_code == 0
 
 
+def test_a_linen_model_file_whose_call_needs_train_is_loaded_in_training_mode():
+    from funcgrad.doctor import load_model_file
+
+    path = pathlib.Path(__file__).parent / "models" / "bn_stats_linen_momentum.py"
+    pieces = load_model_file(path)
+    loss = pieces["loss"]
+    batch = jax.tree.map(lambda x: x[:4], pieces["data"])
+    out = loss.bind(pieces["model_state"])(pieces["params"], batch)
+    assert np.isfinite(float(out)) and loss.has_state
+
+
 def test_bad_pieces_are_model_file_errors():
     with pytest.raises(ModelFileError, match="different numbers of examples"):
         run(data={"x": np.zeros((10, 8), np.float32), "y": np.zeros(9, np.int32)})
