@@ -277,6 +277,22 @@ def test_semantics_frozen_leaves_stay_put_and_clipping_uses_the_true_norm():
     assert f.evidence["trainable"]["frozen_moved"] == []
 
 
+def test_semantics_a_freeze_inside_the_optimizer_undone_by_weight_decay_fails():
+    import optax
+
+    params = _small.params()
+    mask = jax.tree.unflatten(jax.tree.structure(params), [True, True, False, False])
+    leaky = optax.chain(optax.masked(optax.set_to_zero(), mask),
+                        optax.add_decayed_weights(1e-2), optax.sgd(0.1))
+    f = run(optimizer=leaky, checks=["semantics"]).by_check("semantics")
+    assert f.verdict == "fail" and "frozen inside the optimizer" in f.summary, f.summary
+    assert f.place["leaf"] == "params[0]['w']"
+    tight = optax.chain(optax.add_decayed_weights(1e-2),
+                        optax.masked(optax.set_to_zero(), mask), optax.sgd(0.1))
+    f = run(optimizer=tight, checks=["semantics"]).by_check("semantics")
+    assert f.verdict == "skipped", f.summary
+
+
 def test_a_crashing_check_is_an_error_and_the_others_still_run(monkeypatch):
     from funcgrad.doctor.checks import init_loss
 
