@@ -121,6 +121,24 @@ def test_init_loss_warns_on_large_initial_logits():
     assert f.verdict == "warn" and f.evidence["ratio"] > 2.0
 
 
+def test_init_loss_words_the_cause_by_the_evidence():
+    def summed(params, batch):
+        return _small.loss(params, batch) * batch["y"].shape[0]
+    f = run(summed, checks=["init_loss"]).by_check("init_loss")
+    assert f.verdict == "warn" and "looks summed" in f.summary, f.summary
+
+    def scaled(params, batch):
+        return _small.loss(params, batch) * 1024.0
+    f = run(scaled, checks=["init_loss"]).by_check("init_loss")
+    assert f.verdict == "warn" and "multiplied by a constant" in f.summary, f.summary
+    assert "large and confident" not in f.summary
+
+    params = _small.params()
+    params[1]["w"] = params[1]["w"] * 300.0  # one layer drawn far too large
+    f = run(params=params, checks=["init_loss"]).by_check("init_loss")
+    assert f.verdict == "warn" and f.place["layer"] == "params[1]", (f.summary, f.place)
+
+
 def test_grad_flow_names_a_detached_and_an_unused_leaf():
     def detached(params, batch):
         frozen = [params[0], {"w": jax.lax.stop_gradient(params[1]["w"]), "b": params[1]["b"]}]
