@@ -210,6 +210,22 @@ def test_nonfinite_locates_the_log_of_zero():
     assert f.place["line"].startswith("test_doctor.py:")
 
 
+def _dead_relu_loss(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["hidden"]["w"] + params["hidden"]["b"][None])
+    return fg.softmax_cross_entropy(h @ params["out"]["w"], batch["y"])
+
+
+def test_grad_stats_names_the_layer_feeding_dead_relu_units():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"hidden": {"w": jax.random.normal(k1, (8, 16)) * 0.3, "b": jnp.full(16, -20.0)},
+              "out": {"w": jax.random.normal(k2, (16, _small.K)) * 0.25}}
+    f = run(_dead_relu_loss, params=params, checks=["grad_stats"],
+            source=__file__).by_check("grad_stats")
+    assert f.verdict == "warn" and "dead" in f.summary, f.summary
+    assert f.place["layer"] == "params['hidden']", f.place
+    assert "params['hidden']['w']" in f.summary
+
+
 def test_training_fails_when_the_learning_rate_is_far_too_high():
     f = run(optimizer=fg.make_optimizer("sgd", 300.0), checks=["training"],
             steps=40).by_check("training")
