@@ -53,8 +53,9 @@ def load_model_file(path: str | os.PathLike) -> dict[str, Any]:
       a dict with "loss" (a function or `funcgrad.Loss`), "params", "model_state" (None when
       the model has none), "data", "optimizer", "step_kwargs", "classes", "evaluate" (None
       where the file does not define them) and "source" (the file's path). A file with
-      `model` and `objective` gives ``model.loss(objective)`` (with ``train=True`` for a model
-      with mode-dependent layers) and the model's params and model state.
+      `model` and `objective` gives ``model.loss(objective, train=True)`` (plainly for a
+      linen module whose call takes no ``train``), "eval_loss" (``train=False``, for the
+      held-out loss) and the model's params and model state.
     Raises:
       ModelFileError: the file is missing or not Python, raises on import (the message gives
         the exception and the file's line), lacks `init`/`loss` (or `model`/`objective`) or
@@ -177,7 +178,12 @@ def _from_adapter(path: str, names: dict[str, Any]) -> dict[str, Any]:
         plain = model.loss(objective)
         if _runs(plain, model, names.get("data")):
             return {"loss": plain, "params": model.params, "model_state": model.model_state}
-    return {"loss": loss, "params": model.params, "model_state": model.model_state}
+    try:  # evaluation (the baseline's held-out loss) in the inference mode
+        eval_loss = model.loss(objective, train=False, takes_key=False)
+    except (TypeError, ValueError):
+        eval_loss = None
+    return {"loss": loss, "params": model.params, "model_state": model.model_state,
+            "eval_loss": eval_loss}
 
 
 def _runs(loss: Any, model: Any, data: Any) -> bool:

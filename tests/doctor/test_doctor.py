@@ -349,6 +349,12 @@ def test_a_linen_model_file_whose_call_needs_train_is_loaded_in_training_mode():
     batch = jax.tree.map(lambda x: x[:4], pieces["data"])
     out = loss.bind(pieces["model_state"])(pieces["params"], batch)
     assert np.isfinite(float(out)) and loss.has_state
+    # Evaluation in the inference mode: running statistics, so the loss of a batch is the mean
+    # of its examples' losses (in training mode, batch statistics couple them).
+    held = pieces["eval_loss"].bind(pieces["model_state"])
+    rows = [float(held(pieces["params"], jax.tree.map(lambda x, i=i: x[i:i + 1], batch)))
+            for i in range(4)]
+    assert float(held(pieces["params"], batch)) == pytest.approx(np.mean(rows), rel=1e-5)
 
 
 def test_bad_pieces_are_model_file_errors():

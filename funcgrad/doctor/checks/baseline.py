@@ -30,13 +30,15 @@ def check(ctx: Context) -> Finding:
     state = record["state"]
     n = getattr(subject.data, "n", None)
     held = subject.data.rows(ctx.options["check_rows"], start=(n or 10**9))  # the last rows
-    bound = subject.loss.bind(state.model_state, subject.key)
+    held_loss = subject.eval_loss if subject.eval_loss is not None else subject.loss
+    bound = held_loss.bind(state.model_state, subject.key if held_loss.takes_key else None)
 
     def loss(params, batch):
         out = bound(params, batch)
         return jnp.mean(out) if jnp.ndim(out) else out
     model = float(jax.jit(loss)(state.params, held))
-    evidence: dict = {"loss_trained": model, "steps": len(record["loss"])}
+    evidence: dict = {"loss_trained": model, "steps": len(record["loss"]),
+                      "mode": "inference" if subject.eval_loss is not None else "training"}
     baselines: dict[str, float] = {}
     flat, tree = jax.tree.flatten(held)
     label = label_leaf(held)
