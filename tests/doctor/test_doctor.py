@@ -325,6 +325,14 @@ def test_semantics_a_freeze_inside_the_optimizer_undone_by_weight_decay_fails():
                         optax.masked(optax.set_to_zero(), mask), optax.sgd(0.1))
     f = run(optimizer=tight, checks=["semantics"]).by_check("semantics")
     assert f.verdict == "skipped", f.summary
+    # Adam's first step is -lr * sign(g): a one-element leaf must not look gradient-blind.
+    params = {"w": jnp.ones((8, 3)) * 0.1, "b": jnp.zeros(1)}
+
+    def loss(p, batch):
+        return fg.softmax_cross_entropy(batch["x"] @ p["w"] + p["b"][0], batch["y"])
+    for seed in range(4):  # (random probe gradients: several draws)
+        f = run(loss, params=params, checks=["semantics"], seed=seed).by_check("semantics")
+        assert f.verdict == "skipped", f.summary
 
 
 def test_a_crashing_check_is_an_error_and_the_others_still_run(monkeypatch):

@@ -211,10 +211,10 @@ def _frozen(ctx: Context):
 
 
 def _gradient_ignored(ctx: Context):
-    """The optimizer's first update for two different gradients: a trained leaf whose update is
-    the same both times (it ignores its gradient) yet not zero is frozen inside the optimizer
-    (masked set_to_zero, a 'frozen' group of multi_transform) and still moved by what follows
-    (weight decay). None when the optimizer cannot be probed this way."""
+    """The optimizer's first update for a random gradient g and for -2 g: a trained leaf whose
+    update is the same both times (it ignores its gradient) yet not zero is frozen inside the
+    optimizer (masked set_to_zero, a 'frozen' group of multi_transform) and still moved by what
+    follows (weight decay). None when the optimizer cannot be probed this way."""
     subject = ctx.subject
     params = subject.params
     leaves, tree = jax.tree.flatten(params)
@@ -229,7 +229,9 @@ def _gradient_ignored(ctx: Context):
         opt = subject.optimizer
         state = opt.init(params)
         update = jax.jit(lambda g: opt.update(g, state, params)[0])
-        first, second = (jax.tree.leaves(update(gradient())) for _ in range(2))
+        g = gradient()  # and -2 g: a sign-based first step (Adam's) follows the sign, which
+        first = jax.tree.leaves(update(g))  # two random draws of a 1-element leaf may share
+        second = jax.tree.leaves(update(jax.tree.map(lambda x: -2 * x, g)))
     except Exception:  # noqa: BLE001 - an optimizer that needs more (extra args): not probed
         return None
     if len(first) != len(leaves):
