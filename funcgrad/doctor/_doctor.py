@@ -28,7 +28,8 @@ _RUN_ORDER = ("data", "init_loss", "grad_flow", "fd_audit", "grad_stats", "train
 def doctor(loss: Callable | Any, params: PyTree, data: Any, *, model_state: PyTree = None,
            optimizer: Any = None, step_kwargs: dict | None = None, classes: int | None = None,
            evaluate: Callable | None = None, key: jax.Array | None = None,
-           checks: Iterable[str] | None = None, skip: Iterable[str] | None = None,
+           eval_loss: Any = None, checks: Iterable[str] | None = None,
+           skip: Iterable[str] | None = None,
            steps: int | None = None, overfit_steps: int | None = None, seed: int = 0,
            batch_size: int = 32, source: str | None = None,
            progress: Callable[[Finding], None] | None = None,
@@ -55,6 +56,9 @@ def doctor(loss: Callable | Any, params: PyTree, data: Any, *, model_state: PyTr
       evaluate: ``evaluate(params[, model_state]) -> {name: number}``, run after the training
         check (its numbers are that check's evidence).
       key: the PRNG key of a loss that takes one (default ``jax.random.key(seed)``).
+      eval_loss: the loss in the inference mode (BatchNorm's running statistics, no dropout),
+        under the same contract, for the held-out loss of the baseline check (default: `loss`);
+        a model file's `model` + `objective` gives ``model.loss(objective, train=False)``.
       checks: the checks to run (names from `CHECKS`; default all); skip: checks to leave out.
       steps: the training check's optimizer steps (default 100); overfit_steps: the overfit
         check's budget (default 300).
@@ -87,7 +91,7 @@ def doctor(loss: Callable | Any, params: PyTree, data: Any, *, model_state: PyTr
         options["overfit_steps"] = _count("overfit_steps", overfit_steps)
     subject = Subject(loss, params, data, model_state=model_state, optimizer=optimizer,
                       step_kwargs=step_kwargs, classes=classes, evaluate=evaluate, key=key,
-                      batch_size=batch_size, seed=seed, source=source)
+                      eval_loss=eval_loss, batch_size=batch_size, seed=seed, source=source)
     ctx = Context(subject, options)
     subject.preflight(ctx.tiny)
     found: dict[str, Finding] = {}

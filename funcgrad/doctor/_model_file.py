@@ -53,8 +53,9 @@ def load_model_file(path: str | os.PathLike) -> dict[str, Any]:
       a dict with "loss" (a function or `funcgrad.Loss`), "params", "model_state" (None when
       the model has none), "data", "optimizer", "step_kwargs", "classes", "evaluate" (None
       where the file does not define them) and "source" (the file's path). A file with
-      `model` and `objective` gives ``model.loss(objective)`` (with ``train=True`` for a model
-      with mode-dependent layers) and the model's params and model state.
+      `model` and `objective` gives ``model.loss(objective, train=True)`` (plainly for a
+      linen module whose call takes no ``train``), "eval_loss" (``train=False``, for the
+      held-out loss) and the model's params and model state.
     Raises:
       ModelFileError: the file is missing or not Python, raises on import (the message gives
         the exception and the file's line), lacks `init`/`loss` (or `model`/`objective`) or
@@ -166,14 +167,44 @@ def _from_adapter(path: str, names: dict[str, Any]) -> dict[str, Any]:
                 if wrong == "model" else "a function (outputs, batch) -> loss")
         raise ModelFileError(f"{path}: `{wrong}` must be {want}; got {got}.\n\n"
                              f"{EXPECTED_FILE}")
+    # The training mode (BatchNorm's batch statistics, dropout), as the train step uses the
+    # model; a model whose call takes no `train` (a linen module without the keyword) plainly.
     try:
-        loss = model.loss(objective)
+        loss = model.loss(objective, train=True)
     except ValueError as error:
-        if "train" not in str(error):
-            raise ModelFileError(f"{path}: model.loss(objective) raised: "
-                                 f"{_first_line(error)}\n\n{EXPECTED_FILE}") from None
-        loss = model.loss(objective, train=True)  # BatchNorm, dropout: the training mode
-    return {"loss": loss, "params": model.params, "model_state": model.model_state}
+        raise ModelFileError(f"{path}: model.loss(objective, train=True) raised: "
+                             f"{_first_line(error)}\n\n{EXPECTED_FILE}") from None
+    if model.library == "linen" and not _runs(loss, model, names.get("data")):
+        plain = model.loss(objective)
+        if _runs(plain, model, names.get("data")):
+            return {"loss": plain, "params": model.params, "model_state": model.model_state}
+    try:  # evaluation (the baseline's held-out loss) in the inference mode
+        eval_loss = model.loss(objective, train=False, takes_key=False)
+    except (TypeError, ValueError):
+        eval_loss = None
+    return {"loss": loss, "params": model.params, "model_state": model.model_state,
+            "eval_loss": eval_loss}
+
+
+def _runs(loss: Any, model: Any, data: Any) -> bool:
+    """Whether `loss` traces on two examples of `data` (True when that cannot be told: a
+    loader, data of another kind; the doctor's preflight then names any error)."""
+    import jax
+    import numpy as np
+
+    leaves = jax.tree.leaves(data) if data is not None and not callable(data) \
+        and not isinstance(data, list) else []
+    if not leaves or not all(hasattr(x, "shape") and np.ndim(x) >= 1 for x in leaves):
+        return True
+    batch = jax.tree.map(lambda x: np.asarray(x[:2]), data)
+    key = jax.random.key(0) if loss.takes_key else None
+    try:
+        jax.eval_shape(loss.bind(model.model_state, key), model.params, batch)
+    except TypeError:
+        return False
+    except Exception:  # noqa: BLE001 - another error: the preflight reports it with its line
+        return True
+    return True
 
 
 def _first_line(error: BaseException) -> str:

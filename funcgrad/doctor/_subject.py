@@ -123,14 +123,15 @@ class Subject:
       loss: the `funcgrad.Loss`; params, model_state, key (the loss's PRNG key when it takes
       one); optimizer (optax); step_kwargs (dict for `funcgrad.make_train_step`); trainable
       (a mask pytree, or None); accumulate (K or None); classes (K or None); evaluate; data
-      (`Data`); source (the model file, or None); seed.
+      (`Data`); source (the model file, or None); seed; eval_loss (the `funcgrad.Loss` in the
+      inference mode, or None).
     """
 
     def __init__(self, loss: Any, params: PyTree, data: Any, *, model_state: PyTree = None,
                  optimizer: Any = None, step_kwargs: dict | None = None,
                  classes: int | None = None, evaluate: Callable | None = None,
                  key: jax.Array | None = None, batch_size: int = 32, seed: int = 0,
-                 source: str | None = None):
+                 source: str | None = None, eval_loss: Any = None):
         from funcgrad.train.loss import as_loss
         from funcgrad.train.step import _trainable_of, make_optimizer
 
@@ -143,6 +144,12 @@ class Subject:
         except (TypeError, ValueError) as error:
             raise ModelFileError(f"loss: {error}\n\n{EXPECTED_FILE}") from None
         self.params, self.model_state = params, model_state
+        self.eval_loss = None
+        if eval_loss is not None:
+            try:
+                self.eval_loss = as_loss(eval_loss, **flags)
+            except (TypeError, ValueError) as error:
+                raise ModelFileError(f"eval_loss: {error}\n\n{EXPECTED_FILE}") from None
         if self.loss.has_state and model_state is None:
             raise ModelFileError(f"loss {self.loss!r} declares model state, but init(key) "
                                  "returned no model state: return (params, model_state)."

@@ -68,6 +68,27 @@ def test_data_constant_input_fails_and_a_zero_column_passes():
     assert f.verdict == "fail" and "same for every example" in f.summary
 
 
+def test_data_a_nonzero_constant_column_passes_and_constant_tokens_fail():
+    d = _small.data()
+    d["x"][:, 3] = -0.0373  # a blank pixel after standardisation: harmless to the gradients
+    f = run(data=d, checks=["data"]).by_check("data")
+    assert f.verdict == "pass", f.summary
+    d["x"][:, :6] = 0.25    # most of the input constant: the input was lost
+    f = run(data=d, checks=["data"]).by_check("data")
+    assert f.verdict == "warn" and "6 of the 8 features" in f.summary, f.summary
+
+    def token_loss(params, batch):
+        x = jax.nn.one_hot(batch["tokens"], 8).sum(axis=1)
+        return _small.loss(params, {"x": x, "y": batch["y"]})
+    d = _small.data()
+    tokens = np.zeros((len(d["y"]), 5), np.int32)
+    f = run(token_loss, data={"tokens": tokens, "y": d["y"]}, checks=["data"]).by_check("data")
+    assert f.verdict == "fail" and f.place["leaf"] == "data['tokens']", f.summary
+    tokens[::2, 1] = 3
+    f = run(token_loss, data={"tokens": tokens, "y": d["y"]}, checks=["data"]).by_check("data")
+    assert f.verdict == "pass", f.summary
+
+
 def test_data_coupling_through_the_batch_is_found():
     # Centring the logits on the batch mean couples every example with every other one; the
     # plain mean of per-example losses has a block-diagonal Hessian in the inputs (exactly 0
@@ -79,11 +100,43 @@ def test_data_coupling_through_the_batch_is_found():
     assert f.verdict == "warn" and "coupled" in f.summary
 
 
+def test_data_coupling_probe_works_through_a_custom_vjp():
+    @jax.custom_vjp
+    def square(x):
+        return x * x
+
+    square.defvjp(lambda x: (x * x, x), lambda x, g: (2 * x * g,))
+
+    def loss(params, batch):
+        return _small.loss(params, {"x": square(batch["x"]), "y": batch["y"]})
+    f = run(loss, checks=["data"]).by_check("data")
+    assert f.verdict == "pass", f.summary
+    assert f.evidence["coupling"]["coupled"] is False
+
+
 def test_init_loss_warns_on_large_initial_logits():
     params = _small.params()
     params = [params[0], {"w": params[1]["w"] * 100.0, "b": params[1]["b"]}]
     f = run(params=params, checks=["init_loss"]).by_check("init_loss")
     assert f.verdict == "warn" and f.evidence["ratio"] > 2.0
+
+
+def test_init_loss_words_the_cause_by_the_evidence():
+    def summed(params, batch):
+        return _small.loss(params, batch) * batch["y"].shape[0]
+    f = run(summed, checks=["init_loss"]).by_check("init_loss")
+    assert f.verdict == "warn" and "looks summed" in f.summary, f.summary
+
+    def scaled(params, batch):
+        return _small.loss(params, batch) * 1024.0
+    f = run(scaled, checks=["init_loss"]).by_check("init_loss")
+    assert f.verdict == "warn" and "multiplied by a constant" in f.summary, f.summary
+    assert "large and confident" not in f.summary
+
+    params = _small.params()
+    params[1]["w"] = params[1]["w"] * 300.0  # one layer drawn far too large
+    f = run(params=params, checks=["init_loss"]).by_check("init_loss")
+    assert f.verdict == "warn" and f.place["layer"] == "params[1]", (f.summary, f.place)
 
 
 def test_grad_flow_names_a_detached_and_an_unused_leaf():
@@ -128,6 +181,25 @@ def test_fd_audit_names_a_wrong_custom_rule():
     assert run(checks=["fd_audit"]).by_check("fd_audit").verdict == "pass"
 
 
+def test_fd_audit_does_not_fail_a_correct_gradient_at_a_relu_kink():
+    # healthy_aux's check rows put a ReLU pre-activation 6.6e-7 from its kink: the gradient is
+    # right, and the disagreement goes away on other rows (a wrong rule's would not).
+    from funcgrad.doctor import doctor_file
+
+    path = pathlib.Path(__file__).parent / "models" / "healthy_aux.py"
+    with jax.numpy_rank_promotion("allow"):
+        f = doctor_file(path, checks=["fd_audit"]).by_check("fd_audit")
+    assert f.verdict == "pass", f.summary
+    assert f.evidence["recheck"]["still_failing"] == []
+
+
+def test_fd_audit_skips_a_non_finite_loss():
+    d = _small.data()
+    d["x"][0, 0] = np.nan
+    f = run(data=d, checks=["fd_audit"]).by_check("fd_audit")
+    assert f.verdict == "skipped" and "not finite" in f.summary, f.summary
+
+
 def test_nonfinite_locates_the_log_of_zero():
     def loss(params, batch):
         probs = jax.nn.softmax(fg.mlp_apply(params, batch["x"], activation="tanh") * 0.0)
@@ -136,6 +208,22 @@ def test_nonfinite_locates_the_log_of_zero():
     f = run(loss, checks=["nonfinite"]).by_check("nonfinite")
     assert f.verdict == "fail" and f.place.get("primitive") == "log", f.summary
     assert f.place["line"].startswith("test_doctor.py:")
+
+
+def _dead_relu_loss(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["hidden"]["w"] + params["hidden"]["b"][None])
+    return fg.softmax_cross_entropy(h @ params["out"]["w"], batch["y"])
+
+
+def test_grad_stats_names_the_layer_feeding_dead_relu_units():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"hidden": {"w": jax.random.normal(k1, (8, 16)) * 0.3, "b": jnp.full(16, -20.0)},
+              "out": {"w": jax.random.normal(k2, (16, _small.K)) * 0.25}}
+    f = run(_dead_relu_loss, params=params, checks=["grad_stats"],
+            source=__file__).by_check("grad_stats")
+    assert f.verdict == "warn" and "dead" in f.summary, f.summary
+    assert f.place["layer"] == "params['hidden']", f.place
+    assert "params['hidden']['w']" in f.summary
 
 
 def test_training_fails_when_the_learning_rate_is_far_too_high():
@@ -174,6 +262,23 @@ def test_baseline_warns_when_the_model_ignores_its_input():
     assert f.verdict == "warn", f.summary
 
 
+def test_baseline_of_a_regression_is_the_mean_target_and_keeps_the_target():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    y = (np.sin(x[:, 0]) + 0.5 * x[:, 1]).astype(np.float32)
+
+    def loss(params, batch):
+        return fg.mean_squared_error(fg.mlp_apply(params, batch["x"])[:, 0], batch["y"])
+
+    params = fg.mlp_init(jax.random.key(0), (8, 16, 1), activation="tanh")
+    f = doctor(loss, params, {"x": x, "y": y}, checks=["baseline"], steps=150,
+               optimizer=fg.make_optimizer("adam", 1e-2)).by_check("baseline")
+    assert f.verdict == "pass", f.summary
+    held = y[-64:]  # the check's held-out rows
+    assert f.evidence["baselines"]["mean_target"] == pytest.approx(float(np.var(held)), rel=1e-3)
+    assert f.evidence["baselines"]["mean_input"] > 0.5 * f.evidence["baselines"]["mean_target"]
+
+
 def test_semantics_accumulation_divided_by_the_micro_batch_count_fails():
     def divided(params, batch):  # the PyTorch habit loss / accum_steps, under accumulate=4
         return _small.per_example(params, batch) / 4.0
@@ -206,6 +311,30 @@ def test_semantics_frozen_leaves_stay_put_and_clipping_uses_the_true_norm():
     assert f.evidence["trainable"]["frozen_moved"] == []
 
 
+def test_semantics_a_freeze_inside_the_optimizer_undone_by_weight_decay_fails():
+    import optax
+
+    params = _small.params()
+    mask = jax.tree.unflatten(jax.tree.structure(params), [True, True, False, False])
+    leaky = optax.chain(optax.masked(optax.set_to_zero(), mask),
+                        optax.add_decayed_weights(1e-2), optax.sgd(0.1))
+    f = run(optimizer=leaky, checks=["semantics"]).by_check("semantics")
+    assert f.verdict == "fail" and "frozen inside the optimizer" in f.summary, f.summary
+    assert f.place["leaf"] == "params[0]['w']"
+    tight = optax.chain(optax.add_decayed_weights(1e-2),
+                        optax.masked(optax.set_to_zero(), mask), optax.sgd(0.1))
+    f = run(optimizer=tight, checks=["semantics"]).by_check("semantics")
+    assert f.verdict == "skipped", f.summary
+    # Adam's first step is -lr * sign(g): a one-element leaf must not look gradient-blind.
+    params = {"w": jnp.ones((8, 3)) * 0.1, "b": jnp.zeros(1)}
+
+    def loss(p, batch):
+        return fg.softmax_cross_entropy(batch["x"] @ p["w"] + p["b"][0], batch["y"])
+    for seed in range(4):  # (random probe gradients: several draws)
+        f = run(loss, params=params, checks=["semantics"], seed=seed).by_check("semantics")
+        assert f.verdict == "skipped", f.summary
+
+
 def test_a_crashing_check_is_an_error_and_the_others_still_run(monkeypatch):
     from funcgrad.doctor.checks import init_loss
 
@@ -217,6 +346,23 @@ def test_a_crashing_check_is_an_error_and_the_others_still_run(monkeypatch):
     assert "RuntimeError: boom" in report.by_check("init_loss").summary
     assert report.by_check("grad_flow").verdict == "pass"
     assert report.exit_code == 0
+
+
+def test_a_linen_model_file_whose_call_needs_train_is_loaded_in_training_mode():
+    from funcgrad.doctor import load_model_file
+
+    path = pathlib.Path(__file__).parent / "models" / "bn_stats_linen_momentum.py"
+    pieces = load_model_file(path)
+    loss = pieces["loss"]
+    batch = jax.tree.map(lambda x: x[:4], pieces["data"])
+    out = loss.bind(pieces["model_state"])(pieces["params"], batch)
+    assert np.isfinite(float(out)) and loss.has_state
+    # Evaluation in the inference mode: running statistics, so the loss of a batch is the mean
+    # of its examples' losses (in training mode, batch statistics couple them).
+    held = pieces["eval_loss"].bind(pieces["model_state"])
+    rows = [float(held(pieces["params"], jax.tree.map(lambda x, i=i: x[i:i + 1], batch)))
+            for i in range(4)]
+    assert float(held(pieces["params"], batch)) == pytest.approx(np.mean(rows), rel=1e-5)
 
 
 def test_bad_pieces_are_model_file_errors():

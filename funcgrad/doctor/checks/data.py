@@ -27,14 +27,20 @@ def check(ctx: Context) -> Finding:
     labels = label_leaf(sample)
     if labels is not None:
         problems += _labels(labels[0], labels[1], ctx.subject.classes, evidence)
-    for name, x in zip(names, leaves):
+    inputs = [(name, x) for name, x in zip(names, leaves)
+              if labels is None or name != labels[0]]
+    constant_leaves: list[str] = []
+    for name, x in inputs:
         if np.issubdtype(x.dtype, np.floating):
-            problems += _features(name, np.asarray(x, np.float64), evidence)
+            problems += _features(name, np.asarray(x, np.float64), evidence, constant_leaves)
+        elif np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.bool_):
+            _integer_input(name, np.asarray(x), evidence, constant_leaves)
+    problems += _constant_inputs(inputs, constant_leaves, evidence)
     problems += _coupling(ctx, evidence)
     if not problems:
         zeros = sum(v["count"] for v in evidence.get("constant_features", {}).values())
         return Finding(NAME, "pass", "labels in range, features finite"
-                       + (f" ({zeros} features always 0, as a blank border pixel)" if zeros
+                       + (f" ({zeros} features constant, as a blank border pixel)" if zeros
                           else "") + "; " + evidence.get("coupled", "examples independent of "
                                                          "each other"), evidence)
     problems.sort(key=lambda p: ("fail", "warn").index(p[0]))
@@ -81,7 +87,7 @@ def _labels(path: str, y: np.ndarray, classes: int | None, evidence: dict) -> li
     return []
 
 
-def _features(name: str, x: np.ndarray, evidence: dict) -> list:
+def _features(name: str, x: np.ndarray, evidence: dict, constant_leaves: list) -> list:
     out = []
     flat = x.reshape(len(x), -1)
     finite = np.isfinite(flat)
@@ -102,25 +108,57 @@ def _features(name: str, x: np.ndarray, evidence: dict) -> list:
         first = np.nanmin(flat, axis=0)
     constant = spread == 0
     if constant.all() and flat.shape[1] > 0:
-        out.append(("fail", f"{name} is the same for every example (value "
-                    f"{float(first.flat[0]):.4g}): the model cannot see its input",
-                    {"constant_features": {"leaf": name, "count": int(constant.sum()),
-                                           "of": int(constant.size)}}, {"leaf": name},
-                    "Check the preprocessing that builds this input (a broadcast of one row, a "
-                    "normalisation dividing by a zero std, an overwritten array)."))
+        constant_leaves.append(name)
+        evidence.setdefault("constant_features", {})[name] = {
+            "count": int(constant.sum()), "of": int(constant.size),
+            "value": float(first.flat[0])}
     elif constant.any():
         nonzero = np.argwhere(constant & (first != 0))[:, 0]
         evidence.setdefault("constant_features", {})[name] = {
             "count": int(constant.sum()), "of": int(constant.size),
             "nonzero": nonzero[:10].tolist()}
-        if nonzero.size:
-            out.append(("warn", f"{nonzero.size} feature(s) of {name} are a nonzero constant "
-                        f"(feature {int(nonzero[0])} = {float(first[nonzero[0]]):.4g} in every "
-                        "example)", {}, {"leaf": name},
-                        "A feature with one value carries no information; a nonzero constant "
-                        "column is usually a preprocessing bug (a filled gap, a wrong column). "
-                        "Drop it or fix the step that made it."))
+        # A few constant columns (a blank border pixel, standardised or not) are harmless to
+        # the gradients; most of the input constant is a pipeline that lost the input.
+        if constant.sum() > MOSTLY_CONSTANT * constant.size:
+            out.append(("warn", f"{int(constant.sum())} of the {constant.size} features of "
+                        f"{name} are the same in every example of the "
+                        f"{len(flat)} scanned", {}, {"leaf": name},
+                        "Most of this input carries no information: check the preprocessing "
+                        "(a crop, a mask or a normalisation that blanked it)."))
     return out
+
+
+#: Warn when more than this fraction of an input leaf's features are constant.
+MOSTLY_CONSTANT = 0.5
+
+
+def _integer_input(name: str, x: np.ndarray, evidence: dict, constant_leaves: list) -> None:
+    """An integer (token, index) input: constant when every element of every example is the
+    same value."""
+    if x.size == 0 or len(x) < 2:
+        return
+    if np.all(x == x.flat[0]):
+        constant_leaves.append(name)
+        evidence.setdefault("constant_features", {})[name] = {
+            "count": int(x[0].size), "of": int(x[0].size), "value": int(x.flat[0])}
+
+
+def _constant_inputs(inputs: list, constant_leaves: list, evidence: dict) -> list:
+    """Fail when every input leaf (all but the labels) is the same for every example; warn
+    when one whole input leaf among others is."""
+    if not constant_leaves:
+        return []
+    name = constant_leaves[0]
+    value = evidence["constant_features"][name]["value"]
+    if len(constant_leaves) == len(inputs):
+        return [("fail", f"{name} is the same for every example (value {value:.4g}): the model "
+                 "cannot see its input", {}, {"leaf": name},
+                 "Check the preprocessing that builds this input (a broadcast of one row, a "
+                 "normalisation dividing by a zero std, an integer division, a column "
+                 "overwritten by a padding mask).")]
+    return [("warn", f"input {', '.join(constant_leaves)} is the same for every example "
+             f"({name} = {value:.4g})", {}, {"leaf": name},
+             "This input carries no information: check the step that builds it.")]
 
 
 def _coupling(ctx: Context, evidence: dict) -> list:
@@ -148,7 +186,12 @@ def _coupling(ctx: Context, evidence: dict) -> list:
         tangent = [jnp.asarray(np.concatenate([rng.normal(size=(1, *x.shape[1:])),
                                                np.zeros((rows - 1, *x.shape[1:]))]), x.dtype)
                    for x in xs]
-        _, hv = jax.jvp(jax.grad(f), (xs,), (tangent,))
+        try:
+            _, hv = jax.jvp(jax.grad(f), (xs,), (tangent,))
+        except TypeError:  # a custom_vjp rule has no forward mode: reverse over reverse
+            def along(ys):
+                return sum(jnp.vdot(g, t) for g, t in zip(jax.grad(f)(ys), tangent))
+            hv = jax.grad(along)(xs)
         own = max(float(jnp.max(jnp.abs(h[:1]))) for h in hv)
         cross = max(float(jnp.max(jnp.abs(h[1:]))) for h in hv)
         measure = cross / own if own > 0 else (np.inf if cross > 0 else 0.0)

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from funcgrad.doctor._context import Context
+from funcgrad.doctor._places import layer_of
 from funcgrad.doctor._report import Finding
 from funcgrad.doctor.checks.grad_flow import explanation
 
@@ -67,9 +68,16 @@ def check(ctx: Context) -> Finding:
                              "normalisation, or a fan-in init."))
     worst = max(dead, key=lambda name: dead[name]) if dead else None
     if worst is not None and dead[worst] >= DEAD_FRACTION:
-        findings.append(("warn", f"{100 * dead[worst]:.0f}% of the ReLU units at {worst} are "
-                         f"dead for all {np.shape(jax.tree.leaves(ctx.batch)[0])[0]} examples "
-                         "at init", {"line": _short(worst)},
+        units = next((s.units for i, s in enumerate(relus)
+                      if (s.where or f"relu {i}") == worst), 0)
+        feeding = _feeding(ctx, _short(worst), units)
+        evidence["dead_relu_fed_by"] = feeding
+        into = f" (fed by {', '.join(feeding)})" if feeding else ""
+        findings.append(("warn", f"{100 * dead[worst]:.0f}% of the ReLU units at {worst}"
+                         f"{into} are dead for all "
+                         f"{np.shape(jax.tree.leaves(ctx.batch)[0])[0]} examples at init",
+                         {"line": _short(worst),
+                          "layer": layer_of(feeding[0]) if feeding else ""},
                          "Dead units get no gradient and never recover: a negative bias or a "
                          "too large init. Use zero biases and a fan-in init, or LeakyReLU."))
     if not findings:
@@ -80,7 +88,9 @@ def check(ctx: Context) -> Finding:
     verdict, summary, place, fix = findings[0]
     if "layer" in place and place["layer"]:
         leaf = next((name for name in leaves if name.startswith(place["layer"])), "")
-        place = (ctx.place(leaf) if leaf else {}) | {"layer": place["layer"]}
+        place = (ctx.place(leaf) if leaf else {}) | {k: v for k, v in place.items() if v}
+    else:
+        place = {k: v for k, v in place.items() if v}
     if len(findings) > 1:
         summary += "; " + "; ".join(f[1] for f in findings[1:])
     return Finding(NAME, verdict, summary, evidence, place, fix)
@@ -90,3 +100,25 @@ def _short(where: str) -> str:
     head = where.split(" ", 1)[0]
     parts = head.split(":")
     return ":".join(parts[:2]) if len(parts) >= 2 else head
+
+
+def _feeding(ctx: Context, line: str, units: int) -> list[str]:
+    """The params leaves feeding a ReLU at ``file.py:LINE``: the leaves first used on that line
+    (``relu(x @ w + b)``), else those with an axis of `units` used on the nearest line above it
+    in the same file (a dense layer written on the line before its ReLU)."""
+    if ":" not in line:
+        return []
+    file, _, number = line.rpartition(":")
+    if not number.isdigit():
+        return []
+    here = [p for p in ctx.paths if ctx.line_of(p) == line]
+    if here:
+        return here
+    above: dict[int, list[str]] = {}
+    for path, leaf in zip(ctx.paths, ctx.leaves()):
+        where = ctx.line_of(path)
+        f, _, n = where.rpartition(":")
+        if f == file and n.isdigit() and int(n) < int(number) and \
+                (not units or units in np.shape(leaf)):
+            above.setdefault(int(n), []).append(path)
+    return above[max(above)] if above else []

@@ -27,9 +27,15 @@ def check(ctx: Context) -> Finding:
         parts.append(_scale_and_clip(ctx))
     if subject.trainable is not None:
         parts.append(_frozen(ctx))
+    ignored = _gradient_ignored(ctx)
+    if ignored is not None and (ignored[1] != "pass" or parts):
+        parts.append(ignored)
     if not parts:
         return Finding(NAME, "skipped", "step_kwargs use no accumulate, loss_scale, clip_norm "
-                       "or trainable mask: nothing to check")
+                       "or trainable mask: nothing to check (the optimizer's update follows "
+                       "the gradient on every leaf)" if ignored else "step_kwargs use no "
+                       "accumulate, loss_scale, clip_norm or trainable mask: nothing to check",
+                       {"optimizer": ignored[3]} if ignored else {})
     evidence = {name: ev for name, _, _, ev, _, _ in parts}
     bad = sorted([p for p in parts if p[1] != "pass"], key=lambda p: ("fail", "warn").index(p[1]))
     if not bad:
@@ -202,3 +208,49 @@ def _frozen(ctx: Context):
                 "decay) does not freeze.")
     return ("trainable", "pass", f"{len(evidence['frozen'])} frozen leaves unchanged after two "
             "steps", evidence, {}, "")
+
+
+def _gradient_ignored(ctx: Context):
+    """The optimizer's first update for a random gradient g and for -2 g: a trained leaf whose
+    update is the same both times (it ignores its gradient) yet not zero is frozen inside the
+    optimizer (masked set_to_zero, a 'frozen' group of multi_transform) and still moved by what
+    follows (weight decay). None when the optimizer cannot be probed this way."""
+    subject = ctx.subject
+    params = subject.params
+    leaves, tree = jax.tree.flatten(params)
+    floating = [jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) for x in leaves]
+    rng = np.random.default_rng(ctx.subject.seed + 7)
+
+    def gradient():
+        return jax.tree.unflatten(tree, [
+            jnp.asarray(rng.standard_normal(np.shape(x)), jnp.asarray(x).dtype) if f
+            else jnp.zeros_like(x) for x, f in zip(leaves, floating)])
+    try:
+        opt = subject.optimizer
+        state = opt.init(params)
+        update = jax.jit(lambda g: opt.update(g, state, params)[0])
+        g = gradient()  # and -2 g: a sign-based first step (Adam's) follows the sign, which
+        first = jax.tree.leaves(update(g))  # two random draws of a 1-element leaf may share
+        second = jax.tree.leaves(update(jax.tree.map(lambda x: -2 * x, g)))
+    except Exception:  # noqa: BLE001 - an optimizer that needs more (extra args): not probed
+        return None
+    if len(first) != len(leaves):
+        return None
+    moved = []
+    for path, trained, f, a, b in zip(ctx.paths, ctx.trained, floating, first, second):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        size = float(np.max(np.abs(a))) if a.size else 0.0
+        if trained and f and size > 0 and float(np.max(np.abs(a - b))) <= 1e-6 * size:
+            moved.append(path)
+    evidence = {"gradient_ignored_but_updated": moved}
+    if moved:
+        return ("optimizer", "fail", f"{len(moved)} leaf/leaves are frozen inside the optimizer "
+                f"yet updated: {', '.join(moved[:4])} get the same nonzero update whatever "
+                "their gradient (weight decay after the freeze?)", evidence,
+                ctx.place(moved[0]),
+                "A set_to_zero mask (optax.masked, a 'frozen' multi_transform group) followed "
+                "by weight decay (adamw, add_decayed_weights) still shrinks the frozen leaves. "
+                "Freeze with make_train_step(trainable=mask) or fg.freeze(optimizer, mask), or "
+                "mask the weight decay too.")
+    return ("optimizer", "pass", "the optimizer's update follows the gradient on every "
+            "trained leaf", evidence, {}, "")
