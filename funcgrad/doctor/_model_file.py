@@ -174,7 +174,7 @@ def _from_adapter(path: str, names: dict[str, Any]) -> dict[str, Any]:
     except ValueError as error:
         raise ModelFileError(f"{path}: model.loss(objective, train=True) raised: "
                              f"{_first_line(error)}\n\n{EXPECTED_FILE}") from None
-    if model.library == "linen" and not _runs(loss, model, names.get("data")):
+    if model.library == "flax.linen" and not _runs(loss, model, names.get("data")):
         plain = model.loss(objective)
         if _runs(plain, model, names.get("data")):
             return {"loss": plain, "params": model.params, "model_state": model.model_state}

@@ -365,6 +365,47 @@ def test_a_linen_model_file_whose_call_needs_train_is_loaded_in_training_mode():
     assert float(held(pieces["params"], batch)) == pytest.approx(np.mean(rows), rel=1e-5)
 
 
+LINEN_WITHOUT_TRAIN = """
+import flax.linen as nn, jax, numpy as np, funcgrad as fg
+from funcgrad.interop import from_linen
+
+class Net(nn.Module):                    # the usual linen model: no `train` keyword
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.gelu(nn.LayerNorm()(nn.Dense(32)(x))))
+
+d = fg.load_digits(seed=0)
+data = {"x": d.x_train[:64], "y": d.y_train[:64]}
+model = from_linen(Net(), Net().init(jax.random.key(0), data["x"][:1]))
+objective = lambda logits, batch: fg.softmax_cross_entropy(logits, batch["y"])
+"""
+
+
+def test_a_linen_model_file_whose_call_takes_no_train_is_loaded_plainly(tmp_path):
+    # from_linen names its library "flax.linen"; the fallback once compared with "linen" and
+    # a linen module without `train` (the usual kind) stopped with a usage error (exit 2).
+    from funcgrad.doctor import load_model_file
+
+    path = tmp_path / "net.py"
+    path.write_text(LINEN_WITHOUT_TRAIN)
+    pieces = load_model_file(path)
+    batch = jax.tree.map(lambda x: x[:4], pieces["data"])
+    loss = pieces["loss"]
+    value = loss.bind(pieces["model_state"], jax.random.key(0))(pieces["params"], batch)
+    # The same loss by flax's own apply and optax's cross-entropy (a second method).
+    logits = pieces_model_apply(path, batch["x"])
+    expected = fg.softmax_cross_entropy(logits, batch["y"])
+    assert float(value) == pytest.approx(float(expected), rel=1e-6)
+
+
+def pieces_model_apply(path, x):
+    import runpy
+
+    names = runpy.run_path(str(path))
+    module, variables = names["Net"](), {"params": names["model"].params}
+    return module.apply(variables, x)
+
+
 def test_bad_pieces_are_model_file_errors():
     with pytest.raises(ModelFileError, match="different numbers of examples"):
         run(data={"x": np.zeros((10, 8), np.float32), "y": np.zeros(9, np.int32)})
