@@ -190,6 +190,15 @@ def _load() -> str:
         return "unknown"
 
 
+def _print_row(title: str, row: dict) -> None:
+    print(f"\n{title}")
+    for name, v in row["us_per_step"].items():
+        print(f"  {name:16s} {v:9.1f}")
+    for label, r in row["ratios"].items():
+        q = r["quartiles"]
+        print(f"  {label:62s} {r['median']:6.2f}  [{q[0]:.2f}, {q[1]:.2f}]")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
@@ -208,12 +217,7 @@ def main():
     for k in (int(v) for v in args.per_call.split(",") if v):
         row = per_call(data, k, args.repeats)
         rows.append(row)
-        print(f"\n{row['case']}: microseconds per step")
-        for name, v in row["us_per_step"].items():
-            print(f"  {name:16s} {v:9.1f}")
-        for label, r in row["ratios"].items():
-            q = r["quartiles"]
-            print(f"  {label:62s} {r['median']:6.2f}  [{q[0]:.2f}, {q[1]:.2f}]")
+        _print_row(f"{row['case']}: microseconds per step", row)
     if args.per_call_only:
         print(f"\n({time.perf_counter() - t0:.0f} s; load average after: {_load()})")
         write_results(args.out, rows, torch=torch_ok, load=_load())
@@ -224,12 +228,7 @@ def main():
     for name, sizes, batch, repeats in cases:
         row = case(name, sizes, batch, data, repeats, args.epochs, torch_ok)
         rows.append(row)
-        print(f"\n{name}: microseconds per step (loss and norm of every step recorded)")
-        for k, v in row["us_per_step"].items():
-            print(f"  {k:16s} {v:9.1f}")
-        for label, r in row["ratios"].items():
-            q = r["quartiles"]
-            print(f"  {label:62s} {r['median']:6.2f}  [{q[0]:.2f}, {q[1]:.2f}]")
+        _print_row(f"{name}: microseconds per step (loss and norm of every step recorded)", row)
     print(f"\n({time.perf_counter() - t0:.0f} s; load average after: {_load()})")
     write_results(args.out, rows, torch=torch_ok, load=_load())
 
