@@ -42,8 +42,11 @@ class Collective:
       bytes: the bytes of the result (the sum over `shapes`): what each device receives.
       computation: the HLO computation it is in (``main.42``, a while body's name).
       in_loop: it is in the body of a ``while`` (or in a computation called from one): it runs
-        once per iteration, e.g. per micro-batch under accumulation.
+        once per iteration, e.g. per update of a step that runs several.
       replica_groups: the devices that take part, as HLO writes them ("" when not given).
+      loop_depth: how many ``while`` bodies it is nested in (0: once per call). An
+        accumulating step running several updates has its gradient all-reduce at depth 1 (per
+        update, in the loop over groups); one at depth 2 would run per micro-batch.
     """
     kind: str
     name: str
@@ -52,6 +55,7 @@ class Collective:
     computation: str
     in_loop: bool
     replica_groups: str = ""
+    loop_depth: int = 0
 
     @property
     def group_size(self) -> int | None:
@@ -129,7 +133,8 @@ class CollectiveReport(tuple):
         for c in self:
             shown = ", ".join(c.shapes[:4]) + (f", ... ({len(c.shapes)} arrays)"
                                                 if len(c.shapes) > 4 else "")
-            loop = "  (in a loop: once per iteration)" if c.in_loop else ""
+            loop = ("" if not c.in_loop else "  (in a loop: once per iteration)"
+                    if c.loop_depth < 2 else f"  (in {c.loop_depth} nested loops)")
             lines.append(f"  {c.kind:<19}{c.bytes:>13,} B  {shown}{loop}")
         return "\n".join(lines)
 
@@ -144,6 +149,7 @@ def parse_collectives(hlo_text: str) -> CollectiveReport:
     started: dict[str, int] = {}
     loop_bodies: set[str] = set()
     calls: dict[str, set[str]] = {}
+    loop_calls: dict[str, set[str]] = {}  # computation -> the while bodies it runs
     for line in hlo_text.splitlines():
         if line.rstrip().endswith("{") and not _INSTRUCTION.match(line):
             head = _COMPUTATION.match(line)
@@ -152,6 +158,7 @@ def parse_collectives(hlo_text: str) -> CollectiveReport:
             continue
         for body in _WHILE_BODY.findall(line):
             loop_bodies.add(body)
+            loop_calls.setdefault(current, set()).add(body)
         for called in _CALLS.findall(line):
             calls.setdefault(current, set()).add(called)
         op = _OP.match(line)
@@ -177,7 +184,26 @@ def parse_collectives(hlo_text: str) -> CollectiveReport:
             if called not in in_loop:
                 in_loop.add(called)
                 todo.append(called)
-    return CollectiveReport(Collective(in_loop=r["computation"] in in_loop, **r) for r in rows)
+    depth = _loop_depths(calls, loop_calls)
+    return CollectiveReport(Collective(in_loop=r["computation"] in in_loop,
+                                       loop_depth=depth.get(r["computation"], 0), **r)
+                            for r in rows)
+
+
+def _loop_depths(calls: dict[str, set[str]], loop_calls: dict[str, set[str]]) -> dict[str, int]:
+    """Each computation's deepest nesting in ``while`` bodies, over the call graph (a
+    computation called from several places takes its deepest)."""
+    called = set().union(*calls.values()) if calls else set()
+    depth = {c: 0 for c in calls if c not in called}  # the roots: ENTRY and unused ones
+    todo = list(depth)
+    while todo:
+        current = todo.pop()
+        for c in calls.get(current, ()):
+            d = depth[current] + (c in loop_calls.get(current, ()))
+            if d > depth.get(c, -1):
+                depth[c] = d
+                todo.append(c)
+    return depth
 
 
 def collectives(fn: Any, *args: Any) -> CollectiveReport:

@@ -149,7 +149,7 @@ def accumulate_grads(loss_fn: PerExampleLossFn | Loss, params: PyTree,
 
 def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
                 value_and_grad=jax.value_and_grad, compute_dtype=None,
-                scale=None, model_state=None, key=None):
+                scale=None, model_state=None, key=None, axis_name=None, axis_size=1):
     """`accumulate_grads` over micro-batches ``start .. start + length - 1`` (start may be traced).
 
     Returns ``(AccumulatedGrads, new_model_state, aux)``. `loss_fn` is a plain per-example loss
@@ -166,6 +166,15 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     the cotangents of a mean loss) and its gradient is unscaled and multiplied by m in float32
     before it is added (`funcgrad.train.precision.scaled_value_and_grad`), so the sums only ever
     hold true, float32 gradients.
+
+    With `axis_name` (inside ``shard_map`` over a data axis of `axis_size` devices, each
+    holding its rows of every micro-batch) the scan runs on this device's rows alone: the params
+    and model state are made per-device copies (``pcast`` to varying), so no gradient is summed
+    across devices inside the scan, and the sums (loss, gradients, count, float model state)
+    are summed over the devices by one ``psum`` after it: one all-reduce per update. Micro-batch
+    j's key is ``fold_in(fold_in(key, j), device index)``; the model state that returns is the
+    mean of the devices' (each threaded through its own rows); the compute-dtype pass divides by
+    the global padded size ``m * axis_size`` (the cotangents of the one-device step).
     """
     from funcgrad.train.loss import as_loss
 
@@ -174,9 +183,17 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     start = jnp.asarray(start, jnp.int32)
     key_of = ((lambda j: None) if not loss.takes_key
               else (lambda j: jax.random.fold_in(key, j)))
+    if axis_name is not None:  # per-device copies: their cotangents stay on the device
+        vary = lambda tree: jax.tree.map(
+            lambda a: jax.lax.pcast(a, axis_name, to="varying"), tree)
+        params, model_state = vary(params), vary(model_state)
+        if loss.takes_key:
+            key_of = lambda j: jax.random.fold_in(jax.random.fold_in(key, j),
+                                                  jax.lax.axis_index(axis_name))
     out = jax.eval_shape(lambda p, b: loss(p, b, model_state=model_state, key=key_of(0)).loss,
                          params, one)
     size = jax.tree.leaves(one)[0].shape[0]
+    mean_size = size * axis_size  # the global padded micro-batch size (see the docstring)
     if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != (size,):
         got = (f"shape {out.shape}" if isinstance(out, jax.ShapeDtypeStruct)
                else f"a {type(out).__name__}")
@@ -209,20 +226,22 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
             if new_state is not None:
                 new_state = jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)),
                                          new_state, state)
-            return total / size, (new_state, aux)
+            return total / mean_size, (new_state, aux)
 
         scaled = scaled_value_and_grad(
             mean_loss, value_and_grad=value_and_grad, has_aux=True,
             compute_dtype=jnp.float32 if compute_dtype is None else compute_dtype)
         one_scale = jnp.ones((), jnp.float32) if scale is None else scale
         (loss_value, rest), grads = scaled(p, (microbatch, real), one_scale)
-        return (loss_value * size, rest), jax.tree.map(lambda g: g * size, grads)
+        return (loss_value * mean_size, rest), jax.tree.map(lambda g: g * mean_size, grads)
 
     acc_dtype = lambda dtype: jnp.promote_types(dtype, jnp.float32)
     zeros = (jnp.zeros((), acc_dtype(out.dtype)),
              jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), acc_dtype(jnp.result_type(p))),
                           params),
              jnp.zeros((), jnp.int32))
+    if axis_name is not None:
+        zeros = vary(zeros)
 
     def body(carry, _):
         index, loss_sum, grad_sum, count, state = carry
@@ -240,17 +259,39 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     # `length` int32s, and temporary memory would grow (4 bytes) with each micro-batch.
     (_, loss_sum, grad_sum, count, model_state), aux = jax.lax.scan(
         body, (start, *zeros, model_state), None, length=length)
+    if axis_name is not None:
+        loss_sum, grad_sum, count, model_state = _summed_over_devices(
+            loss_sum, grad_sum, count, model_state, axis_name, axis_size)
     mean = lambda s, like: (s / count.astype(s.dtype)).astype(jnp.result_type(like))
     return (AccumulatedGrads(loss_sum / count.astype(loss_sum.dtype),
                              jax.tree.map(mean, grad_sum, params), count),
             model_state, aux)
 
 
+def _summed_over_devices(loss_sum, grad_sum, count, model_state, axis_name, axis_size):
+    """The devices' sums added up, in one ``psum`` (one all-reduce: the count goes as float32,
+    exact below 2**24 examples, so every operand shares the float reduction); the model state
+    averaged (float leaves in that same ``psum``, divided by `axis_size`; other leaves by a
+    ``psum`` of their own, integer-divided)."""
+    leaves, tree = jax.tree.flatten(model_state)
+    floating = [jnp.issubdtype(jnp.result_type(a), jnp.floating) for a in leaves]
+    loss_sum, grad_sum, count, summed = jax.lax.psum(
+        (loss_sum, grad_sum, count.astype(jnp.float32),
+         [a for a, f in zip(leaves, floating) if f]), axis_name)
+    integers = [a for a, f in zip(leaves, floating) if not f]
+    float_sums, int_sums = iter(summed), iter(jax.lax.psum(integers, axis_name) if integers
+                                               else [])
+    leaves = [(next(float_sums) / axis_size).astype(jnp.result_type(a)) if f
+              else next(int_sums) // axis_size for a, f in zip(leaves, floating)]
+    return loss_sum, grad_sum, count.astype(jnp.int32), jax.tree.unflatten(tree, leaves)
+
+
 def make_accumulating_step(
         loss_fn: PerExampleLossFn | Loss, apply_update: ApplyUpdate, *, accumulate: int,
         tail: str = "apply", value_and_grad: Callable = jax.value_and_grad,
         compute_dtype: Any = None, loss_scale_of: Callable[[Any], jax.Array] | None = None,
-        jit: bool = True) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
+        jit: bool = True, mesh: Any = None,
+        data_axis: str = "data") -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
     """Returns ``step(state, microbatches, mask=None) -> (state, metrics)``: one update per group.
 
     The micro-batches (leading axis, M of them) are taken in order in groups of `accumulate`
@@ -287,6 +328,16 @@ def make_accumulating_step(
         at ``scale * loss`` and unscaled before it is summed (the scale changes only between
         updates, in `apply_update`).
       jit: if False the step is returned un-jitted (for debugging with prints).
+      mesh: a ``jax.sharding.Mesh`` whose `data_axis` splits the rows of every micro-batch
+        (axis 1 of the stacked micro-batches; ``make_train_step(..., mesh=)`` passes its own):
+        each device accumulates its own rows of the group's micro-batches in a ``shard_map``
+        and the sums are added over the devices once, after the group (one all-reduce per
+        update, like PyTorch DDP's ``no_sync`` on all but the last micro-batch). The mean
+        gradient is the one-device step's up to float summation order. A loss that couples
+        the examples of a micro-batch (BatchNorm) sees each device's rows of it; the model
+        state returned is the mean over the devices; a loss's key differs per device
+        (`_accumulate`); a loss's aux gets a device axis after the micro-batch axis.
+      data_axis: the mesh axis the rows are split over.
     Returns:
       ``step(state, microbatches, mask=None)`` with `microbatches` (a `Microbatches`, or a
       plain pytree) and `mask` as in `accumulate_grads`. It returns the state after U updates (U =
@@ -322,11 +373,17 @@ def make_accumulating_step(
         def update(state, start, length):
             model_state = state.model_state if loss.has_state else None
             key = _update_key(state) if loss.takes_key else None
-            acc, model_state, aux = _accumulate(
-                loss, state.params, microbatches, mask, start=start, length=length,
-                value_and_grad=value_and_grad, compute_dtype=compute_dtype,
-                scale=None if loss_scale_of is None else loss_scale_of(state),
-                model_state=model_state, key=key)
+            scale = None if loss_scale_of is None else loss_scale_of(state)
+            options = dict(start=start, length=length, value_and_grad=value_and_grad,
+                           compute_dtype=compute_dtype)
+            if mesh is None:
+                acc, model_state, aux = _accumulate(
+                    loss, state.params, microbatches, mask, scale=scale,
+                    model_state=model_state, key=key, **options)
+            else:
+                acc, model_state, aux = _accumulated_per_device(
+                    loss, mesh, data_axis, state.params, microbatches, mask, scale=scale,
+                    model_state=model_state, key=key, **options)
             if loss.has_state:
                 state, metrics = apply_update(state, acc.loss, acc.grads, model_state=model_state)
             else:
@@ -370,6 +427,32 @@ def make_accumulating_step(
         return state, {**metrics, "dropped_examples": dropped}
 
     return jax.jit(step) if jit else step
+
+
+def _accumulated_per_device(loss, mesh, axis, params, microbatches, mask, *, start, scale,
+                            model_state, key, **options):
+    """`_accumulate` with each device summing its own rows of the micro-batches, inside a
+    ``shard_map`` over `axis` (the micro-batches' axis 1 split over it, everything else
+    replicated), and one ``psum`` of the sums after the scan. The aux, per device, comes back
+    as ``(length, devices, ...)``."""
+    from jax.sharding import PartitionSpec as P
+
+    size = int(mesh.shape[axis])
+    rows = P(None, axis)
+
+    def local(params, microbatches, mask, start, scale, model_state, key):
+        acc, model_state, aux = _accumulate(
+            loss, params, microbatches, mask, start=start, scale=scale,
+            model_state=model_state, key=key, axis_name=axis, axis_size=size, **options)
+        return acc, model_state, jax.tree.map(lambda a: a[None], aux)
+
+    run = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(P(), jax.tree.map(lambda _: rows, microbatches),
+                  None if mask is None else rows, P(), P(), P(), P()),
+        out_specs=(P(), P(), P(axis)))
+    acc, model_state, aux = run(params, microbatches, mask, start, scale, model_state, key)
+    return acc, model_state, jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), aux)
 
 
 def _update_key(state) -> jax.Array:

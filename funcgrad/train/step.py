@@ -383,9 +383,13 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         and the batch's rows (axis 0; axis 1 of stacked micro-batches) split over its
         `data_axis`, in one process or across processes (``jax.distributed``). The loss is
         written on the global batch as before; XLA inserts the gradient all-reduce, and the
-        numbers are the one-device step's on the same global batch. Rows must divide among
-        the axis's devices (pad and mask otherwise: the error says how). Not with
-        ``jit=False`` or `detect_anomaly`.
+        numbers are the one-device step's on the same global batch. With `accumulate`, each
+        device accumulates its own rows and the sums are all-reduced once per update
+        (`funcgrad.train.accumulate.make_accumulating_step`: a coupled loss such as BatchNorm
+        then sees each device's rows, the model state is averaged over the devices, a
+        loss's key is folded with the device index). Rows must divide among the axis's
+        devices (pad and mask otherwise: the error says how). Not with ``jit=False`` or
+        `detect_anomaly`.
       data_axis: the mesh axis the batch is split over (default "data").
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
@@ -504,7 +508,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
             loss, apply, accumulate=accumulate, tail=tail, value_and_grad=value_and_grad,
             compute_dtype=compute_dtype,
             loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
-            jit=False)
+            jit=False, mesh=mesh, data_axis=data_axis)
 
         def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
             entry_checks(state)

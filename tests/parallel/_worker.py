@@ -196,9 +196,29 @@ def scenario_smoke() -> None:
     RESULT["loss_replicated"] = bool(metrics["loss"].is_fully_replicated)
 
 
+def _split_rows(stacked: dict) -> dict:
+    """Stacked micro-batches ``(M, m, ...)`` held whole by every process, as this process's
+    rows of each (axis 1 split over the mesh), one global array per leaf."""
+    rows = jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec(None, "data"))
+    return {k: jax.make_array_from_process_local_data(rows, v, np.shape(stacked[k]))
+            for k, v in global_rows(stacked, axis=1).items()}
+
+
+def _device_parts(stacked: dict) -> list[dict]:
+    """Device d's rows of every micro-batch, for each d (one device per process)."""
+    m = next(iter(stacked.values())).shape[1]
+    part = m // N
+    return [{k: v[:, d * part:(d + 1) * part] for k, v in stacked.items()} for d in range(N)]
+
+
 def scenario_accumulate() -> None:
-    """accumulate=2 over the devices: equal to the one-device accumulating step, and its
-    first update equal to the full-batch step's."""
+    """accumulate=2 over the devices: equal to the one-device accumulating step (one update
+    per call; then 2 updates and a partial group, with a mask whose real rows differ per
+    device), the first update equal to the full-batch step's; the collectives: one gradient
+    all-reduce per update, none per micro-batch. Then BatchNorm under accumulation: each
+    device normalises its own rows of a micro-batch, so the second method is the one-device
+    step over the devices' parts as micro-batches of their own (gradient) and the mean of each
+    device's part run alone (model state)."""
     params = fg.mlp_init(jax.random.key(1), (16, 32, 10))
 
     def per_example(params, batch):
@@ -211,26 +231,78 @@ def scenario_accumulate() -> None:
     many = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0, mesh=MESH)
     full = fg.make_train_step(lambda p, b: jnp.mean(per_example(p, b)), tx, clip_norm=1.0)
     s1, sm, sf = state, fg.replicate(state, MESH), state
+
+    def row(s1, sm, m1, mm, **extra):
+        g1, gm = local(_recorded(s1.opt_state)), local(_recorded(sm.opt_state))
+        scale = max_abs(g1)
+        return {"grad_err": max_diff(g1, gm) / scale, **extra,
+                "param_err": max_diff(local(s1.params), local(sm.params)),
+                "loss": [float(np.mean(m1["loss"])), float(np.mean(local(mm["loss"])))],
+                "examples": [np.asarray(m1["examples"]).tolist(),
+                             np.asarray(local(mm["examples"])).tolist()]}
+
     rows = []
     for seed in range(3):
         batch = data(16, 10 + seed)
         stacked = {k: v.reshape(2, 8, *v.shape[1:]) for k, v in batch.items()}
         s1, m1 = one(s1, stacked)
-        mine = global_rows(stacked, axis=1)
-        sharded = jax.tree.map(lambda v: jax.make_array_from_process_local_data(
-            jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec(None, "data")), v,
-            (2, 8, *v.shape[2:])), mine)
-        sm, mm = many(sm, sharded)
+        sm, mm = many(sm, _split_rows(stacked))
         sf, mf = full(sf, batch)
-        g1, gm, gf = (local(_recorded(s.opt_state)) for s in (s1, sm, sf))
-        scale = max_abs(g1)
-        rows.append({"grad_err": max_diff(g1, gm) / scale,
-                     "full_batch_err": max_diff(g1, gf) / scale if seed == 0 else None,
-                     "param_err": max_diff(local(s1.params), local(sm.params)),
-                     "loss": [float(np.mean(m1["loss"])), float(np.mean(local(mm["loss"])))]})
+        gf = local(_recorded(sf.opt_state))
+        rows.append(row(s1, sm, m1, mm, full_batch_err=max_diff(
+            local(_recorded(s1.opt_state)), gf) / max_abs(gf) if seed == 0 else None))
     RESULT["accumulate"] = rows
-    report = fg.collectives(many, fg.replicate(state, MESH), sharded)
+    report = fg.collectives(many, fg.replicate(state, MESH), _split_rows(stacked))
     RESULT["collectives"] = report.to_dict()
+
+    # 5 micro-batches of 8: 2 updates of 2 and a partial group (tail="apply"); the last
+    # device's rows of micro-batches 1 and 4 are padding (False in the mask), so the devices
+    # hold different numbers of real examples.
+    batch = data(40, 20)
+    stacked = {k: v.reshape(5, 8, *v.shape[1:]) for k, v in batch.items()}
+    mask = np.ones((5, 8), bool)
+    mask[[1, 4], 8 - 8 // N:] = False
+    with_mask = dict(stacked, mask=mask)
+    s1, m1 = one(state, stacked, mask)
+    mesh_args = _split_rows(with_mask)
+    sharded_mask = mesh_args.pop("mask")
+    sm, mm = many(fg.replicate(state, MESH), mesh_args, sharded_mask)
+    RESULT["accumulate_masked"] = row(s1, sm, m1, mm)
+    RESULT["collectives_masked"] = fg.collectives(
+        many, fg.replicate(state, MESH), mesh_args, sharded_mask).to_dict()
+
+    # BatchNorm (model state) under accumulation, with a loss scale.
+    cnn_params, stats = fg.cnn_init(jax.random.key(0), channels=(4, 8))
+
+    def bn_loss(params, batch, *, model_state):
+        logits, model_state = fg.cnn_apply(params, model_state, batch["x"], train=True,
+                                           dropout_rate=0.0)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), model_state
+
+    ls = fg.dynamic_loss_scale(init_scale=2.0**10)
+    bn_state = fg.init_train_state(cnn_params, tx, model_state=stats, loss_scale=ls)
+    options = dict(has_state=True, loss_scale=ls, clip_norm=1.0)
+    rng = np.random.default_rng(5)
+    stacked = {"x": rng.normal(size=(2, 8, 64)).astype(np.float32),
+               "y": rng.integers(0, 10, size=(2, 8)).astype(np.int32)}
+    parts = _device_parts(stacked)
+    # The gradient: the devices' parts as 2N micro-batches of their own, in one update.
+    resplit = {k: np.concatenate([p[k] for p in parts]) for k in stacked}
+    ref = fg.make_train_step(bn_loss, tx, accumulate=2 * N, **options)
+    s_ref, _ = ref(bn_state, resplit)
+    # The model state: the mean over the devices of each device's part run alone.
+    alone = fg.make_train_step(bn_loss, tx, accumulate=2, **options)
+    states = [alone(bn_state, p)[0].model_state for p in parts]
+    mean_state = jax.tree.map(lambda *v: np.mean(np.stack(v), axis=0), *states)
+    bn_many = fg.make_train_step(bn_loss, tx, accumulate=2, mesh=MESH, **options)
+    s_bn, m_bn = bn_many(fg.replicate(bn_state, MESH), _split_rows(stacked))
+    g_ref = local(_recorded(s_ref.opt_state))
+    RESULT["accumulate_bn"] = {
+        "grad_err": max_diff(g_ref, local(_recorded(s_bn.opt_state))) / max_abs(g_ref),
+        "model_state_err": max_diff(mean_state, local(s_bn.model_state)),
+        "max_state": max_abs(mean_state),
+        "state_spread": max_diff(states[0], states[-1]),
+        "skipped": int(np.sum(local(m_bn["skipped"])))}
 
 
 def scenario_state_keys_scale() -> None:

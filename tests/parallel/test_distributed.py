@@ -86,6 +86,11 @@ def _contains(have: list[int], want: list[int]) -> bool:
     return True
 
 
+def _gradient_all_reduces(collectives: list[dict]) -> list[dict]:
+    """The all-reduces carrying the gradient (tuples of several arrays)."""
+    return [c for c in collectives if c["kind"] == "all-reduce" and len(c["shapes"]) > 1]
+
+
 def test_accumulation_over_devices_equals_the_full_batch():
     results, _ = launch("accumulate")
     r = results[0]
@@ -93,10 +98,26 @@ def test_accumulation_over_devices_equals_the_full_batch():
         assert row["grad_err"] <= TOL and row["param_err"] <= TOL, row
         assert abs(row["loss"][0] - row["loss"][1]) <= 1e-6 * abs(row["loss"][0]), row
     assert r["accumulate"][0]["full_batch_err"] <= TOL
-    # Under accumulation the gradient's all-reduce is in the scan body: once per micro-batch
-    # (GSPMD sums each micro-batch's partial gradients), the one gradient all-reduce there.
-    grads = [c for c in r["collectives"] if c["kind"] == "all-reduce" and len(c["shapes"]) > 1]
-    assert len(grads) == 1 and grads[0]["in_loop"], r["collectives"]
+    # One update per call: the devices accumulate their own rows and sum once, after the
+    # micro-batches (not inside the scan over them): one all-reduce, outside any loop, of the
+    # 4 gradients, the loss sum and the example count, and nothing else.
+    (grads,) = _gradient_all_reduces(r["collectives"])
+    assert grads["loop_depth"] == 0 and len(grads["shapes"]) == 6, r["collectives"]
+    assert [c["kind"] for c in r["collectives"]] == ["all-reduce"], r["collectives"]
+    # 2 updates and a partial group, the devices holding different numbers of real rows:
+    # still the one-device step's numbers (the example counts too: 12, 16 and 4 per update
+    # with 2 processes); one all-reduce per update: in the loop over the groups (depth 1)
+    # and once for the partial group (depth 0); none inside the loop over micro-batches.
+    masked = r["accumulate_masked"]
+    assert masked["grad_err"] <= TOL and masked["param_err"] <= TOL, masked
+    assert masked["examples"][0] == masked["examples"][1]
+    depths = sorted(c["loop_depth"] for c in _gradient_all_reduces(r["collectives_masked"]))
+    assert depths == [0, 1], r["collectives_masked"]
+    # BatchNorm under accumulation: the gradient of each device normalising its own rows, the
+    # model state the mean of the devices' (which differ: the spread is not 0).
+    bn = r["accumulate_bn"]
+    assert bn["grad_err"] <= TOL and bn["skipped"] == 0, bn
+    assert bn["model_state_err"] <= 1e-6 * bn["max_state"] < bn["state_spread"], bn
 
 
 def test_model_state_keys_and_loss_scale_equal_one_device():

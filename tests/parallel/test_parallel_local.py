@@ -153,6 +153,8 @@ def test_parse_collectives():
     assert inner.group_size == 2  # {{0,1}}
     assert gather.shapes == ("f32[4,3]",) and gather.bytes == 48  # the done's result
     assert body.in_loop and body.computation == "body.7" and inner.in_loop
+    # A while body is one loop deep, and so is what it calls (a call is not a loop).
+    assert (fused.loop_depth, body.loop_depth, inner.loop_depth) == (0, 1, 1)
     assert report.count("all-reduce") == 3 and report.count("all-gather") == 1
     assert report.bytes == 32 + 32 + 64 + 48
     text = str(report)
@@ -196,6 +198,14 @@ SIMULATED = textwrap.dedent("""
                            "y": jax.ShapeDtypeStruct((30,), np.int32)})
     except ValueError as e:
         out["indivisible"] = str(e)
+    # Accumulating, 4 updates of 4 micro-batches in one call: rows split over the devices.
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
+    per_example = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+        fg.mlp_apply(p, b["x"]), b["y"])
+    accumulating = fg.make_train_step(per_example, tx, accumulate=4, mesh=mesh)
+    stacked = {"x": jax.ShapeDtypeStruct((16, 8, 64), np.float32, sharding=rows),
+               "y": jax.ShapeDtypeStruct((16, 8), np.int32, sharding=rows)}
+    out["accumulating"] = fg.collectives(accumulating, state, stacked).to_dict()
     print("RESULT " + json.dumps(out))
 """)
 
@@ -217,3 +227,9 @@ def test_collectives_of_a_step_compiled_for_four_simulated_devices():
     assert "collectives: 1 (1 all-reduce), 9,644 bytes" in out["memory"]
     assert "30 rows does not divide among the 4 devices" in out["indivisible"]
     assert "Pad it to 32 rows" in out["indivisible"]
+    # Under accumulation: one all-reduce per update, in the loop over the 4 updates (depth 1),
+    # of the gradients, the loss sum and the example count; none per micro-batch (depth 2),
+    # where summing each micro-batch's partial gradients over the devices would put it.
+    (acc,) = out["accumulating"]
+    assert acc["kind"] == "all-reduce" and acc["loop_depth"] == 1, out["accumulating"]
+    assert acc["bytes"] == 4 * (64 * 32 + 32 + 32 * 10 + 10 + 1 + 1)
