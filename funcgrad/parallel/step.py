@@ -45,7 +45,8 @@ def _check_rows(batch: Any, mask: Any, size: int, axis: str, row_axis: int) -> N
                                          accumulate=bool(row_axis))
 
 
-def _explain(error: ValueError, mesh: Any, axis: str) -> ValueError | None:
+def _explain(error: ValueError, mesh: Any, axis: str,
+             zero: bool = False) -> ValueError | None:
     """A clearer error for JAX's placement errors at the step's call, or None."""
     text = str(error)
     split = re.search(r"partitioned (\d+) times, but the dimension size is (\d+)", text)
@@ -69,21 +70,30 @@ def _explain(error: ValueError, mesh: Any, axis: str) -> ValueError | None:
             "its rows, fg.process_rows) or fg.shard_batch(global_batch, mesh) (every process "
             "holding the whole batch).")
     if "does not match the sharding" in text or "incompatible devices" in text.lower():
+        state = ("the state placed by step.place_state(state): the params replicated, the "
+                 "optimizer state split over the data axis (shard_opt_state=True)" if zero
+                 else f"the state replicated over {mesh}")
+        place = "step.place_state(state)" if zero else "fg.replicate(state, mesh)"
         return ValueError(
             "the data-parallel train step: an argument is placed on other devices or sharded "
-            f"otherwise than the step expects (the state replicated over {mesh}, the batch's "
-            "rows split over its data axis). Place them with fg.replicate(state, mesh) and "
-            "fg.shard_batch / fg.process_batch, or leave them uncommitted (host arrays in one "
-            f"process). JAX said: {text.splitlines()[0]}")
+            f"otherwise than the step expects ({state}, the batch's rows split over its data "
+            f"axis). Place them with {place} and fg.shard_batch / fg.process_batch, or leave "
+            "them uncommitted (host arrays in one process). JAX said: "
+            f"{text.splitlines()[0]}")
     return None
 
 
-def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | None) -> Any:
+def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | None,
+                      shard_opt_state: bool = False) -> Any:
     """`step` (unjitted) jitted for `mesh`: ``(state, batch[, mask]) -> (state, metrics)``
-    with the state and the new state replicated, the batch's rows (axis 0; axis 1 of stacked
-    micro-batches) split over `axis`, and the metrics where XLA puts them (scalars are
-    replicated). The returned function has ``lower`` for `funcgrad.collectives` and
-    `funcgrad.memory_report`."""
+    with the state and the new state replicated (with `shard_opt_state`, the optimizer state
+    split ZeRO-1 style, `funcgrad.parallel.zero`), the batch's rows (axis 0; axis 1 of
+    stacked micro-batches) split over `axis`, and the metrics where XLA puts them (scalars
+    are replicated). The returned function has ``lower`` for `funcgrad.collectives` and
+    `funcgrad.memory_report`, ``state_shardings(state)`` (the shardings it takes the state
+    with) and ``place_state(state)`` (the state put there)."""
+    from funcgrad.parallel import zero
+
     size = check_mesh(mesh, axis, "make_train_step")
     row_axis = 0 if accumulate is None else 1
     replicated = NamedSharding(mesh, P())
@@ -93,14 +103,42 @@ def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | No
         _check_rows(batch, mask, size, axis, row_axis)
         return step(state, batch) if accumulate is None else step(state, batch, mask)
 
-    jitted = jax.jit(traced, in_shardings=(replicated, rows, rows),
-                     out_shardings=(replicated, None))
+    def state_shardings(state: Any) -> Any:
+        if not shard_opt_state:
+            return jax.tree.map(lambda _: replicated, state)
+        return zero.state_shardings(state, mesh, axis)
+
+    def place_state(state: Any, *, check: bool = True) -> Any:
+        if not shard_opt_state:
+            from funcgrad.parallel.placement import replicate
+            return replicate(state, mesh, check=check)
+        return zero.place_state(state, mesh, axis, check=check)
+
+    jitted: Any
+    if not shard_opt_state:
+        jitted = jax.jit(traced, in_shardings=(replicated, rows, rows),
+                         out_shardings=(replicated, None))
+    else:
+        programs: dict[Any, Any] = {}  # one jit per state layout (its shardings differ)
+
+        def jitted_for(state: Any) -> Any:
+            layout = (jax.tree.structure(state),
+                      tuple(np.shape(a) for a in jax.tree.leaves(state)))
+            if layout not in programs:
+                shardings = state_shardings(state)
+                programs[layout] = jax.jit(traced, in_shardings=(shardings, rows, rows),
+                                           out_shardings=(shardings, None))
+            return programs[layout]
+
+        def jitted(state: Any, batch: Any, mask: Any = None) -> Any:
+            return jitted_for(state)(state, batch, mask)
+        jitted.lower = lambda state, *a: jitted_for(state).lower(state, *a)
 
     def translated(run: Callable, state: Any, batch: Any, mask: Any) -> Any:
         try:
             return run(state, batch, mask)
         except ValueError as error:
-            clearer = _explain(error, mesh, axis)
+            clearer = _explain(error, mesh, axis, shard_opt_state)
             if clearer is None:
                 raise
             raise clearer from error
@@ -115,4 +153,6 @@ def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | No
     call.lower = (  # type: ignore[attr-defined]
         lambda state, batch, mask=None: translated(jitted.lower, state, batch, mask))
     call.jitted = jitted  # type: ignore[attr-defined]
+    call.state_shardings = state_shardings  # type: ignore[attr-defined]
+    call.place_state = place_state  # type: ignore[attr-defined]
     return call

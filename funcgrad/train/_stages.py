@@ -187,9 +187,14 @@ def clip_stage(clip_norm: float) -> Stage:
 
 
 def optimizer_stage(optimizer: optax.GradientTransformation,
-                    learning_rate_of: Callable) -> Stage:
+                    learning_rate_of: Callable, gather: Callable | None = None) -> Stage:
+    """The optax update and the new params. `gather`: applied to the updates first (the
+    optimizer state sharded ZeRO-1 style gives sharded updates; `gather` replicates them, one
+    all-gather, before anything reads them: `funcgrad.parallel.zero`)."""
     def stage(u: Update) -> None:
         u.updates, u.opt_state = optimizer.update(u.grads, u.state.opt_state, u.state.params)
+        if gather is not None:
+            u.updates = gather(u.updates)
         if (rate := learning_rate_of(u.opt_state)) is not None:
             u.metrics["learning_rate"] = rate
         u.new_params = optax.apply_updates(u.state.params, u.updates)

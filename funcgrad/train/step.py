@@ -260,7 +260,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
                     loss_scale: LossScale | None = None, accumulate: int | None = None,
                     tail: str = "apply", jit: bool = True, detect_anomaly: bool = False,
                     monitor: GradMonitor | None = None, mesh: Any = None,
-                    data_axis: str = "data"
+                    data_axis: str = "data", shard_opt_state: bool = False
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Returns one training step ``(state, batch) -> (state, metrics)``, jitted.
 
@@ -391,6 +391,13 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         devices (pad and mask otherwise: the error says how). Not with ``jit=False`` or
         `detect_anomaly`.
       data_axis: the mesh axis the batch is split over (default "data").
+      shard_opt_state: with `mesh`, shard the optimizer state over `data_axis` ZeRO-1 style
+        (`funcgrad.parallel.zero`): each optimizer-state leaf split along its first axis
+        that divides among the devices, the params replicated; each device keeps 1/N of
+        Adam's moments, and the step gathers the updated params (an all-gather of the update
+        besides the gradient reduce). The numbers are the replicated step's. Place the state
+        with ``step.place_state(state)`` (``step.state_shardings(state)`` says where each
+        leaf goes); `fit` does it itself.
     Returns:
       ``step(state, batch) -> (state, metrics)``; metrics are device arrays:
       ``{"loss": (), "grad_norm": ()}``, plus ``"clip_coef": ()`` with `clip_norm`, and
@@ -424,8 +431,9 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         ``params['count']``, and how to freeze it), or `funcgrad.TracedValueError` naming
         loss_fn's line when it uses a traced value as a Python value (``if loss > 0:``), with
         the fix (``jnp.where`` / ``lax.cond``).
-      ValueError: if `mesh` has no axis `data_axis` (or it is Explicit, or it leaves a process
-        out), or comes with ``jit=False`` or `detect_anomaly`; at the first call, if a batch's
+      ValueError: if `shard_opt_state` is given without `mesh`; if `mesh` has no axis
+        `data_axis` (or it is Explicit, or it leaves a process out), or comes with
+        ``jit=False`` or `detect_anomaly`; at the first call, if a batch's
         rows do not divide among the devices;
         if `clip_norm` is not positive or `nonfinite` is not a known policy, or if
         `loss_scale` comes with ``nonfinite="zero"``; at the first call, if the loss is not a
@@ -445,6 +453,9 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
     _check_kinds(monitor, loss_scale)
     if mesh is not None:
         _check_parallel(mesh, data_axis, jit, detect_anomaly)
+    elif shard_opt_state:
+        raise ValueError("make_train_step: shard_opt_state=True shards the optimizer state over "
+                         "a mesh's data axis; pass mesh= too (e.g. mesh=fg.data_mesh()).")
     if compute_dtype is not None:
         compute_dtype = _floating_dtype(compute_dtype, "make_train_step")
         require_dtype_compiles(compute_dtype, "make_train_step", "compute_dtype")
@@ -471,6 +482,11 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
     grads_of = differentiate(loss, value_and_grad=value_and_grad, compute_dtype=compute_dtype,
                              scaled=loss_scale is not None, dead_relu=dead_relu)
 
+    gather_updates = None
+    if shard_opt_state and mesh is not None:  # ZeRO-1: one all-gather of the sharded update
+        from funcgrad.parallel.zero import replicated_constraint
+        gather_updates = replicated_constraint(mesh)
+
     def apply_update(state: TrainState, loss_value: jax.Array, grads: PyTree, *,
                      model_state: PyTree = None, aux: PyTree = None, dead: Any = None,
                      locate: bool = False, optimistic: bool = False
@@ -478,6 +494,8 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
         """The stages after differentiation, once per update (funcgrad.train._stages)."""
         flags = ([True] * len(jax.tree.leaves(state.params)) if trainable is None
                  else _leaf_flags(trainable, state.params, "make_train_step"))
+        if gather_updates is not None:  # ZeRO-1: the reduced gradient stays whole (the norm,
+            grads = gather_updates(grads)  # clipping, the guard), each device slicing its part
         update = Update(state=state, loss=loss_value, grads=grads, model_state=model_state,
                         aux=aux, dead=dead, flags=flags)
         chain(
@@ -485,7 +503,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
             zero_nonfinite_stage if nonfinite == "zero" else None,
             norm_stage,
             clip_stage(clip_norm) if clip_norm is not None else None,
-            optimizer_stage(optimizer, applied_learning_rate),
+            optimizer_stage(optimizer, applied_learning_rate, gather_updates),
             guard_stage(zero=nonfinite == "zero", locate=locate, optimistic=optimistic),
             loss_scale_stage(loss_scale) if loss_scale is not None else None,
         )(update)
@@ -540,7 +558,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
     if mesh is not None:  # the same step jitted with the state replicated, the rows split
         from funcgrad.parallel.step import data_parallel_jit
 
-        out = data_parallel_jit(step, mesh, data_axis, accumulate)
+        out = data_parallel_jit(step, mesh, data_axis, accumulate, shard_opt_state)
     if monitor is not None and accumulate is None:
         out = _attach_monitor(out)
     if detect_anomaly:
@@ -575,6 +593,7 @@ def make_train_step(loss_fn: LossFn | Loss, optimizer: optax.GradientTransformat
     out.loss = loss
     out.mesh = mesh
     out.data_axis = data_axis if mesh is not None else None
+    out.shard_opt_state = bool(shard_opt_state and mesh is not None)
     return out
 
 

@@ -418,6 +418,70 @@ def scenario_uneven() -> None:
     print(f"process {PID} finished its steps", flush=True)
 
 
+def gathered(tree):
+    """Every process's copy of `tree` whole, as NumPy: sharded leaves (a ZeRO-1 optimizer
+    state) gathered from all processes, replicated ones read locally."""
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return local(x)
+    return jax.tree.map(one, tree)
+
+
+def scenario_zero() -> None:
+    """ZeRO-1 (shard_opt_state=True): the optimizer state split over the processes, every
+    number the one-device step's (clipping, a NaN step skipped, accumulation); each process
+    holds its half of Adam's moments; the collectives: the gradient all-reduce and an
+    all-gather of the sharded updates."""
+    params = fg.mlp_init(jax.random.key(0), (16, 32, 10))
+    tx = optax.chain(record_grads(), optax.adam(1e-2))
+    state = fg.init_train_state(params, tx)
+    one = fg.make_train_step(mlp_loss, tx, clip_norm=0.5)
+    many = fg.make_train_step(mlp_loss, tx, clip_norm=0.5, mesh=MESH, shard_opt_state=True)
+    s1, sm = state, many.place_state(state)
+    steps = [data(16, 30 + s) for s in range(4)]
+    steps[2]["x"][-1, 0] = np.nan  # the last process's rows: the update is skipped
+    rows = []
+    for batch in steps:
+        s1, m1 = one(s1, batch)
+        sm, mm = many(sm, fg.process_batch(global_rows(batch), MESH))
+        g1 = local(_recorded(s1.opt_state))
+        rows.append({"grad_err": max_diff(g1, gathered(_recorded(sm.opt_state)))
+                     / max(max_abs(g1), 1e-30),
+                     "param_err": max_diff(local(s1.params), local(sm.params)),
+                     "opt_state_err": max_diff(local(s1.opt_state), gathered(sm.opt_state)),
+                     "max_p": max_abs(local(s1.params)),
+                     "skipped": [int(m1["skipped"]), int(local(mm["skipped"]))],
+                     "loss": [float(m1["loss"]), float(local(mm["loss"]))]})
+    RESULT["zero"] = rows
+    mu = sm.opt_state[1][0].mu  # adam's first moment, as a list of layers
+    RESULT["zero_shards"] = {
+        "w0": [list(mu[0]["w"].shape), list(mu[0]["w"].addressable_data(0).shape)],
+        "b1": [list(mu[1]["b"].shape), list(mu[1]["b"].addressable_data(0).shape)],
+        "params_w0": list(sm.params[0]["w"].addressable_data(0).shape)}
+    RESULT["zero_collectives"] = fg.collectives(
+        many, sm, fg.process_batch(global_rows(steps[0]), MESH)).to_dict()
+    try:  # a replicated state given to the ZeRO-1 step
+        many(fg.replicate(state, MESH), fg.process_batch(global_rows(steps[0]), MESH))
+    except ValueError as e:
+        RESULT["zero_unplaced"] = str(e)
+
+    def per_example(params, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            fg.mlp_apply(params, batch["x"]), batch["y"])
+    one = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0)
+    many = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0, mesh=MESH,
+                              shard_opt_state=True)
+    stacked = {k: v.reshape(2, 8, *v.shape[1:]) for k, v in data(16, 40).items()}
+    s1, _ = one(state, stacked)
+    sm, _ = many(many.place_state(state), _split_rows(stacked))
+    RESULT["zero_accumulate"] = {
+        "param_err": max_diff(local(s1.params), local(sm.params)),
+        "opt_state_err": max_diff(local(s1.opt_state), gathered(sm.opt_state))}
+
+
 def scenario_bad() -> None:
     """The errors that must come before a collective: swapped shards, disagreeing shapes,
     params that differ per process, a batch that does not divide."""

@@ -120,6 +120,32 @@ def test_accumulation_over_devices_equals_the_full_batch():
     assert bn["model_state_err"] <= 1e-6 * bn["max_state"] < bn["state_spread"], bn
 
 
+def test_zero1_sharded_optimizer_state_equals_one_device():
+    results, _ = launch("zero")
+    for r in results:
+        for i, row in enumerate(r["zero"]):
+            assert row["grad_err"] <= TOL, (i, row)
+            assert row["param_err"] <= TOL * row["max_p"] and row["opt_state_err"] <= TOL, row
+            assert row["skipped"] == ([1, 1] if i == 2 else [0, 0]), row
+        assert r["zero_accumulate"]["param_err"] <= TOL, r["zero_accumulate"]
+        assert r["zero_accumulate"]["opt_state_err"] <= TOL, r["zero_accumulate"]
+        # Each process holds half of each moment (rows of a (16, 32) weight, half of a (10,)
+        # bias) and all of the params.
+        shards = r["zero_shards"]
+        assert shards == {"w0": [[16, 32], [8, 32]], "b1": [[10], [5]],
+                          "params_w0": [16, 32]}, shards
+    # The pair: one all-reduce of the gradients (4 leaves and the loss), then an all-gather of
+    # each sharded update (the new params' 3,616 bytes = (16*32 + 32 + 32*10 + 10) * 4),
+    # nothing else.
+    report = results[0]["zero_collectives"]
+    (grads,) = _gradient_all_reduces(report)
+    assert len(grads["shapes"]) == 5 and grads["bytes"] == 3500, report
+    gathers = [c for c in report if c["kind"] == "all-gather"]
+    assert sum(c["bytes"] for c in gathers) == 4 * (16 * 32 + 32 + 32 * 10 + 10), report
+    assert len(report) == 1 + len(gathers), report
+    assert "step.place_state(state)" in results[0]["zero_unplaced"]
+
+
 def test_model_state_keys_and_loss_scale_equal_one_device():
     results, _ = launch("state_keys_scale")
     rows = results[0]["bn_dropout_loss_scale"]

@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import funcgrad as fg
 from funcgrad.parallel.collectives import parse_collectives
+from funcgrad.parallel.zero import opt_state_spec
 
 
 def _loss(params, batch):
@@ -77,6 +79,32 @@ def test_mesh_errors_name_the_fix():
         fg.make_train_step(_loss, tx, mesh=fg.data_mesh(), jit=False)
     with pytest.raises(ValueError, match="detect_anomaly"):
         fg.make_train_step(_loss, tx, mesh=fg.data_mesh(), detect_anomaly=True)
+    with pytest.raises(ValueError, match="shard_opt_state=True.*pass mesh="):
+        fg.make_train_step(_loss, tx, shard_opt_state=True)
+
+
+@pytest.mark.parametrize("shape, size, spec", [
+    ((64, 32), 4, P("data")), ((10, 32), 4, P(None, "data")), ((10,), 4, P()), ((), 4, P()),
+    ((3, 5), 2, P()), ((2, 8), 4, P(None, "data")), ((64, 32), 1, P())])
+def test_zero1_splits_the_first_axis_that_divides(shape, size, spec):
+    # A (10, 32) leaf on 4 devices: 10 does not divide, 32 does; (2, 8): 2 < 4 devices.
+    assert opt_state_spec(shape, size, "data") == spec
+
+
+def test_zero1_on_one_device_is_the_plain_step():
+    params, tx, batch = _setup()
+    state = fg.init_train_state(params, tx)
+    plain = fg.make_train_step(_loss, tx, clip_norm=0.1)
+    zero = fg.make_train_step(_loss, tx, clip_norm=0.1, mesh=fg.data_mesh(),
+                              shard_opt_state=True)
+    assert zero.shard_opt_state and not plain.shard_opt_state
+    s1, s2 = state, zero.place_state(state)
+    assert zero.place_state(s2) is s2  # placed already: as is
+    for _ in range(3):
+        s1, _ = plain(s1, batch)
+        s2, _ = zero(s2, batch)
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_batch_errors_and_placement_in_one_process():
@@ -206,6 +234,14 @@ SIMULATED = textwrap.dedent("""
     stacked = {"x": jax.ShapeDtypeStruct((16, 8, 64), np.float32, sharding=rows),
                "y": jax.ShapeDtypeStruct((16, 8), np.int32, sharding=rows)}
     out["accumulating"] = fg.collectives(accumulating, state, stacked).to_dict()
+    # ZeRO-1: the compiled step's argument bytes per device, with and without.
+    zero = fg.make_train_step(loss, tx, clip_norm=1.0, mesh=mesh, shard_opt_state=True)
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          jax.eval_shape(lambda s: s, state), zero.state_shardings(state))
+    out["zero"] = fg.collectives(zero, placed, batch).to_dict()
+    out["argument_bytes"] = [
+        s.lower(st, batch).compile().memory_analysis().argument_size_in_bytes
+        for s, st in ((step, state), (zero, placed))]
     print("RESULT " + json.dumps(out))
 """)
 
@@ -233,3 +269,11 @@ def test_collectives_of_a_step_compiled_for_four_simulated_devices():
     (acc,) = out["accumulating"]
     assert acc["kind"] == "all-reduce" and acc["loop_depth"] == 1, out["accumulating"]
     assert acc["bytes"] == 4 * (64 * 32 + 32 + 32 * 10 + 10 + 1 + 1)
+    # ZeRO-1 on 4 devices: Adam's mu and nu of w0 (64, 32), b0 (32,) and w1 (32, 10) split in
+    # 4 (the (10,) bias does not divide: replicated), so each device holds 3/4 less of them:
+    # 2 moments * (2048 + 32 + 320) floats * 4 bytes * 3/4 = 14,400 bytes fewer.
+    plain_bytes, zero_bytes = out["argument_bytes"]
+    assert plain_bytes - zero_bytes == 2 * (2048 + 32 + 320) * 4 * 3 // 4, out["argument_bytes"]
+    # The gradient all-reduce, and one all-gather of each sharded update (1/4 each device's).
+    kinds = sorted(c["kind"] for c in out["zero"])
+    assert kinds == ["all-gather"] * 3 + ["all-reduce"], out["zero"]
