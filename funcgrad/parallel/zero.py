@@ -59,19 +59,6 @@ def state_shardings(state: Any, mesh: Any, axis: str) -> Any:
                              for name, value in state._asdict().items()})
 
 
-def sharded_bytes(state: Any, shardings: Any) -> tuple[int, int]:
-    """``(per_device, replicated)``: the bytes of `state`'s optimizer state that each device
-    holds under `shardings`, and what it would hold replicated."""
-    per_device = total = 0
-    for leaf, sharding in zip(jax.tree.leaves(state.opt_state),
-                              jax.tree.leaves(shardings.opt_state)):
-        size = int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-        total += size
-        shard = sharding.shard_shape(np.shape(leaf))
-        per_device += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-    return per_device, total
-
-
 def place_state(state: Any, mesh: Any, axis: str, *, check: bool = True) -> Any:
     """`state` replicated over `mesh` (`funcgrad.replicate`: in several processes the copies
     are compared first with `check`), then its optimizer state split as `state_shardings`
