@@ -3,11 +3,14 @@
     python benchmarks/parallel_stress.py [-n 50] [--scenarios step,accumulate,...]
                                          [--processes 2] [--out benchmarks/results/...json]
 
-Each run is one ``funcgrad launch`` of tests/parallel/_worker.py with every scenario of
-tests/parallel/test_distributed.py (default), under the same limits as the tests: the
-launcher stops a run after 60 s (status 124: a hang), this script kills it after 90 s. A run
-passes when it ends with status 0 within the limit; its result is not re-checked here (the
-tests do that). Exit status 1 if any run did not pass.
+Each run is one ``funcgrad launch`` of tests/parallel/_worker.py per scenario of
+tests/parallel/test_distributed.py (default: every one), under the same limits as the tests:
+the launcher stops a launch after 60 s (status 124: a hang), this script kills it after 90 s.
+A scenario is written ``name``, ``name@N`` (on N processes instead of --processes) or
+``name!`` (expected to fail, as its test expects: processes running different step counts).
+A launch passes when it ends with status 0 within the limit (``name!``: with an error status
+other than the limit's 124, within the limit); its result is not re-checked here (the tests
+do that). Exit status 1 if any launch did not pass.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "..", "tests", "parallel", "_worker.py")
-SCENARIOS = "step,accumulate,state_keys_scale,mapped,bad"
+SCENARIOS = "step,accumulate,zero,state_keys_scale,mapped,bad,uneven!,fit,resume,smoke@3"
 
 
 def main() -> int:
@@ -44,9 +47,12 @@ def main() -> int:
             args.runs = run
             break
         for scenario in scenarios:
-            command = [sys.executable, "-m", "funcgrad", "launch", "-n", str(args.processes),
+            name, _, count = scenario.rstrip("!").partition("@")
+            failing = scenario.endswith("!")
+            command = [sys.executable, "-m", "funcgrad", "launch", "-n",
+                       count or str(args.processes),
                        "--timeout", str(args.limit), "--init-timeout", "20", "--grace", "2",
-                       "--", sys.executable, WORKER, scenario]
+                       "--", sys.executable, WORKER, name]
             start = time.perf_counter()
             try:
                 done = subprocess.run(command, capture_output=True, text=True,
@@ -56,12 +62,13 @@ def main() -> int:
                 said = [line for line in done.stderr.splitlines() if any(
                     word in line for word in ("Error", "error", "barrier", "heartbeat",
                                               "Terminating", "DEADLINE", "funcgrad launch"))]
-                tail = ("\n".join(said[:30]) + "\n" + done.stdout[-800:]) if status else ""
+                tail = (("\n".join(said[:30]) + "\n" + done.stdout[-800:])
+                        if status and not failing else "")
             except subprocess.TimeoutExpired:
                 status, tail = "killed", "the launcher itself did not end"
             seconds = time.perf_counter() - start
-            verdict = ("ok" if status == 0 else "hang" if status in (124, "killed")
-                       else "failed")
+            verdict = ("hang" if status in (124, "killed")
+                       else "ok" if (status != 0) == failing else "failed")
             outcomes.append({"run": run, "scenario": scenario, "status": status,
                              "seconds": round(seconds, 2), "verdict": verdict,
                              "why": tail[-3000:]})
