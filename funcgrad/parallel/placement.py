@@ -209,7 +209,8 @@ def shard_batch(batch: PyTree, mesh: Mesh, axis: str = DATA_AXIS) -> PyTree:
     (``NamedSharding(mesh, P(axis))``); other axes stay whole. For one process, or for
     several that each hold the whole global batch (a dataset every process loads, such as
     the digits): each process places the rows of its own devices. When each process reads
-    only its own rows (a loader per process), use `process_batch`.
+    only its own rows (a loader per process), use `process_batch` (`funcgrad.fit` does
+    this for a loader per process itself).
 
     Args:
       batch: a pytree of arrays of shape ``(B, ...)``, the same on every process.
