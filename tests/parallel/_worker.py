@@ -617,6 +617,17 @@ def scenario_fit_loader_bad() -> None:
     good = fg.fit(step, fg.init_train_state(params, tx), mine, epochs=1, progress=False)
     RESULT["errors"], RESULT["error_seconds"] = errors, seconds
     RESULT["good_steps"] = int(local(good.state.step))
+    # A NaN in process 1's rows of batch 3: both stop there, with the state from before it.
+    nan = [{**b, "x": b["x"].copy()} for b in mine]
+    if PID == 1:
+        nan[3]["x"][0, 0] = np.nan
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the report, also as a warning
+        stopped = fg.fit(step, fg.init_train_state(params, tx), nan, epochs=1, progress=False)
+    RESULT["nonfinite"] = {"step": stopped.nonfinite.step, "batch": stopped.nonfinite.batch,
+                           "state_step": int(local(stopped.state.step)),
+                           "finite": bool(np.isfinite(max_abs(local(stopped.state.params))))}
 
 
 def multihost_sync(name: str) -> None:

@@ -268,7 +268,8 @@ def test_fit_with_per_process_loaders_and_accumulation():
 def test_disagreeing_per_process_loaders_fail_at_once_on_every_process():
     """Loaders that yield other counts, rows or dtypes on one process: fit raises the same
     ValueError on every process, naming the fix, within seconds (before a collective of the
-    step could wait for a batch that never comes); the processes stay in step after it."""
+    step could wait for a batch that never comes); the processes stay in step after it. A NaN
+    in one process's rows stops both at that step."""
     results, seconds = launch("fit_loader_bad")
     assert seconds < RUN_LIMIT
     for r in results:
@@ -287,3 +288,4 @@ def test_disagreeing_per_process_loaders_fail_at_once_on_every_process():
         assert "(data/x (1, 4, 16)" in e["fewer_microbatches"]
         assert max(r["error_seconds"].values()) < 15, r["error_seconds"]
         assert r["good_steps"] == 6
+        assert r["nonfinite"] == {"step": 3, "batch": 3, "state_step": 3, "finite": True}
