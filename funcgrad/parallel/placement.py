@@ -209,7 +209,8 @@ def shard_batch(batch: PyTree, mesh: Mesh, axis: str = DATA_AXIS) -> PyTree:
     (``NamedSharding(mesh, P(axis))``); other axes stay whole. For one process, or for
     several that each hold the whole global batch (a dataset every process loads, such as
     the digits): each process places the rows of its own devices. When each process reads
-    only its own rows (a loader per process), use `process_batch`.
+    only its own rows (a loader per process), use `process_batch` (`funcgrad.fit` does
+    this for a loader per process itself).
 
     Args:
       batch: a pytree of arrays of shape ``(B, ...)``, the same on every process.
@@ -268,6 +269,46 @@ def _layout(tree: PyTree) -> str:
     return repr(leaves)
 
 
+#: How many bytes of each process's text `gather_from_processes` passes on.
+TEXT_BYTES = 512
+
+
+def _crc(text: str) -> int:
+    """A CRC32 of `text` that fits an int32 (what `gather_from_processes` sends)."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def gather_from_processes(numbers: Any, text: str = "") -> tuple[np.ndarray, list[str]]:
+    """Every process's `numbers` and `text`, by one small all-gather: how the processes check
+    that they agree (on a batch's rows and layout, a loader's batch count) before a
+    collective that would hang or fail if they did not. Every process must call it, in the
+    same order, with as many numbers.
+
+    Args:
+      numbers: ints, each within int32 (they travel as int32, whether or not ``jax_enable_x64``
+        is set); `text`: a short description (its first `TEXT_BYTES` UTF-8 bytes travel).
+    Returns:
+      ``(every, texts)``: an int32 array of shape ``(process_count, len(numbers))``, row p
+      process p's numbers, and ``texts[p]`` process p's text. In one process: this process's
+      alone, with no communication.
+    """
+    mine = np.asarray(numbers, dtype=np.int64).reshape(-1)
+    if mine.size and (mine.min() < -2**31 or mine.max() >= 2**31):
+        raise ValueError(f"gather_from_processes: {mine.tolist()} do not all fit in int32.")
+    if jax.process_count() == 1:
+        return mine.astype(np.int32)[None], [text]
+    from jax.experimental import multihost_utils
+
+    raw = text.encode()[:TEXT_BYTES]
+    packed = np.frombuffer(raw.ljust(TEXT_BYTES, b"\0"), dtype=np.uint8).astype(np.int32)
+    sent = np.concatenate([mine.astype(np.int32), [len(raw)], packed]).astype(np.int32)
+    every = np.asarray(multihost_utils.process_allgather(sent)).astype(np.int32)
+    k = mine.size
+    texts = [bytes(row[k + 1:k + 1 + int(row[k])].astype(np.uint8)).decode(errors="replace")
+             for row in every]
+    return every[:, :k], texts
+
+
 def process_batch(local: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
                   rows: Any = None, check: bool = True) -> PyTree:
     """Returns the global batch made of every process's `local` rows
@@ -297,11 +338,8 @@ def process_batch(local: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
     b = _rows_of(local, "process_batch")
     count = jax.process_count()
     if check and count > 1:
-        from jax.experimental import multihost_utils
-
         layout = _layout(local)
-        mine = np.array([b, zlib.crc32(layout.encode())], dtype=np.int64)
-        every = np.asarray(multihost_utils.process_allgather(mine))
+        every, _ = gather_from_processes([b, _crc(layout)])
         if (every != every[0]).any():
             counts = {p: int(every[p, 0]) for p in range(count)}
             same = bool((every[:, 1] == every[0, 1]).all())

@@ -620,6 +620,159 @@ def scenario_resume() -> None:
         "sharding": str(resumed.state.params[0]["w"].sharding)}
 
 
+def _digits_batches(n: int, size: int, epochs: int) -> list:
+    """The global batches of each epoch: the first `n` train digits in batches of `size`
+    (fg.batches' order, the last batch smaller)."""
+    digits = fg.load_digits(seed=0)
+    x, y = digits.x_train[:n].astype(np.float32), digits.y_train[:n].astype(np.int32)
+    return [list(fg.batches(x, y, batch_size=size, seed=1, epoch=e)) for e in range(epochs)]
+
+
+def own_rows(batch: dict) -> dict:
+    """This process's part of a global batch (its rows, fg.process_rows)."""
+    mine = fg.process_rows(len(batch["x"]), MESH)
+    return {k: v[mine] for k, v in batch.items()}
+
+
+def _loader_fits(name: str, loss, options: dict, size: int, fit_options: dict):
+    """One-device `fit` (process 0 only: the second method, no collective) on the global
+    batches, and the mesh step's `fit` with each process's loader yielding its own rows of
+    them; records their numbers under `name`. Returns the mesh run, its step and loader."""
+    params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
+    tx = fg.make_optimizer("adam", 1e-3)
+    batches = _digits_batches(420, size, EPOCHS)  # the last batch: 420 % size rows
+    runs = {}
+    for where, mesh in (("one", None), ("mesh", MESH)):
+        if mesh is None and PID != 0:
+            continue
+        step = fg.make_train_step(loss, tx, mesh=mesh, **options)
+        loader = ((lambda e: batches[e]) if mesh is None
+                  else (lambda e: (own_rows(b) for b in batches[e])))
+        start = time.perf_counter()
+        result = fg.fit(step, fg.init_train_state(params, tx), loader, epochs=EPOCHS,
+                        progress=False, **fit_options)
+        runs[where] = (result, time.perf_counter() - start)
+    many = runs["mesh"][0]
+    pm = local(many.state.params)
+    RESULT[name] = {"mesh": fit_rows(many.history), "seconds": [runs["mesh"][1]],
+                    "sharding": str(many.state.params[0]["w"].sharding),
+                    "steps": [int(local(many.state.step))]}
+    if PID == 0:
+        one = runs["one"][0]
+        p1 = local(one.state.params)
+        RESULT[name].update(param_err=max_diff(p1, pm), max_p=max_abs(p1),
+                            one=fit_rows(one.history))
+        RESULT[name]["seconds"].insert(0, runs["one"][1])
+        RESULT[name]["steps"].insert(0, int(local(one.state.step)))
+    RESULT[name + "/fingerprint"] = float(sum(np.sum(np.asarray(v, np.float64) * (i + 1))
+                                              for i, v in enumerate(jax.tree.leaves(pm))))
+    loader = lambda e: (own_rows(b) for b in batches[e])
+    return many, (params, tx), loader
+
+
+#: Epochs of the per-process loader scenarios.
+EPOCHS = 2
+
+
+def scenario_fit_loader() -> None:
+    """`fit` with the mesh step and a loader per process (each yields its own rows of every
+    global batch: chunks of stacked batches, a short last batch of 4 = 2 + 2 rows) with an
+    evaluation split, against one-device `fit` whose loader yields the global batches; then
+    1 epoch with a checkpoint, resumed to 2: bit for bit the 2 epochs without stopping."""
+    import os
+    import shutil
+    import tempfile
+
+    RESULT["funcgrad"] = fg.__file__  # the copy under test (PYTHONPATH)
+    digits = fg.load_digits(seed=0)
+    split = {"x": digits.x_test.astype(np.float32), "y": digits.y_test.astype(np.int32)}
+    options = {"clip_norm": 1.0}
+    many, (params, tx), loader = _loader_fits("plain", mlp_loss, options, 32,
+                                              {"evaluate": split})
+    port = os.environ["FUNCGRAD_COORDINATOR"].rsplit(":", 1)[1]  # one folder per run
+    root = os.path.join(tempfile.gettempdir(), f"funcgrad-loader-test-{port}")
+    try:
+        step = fg.make_train_step(mlp_loss, tx, mesh=MESH, **options)
+        fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1, progress=False,
+               checkpoint_dir=root)
+        resumed = fg.fit(step, fg.init_train_state(params, tx), loader, epochs=EPOCHS,
+                         progress=False, checkpoint_dir=root, resume=True)
+    finally:
+        multihost_sync("loader-resume-done")
+        if PID == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    a, b = local(many.state), local(resumed.state)
+    RESULT["resume"] = {
+        "bitwise": all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a),
+                                                            jax.tree.leaves(b))),
+        "steps": int(b.step),
+        "history_same": many.history.step_loss == resumed.history.step_loss}
+
+
+def scenario_fit_loader_accumulate() -> None:
+    """As scenario_fit_loader with accumulate=2: each process's loader yields its own rows
+    of every micro-batch, fit groups them (a partial last group: one micro-batch of 4 = 2 + 2
+    rows, padded to 8 per process and masked); an evaluation function of the params."""
+    digits = fg.load_digits(seed=0)
+    test_x, test_y = digits.x_test.astype(np.float32), digits.y_test.astype(np.int32)
+
+    def per_example(params, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            fg.mlp_apply(params, batch["x"]), batch["y"])
+
+    def accuracy(params):  # the params replicated over the mesh: this process's copy
+        logits = fg.mlp_apply(local(params), test_x)
+        return {"accuracy": float(np.mean(np.argmax(logits, -1) == test_y))}
+
+    _loader_fits("accumulate", per_example, {"accumulate": 2}, 16, {"evaluate": accuracy})
+
+
+def scenario_fit_loader_bad() -> None:
+    """Per-process loaders that disagree: fit raises on every process, naming the fix, before
+    a collective of the step waits for a batch that never comes; each case's time, and a
+    good fit afterwards (the processes are still in step)."""
+    params = fg.mlp_init(jax.random.key(0), (16, 8, 10))
+    tx = optax.sgd(0.1)
+    batches = [data(8, s) for s in range(6)]  # 6 global batches of 8 rows: 4 per process
+
+    def per_example(params, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            fg.mlp_apply(params, batch["x"]), batch["y"])
+
+    mine = [own_rows(b) for b in batches]
+    cases = {
+        "fewer_batches": (mlp_loss, {}, mine[:-1] if PID == 1 else mine),
+        "dtype": (mlp_loss, {}, [{**b, "x": b["x"].astype(np.float64)} if PID == 1 and i == 2
+                                 else b for i, b in enumerate(mine)]),
+        "rows": (mlp_loss, {}, [own_rows(data(8 + 2 * PID, 9))] + mine),
+        "fewer_microbatches": (per_example, {"accumulate": 4}, mine[:-1] if PID == 1 else mine),
+    }
+    errors, seconds = {}, {}
+    for name, (loss, options, loader) in cases.items():
+        step = fg.make_train_step(loss, tx, mesh=MESH, **options)
+        start = time.perf_counter()
+        try:
+            fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1, progress=False)
+        except ValueError as e:
+            errors[name] = str(e)
+        seconds[name] = time.perf_counter() - start
+    step = fg.make_train_step(mlp_loss, tx, mesh=MESH)
+    good = fg.fit(step, fg.init_train_state(params, tx), mine, epochs=1, progress=False)
+    RESULT["errors"], RESULT["error_seconds"] = errors, seconds
+    RESULT["good_steps"] = int(local(good.state.step))
+    # A NaN in process 1's rows of batch 3: both stop there, with the state from before it.
+    nan = [{**b, "x": b["x"].copy()} for b in mine]
+    if PID == 1:
+        nan[3]["x"][0, 0] = np.nan
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the report, also as a warning
+        stopped = fg.fit(step, fg.init_train_state(params, tx), nan, epochs=1, progress=False)
+    RESULT["nonfinite"] = {"step": stopped.nonfinite.step, "batch": stopped.nonfinite.batch,
+                           "state_step": int(local(stopped.state.step)),
+                           "finite": bool(np.isfinite(max_abs(local(stopped.state.params))))}
+
+
 def multihost_sync(name: str) -> None:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)

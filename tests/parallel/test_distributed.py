@@ -261,3 +261,78 @@ def test_checkpoint_and_resume_of_a_mesh_run_is_bit_identical():
         assert run["bitwise"] and run["history_same"], run
         assert "spec=P()" in run["sharding"], run
         assert "90" in run["saved"] and "180" in run["saved"], run
+
+
+def _same_steps(one: list[float], many: list[float], tol: float = 1e-6) -> bool:
+    return len(one) == len(many) and all(abs(a - b) <= tol * max(1.0, abs(a))
+                                         for a, b in zip(one, many))
+
+
+def _check_loader_run(results: list[dict], name: str, steps: int) -> None:
+    """Process 0's one-device fit on the global batches against the 2-process fit whose
+    loaders yield each process's rows: params, per-step losses and norms, epoch rows."""
+    run = results[0][name]
+    assert run["steps"] == [steps, steps], run["steps"]
+    assert run["param_err"] <= TOL * max(1.0, run["max_p"]), run["param_err"]
+    one, many = run["one"], run["mesh"]
+    assert _same_steps(one["step_loss"], many["step_loss"])
+    assert _same_steps(one["grad_norm"], many["grad_norm"], 1e-5)
+    assert one["skipped"] == many["skipped"] == []
+    assert len(one["epochs"]) == len(many["epochs"]) == 2
+    for a, b in zip(one["epochs"], many["epochs"]):
+        assert a.keys() == b.keys() and any(k.startswith("eval/") for k in a), (a, b)
+        assert _close([v for v in a.values() if isinstance(v, float)],
+                      [v for v in b.values() if isinstance(v, float)], 1e-6), (a, b)
+    assert "spec=P()" in run["sharding"], run["sharding"]
+    for r in results:  # every process ends with the same history and params
+        assert r[name]["mesh"] == many
+    _same_on_every_process(results, name + "/fingerprint")
+
+
+def test_fit_with_per_process_loaders_equals_one_device_fit():
+    """Each process's loader yields its own half of every global batch (420 digits in
+    batches of 32: 13 of 16 + 16 rows and a last of 2 + 2); fit assembles the global batches
+    per chunk and ends where one-device fit on the global batches ends. An evaluation split
+    on every process; 1 epoch checkpointed and resumed to 2 ends bit for bit the same."""
+    results, seconds = launch("fit_loader")
+    assert seconds < RUN_LIMIT
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert results[0]["funcgrad"].startswith(here), results[0]["funcgrad"]  # this copy
+    _check_loader_run(results, "plain", 2 * 14)
+    for r in results:
+        assert r["resume"] == {"bitwise": True, "steps": 2 * 14, "history_same": True}
+
+
+def test_fit_with_per_process_loaders_and_accumulation():
+    """accumulate=2 with a loader per process yielding its rows of every micro-batch (420
+    digits in micro-batches of 16: 26 of 8 + 8 rows and a last of 2 + 2, so the last group
+    is one micro-batch padded on each process), and an evaluation function."""
+    results, seconds = launch("fit_loader_accumulate")
+    assert seconds < RUN_LIMIT
+    _check_loader_run(results, "accumulate", 2 * 14)
+
+
+def test_disagreeing_per_process_loaders_fail_at_once_on_every_process():
+    """Loaders that yield other counts, rows or dtypes on one process: fit raises the same
+    ValueError on every process, naming the fix, within seconds (before a collective of the
+    step could wait for a batch that never comes); the processes stay in step after it. A NaN
+    in one process's rows stops both at that step."""
+    results, seconds = launch("fit_loader_bad")
+    assert seconds < RUN_LIMIT
+    for r in results:
+        e = r["errors"]
+        assert e.keys() == {"fewer_batches", "dtype", "rows", "fewer_microbatches"}, e
+        assert e == results[0]["errors"]  # the same words everywhere
+        for text in e.values():
+            assert "the processes' loaders disagree in epoch 1" in text
+            assert "fg.process_rows(B, mesh)" in text and "drop_last=True" in text
+        assert ("process 0: 6 batches (x (4, 16) float32, y (4,) int32), then its epoch "
+                "ends; process 1: 5 batches" in e["fewer_batches"])
+        assert ("process 1: 2 batches (x (4, 16) float32, y (4,) int32), then one of "
+                "(x (4, 16) float64, y (4,) int32)" in e["dtype"]), e["dtype"]
+        assert "process 1: 1 batch (x (5, 16) float32" in e["rows"], e["rows"]
+        assert "group of micro-batches (data/x (2, 4, 16)" in e["fewer_microbatches"]
+        assert "(data/x (1, 4, 16)" in e["fewer_microbatches"]
+        assert max(r["error_seconds"].values()) < 15, r["error_seconds"]
+        assert r["good_steps"] == 6
+        assert r["nonfinite"] == {"step": 3, "batch": 3, "state_step": 3, "finite": True}

@@ -125,6 +125,28 @@ def test_batch_errors_and_placement_in_one_process():
         step(fg.init_train_state(params, tx), {**batch, "t": jnp.float32(1)})
 
 
+def test_process_agreement_and_global_batches_in_one_process():
+    """In one process: gather_from_processes is this process's row (no communication), the
+    loaders' agreement check passes, and global_batches is the local rows, rows split over
+    the data axis (axis 1 of stacked batches)."""
+    from funcgrad.parallel.placement import gather_from_processes
+    from funcgrad.train.loop.placement import global_batches, local_batches_agree
+
+    every, texts = gather_from_processes([3, 0, 2**31 - 1], "x (4,) float32")
+    assert every.dtype == np.int32 and every.tolist() == [[3, 0, 2**31 - 1]]
+    assert texts == ["x (4,) float32"]
+    with pytest.raises(ValueError, match="fit in int32"):
+        gather_from_processes([2**31])
+    _, _, batch = _setup()
+    mesh = fg.data_mesh()
+    stacked = {k: np.stack([v, v]) for k, v in batch.items()}
+    local_batches_agree([batch, batch], True, epoch=1, step=0)
+    local_batches_agree([], True, epoch=1, step=0)
+    got = global_batches(stacked, mesh, "data", row_axis=1)
+    np.testing.assert_array_equal(got["x"], stacked["x"])
+    assert got["y"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
+
+
 def test_replicate_keeps_placed_leaves_and_typed_keys():
     params, tx, _ = _setup()
     mesh = fg.data_mesh()

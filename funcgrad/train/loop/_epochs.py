@@ -19,8 +19,11 @@ from funcgrad.train.loop._dispatches import LOADER_CHUNK, MAX_CHUNK, Dispatches,
 from funcgrad.train.loop._record import Recorder, fetched, host_row, with_ran
 from funcgrad.train.loop.history import NonFiniteReport
 from funcgrad.train.loop.placement import (
+    global_batches,
+    local_batches_agree,
     mesh_of,
     owned_copy,
+    per_process_loader,
     place_data,
     place_state,
     stack_batches,
@@ -28,6 +31,9 @@ from funcgrad.train.loop.placement import (
 from funcgrad.train.loop.sources import split_for_accumulation, take_rows
 from funcgrad.train.microbatches import Microbatches, group_microbatches, stack_microbatches
 from funcgrad.train.step import TrainState
+
+#: What an accumulating step's loader batches become in an error's words.
+GROUPS = ("group of micro-batches", "groups of micro-batches")
 
 
 class _Run(Recorder, Dispatches):
@@ -49,6 +55,10 @@ class _Run(Recorder, Dispatches):
                      else None)
         # The order's base key, on the device once (replicated over a data-parallel mesh).
         self.key = place_state(base_key(seed), mesh, check=False)
+        # A loader on several processes: each yields its own rows of every global batch.
+        self.step_mesh = mesh_of(step)
+        self.per_process = per_process_loader(source, self.step_mesh)
+        self.data_axis = getattr(step, "data_axis", None) or "data"
         self.first_call, self.previous_report = True, None
         self.owned = False  # whether self.state's buffers are fit's own (may be donated)
         self.epochs = epochs
@@ -188,7 +198,10 @@ class _Run(Recorder, Dispatches):
             return None
 
         if k > 1:
-            for group in group_microbatches(batches, k):
+            groups = group_microbatches(batches, k)
+            if self.per_process:  # every process's groups, checked to agree one by one
+                groups = self._global_groups(groups, epoch, lambda: done)
+            for group in groups:
                 report = self._call((group,), epoch, done * k, len(group.mask), None)
                 done += 1
                 position.update(step_in_epoch=done, run_step=self.run_step)
@@ -198,36 +211,67 @@ class _Run(Recorder, Dispatches):
         length = self.chunk or LOADER_CHUNK
         pending: list = []
 
-        def flush():
+        def flush(last=False, following=None):
             nonlocal done
+            if self.per_process:  # before any collective: do the processes agree?
+                local_batches_agree(pending, last, epoch=epoch, step=done, following=following)
             if not pending:
                 return None
             if self.runner is None or len(pending) == 1:
-                report = self._call((pending[0],), epoch, done, 1, None)
+                batch = (global_batches(pending[0], self.step_mesh, self.data_axis, row_axis=0)
+                         if self.per_process else pending[0])
+                report = self._call((batch,), epoch, done, 1, None)
                 steps = 0 if report is not None else 1
             else:
                 stacked = stack_batches(pending)
+                if self.per_process:  # (T, b, ...) of every process: (T, P * b, ...)
+                    stacked = global_batches(stacked, self.step_mesh, self.data_axis,
+                                             row_axis=1)
+                    calls = None
+                else:
+                    calls = list(pending)
                 call = lambda runner, state: runner.stacked(state, stacked)
                 self.state, got = _chunk(self.fast, self.runner, call, self.state, self.owned)
                 self.owned = True
-                start, calls = done, list(pending)
-                report, steps = self._record(
-                    with_ran(got), len(pending), epoch,
-                    lambda i: (start + i, 1, None, (calls[i],)))
+                start = done
+
+                def locate(i, start=start, calls=calls, stacked=stacked):
+                    batch = (calls[i] if calls is not None  # a global batch: indexed here
+                             else jax.tree.map(lambda a: a[i], stacked))
+                    return start + i, 1, None, (batch,)
+                report, steps = self._record(with_ran(got), len(pending), epoch, locate)
             done += steps if report is None else steps
             pending.clear()
             position.update(step_in_epoch=done, run_step=self.run_step)
             return report
 
-        shape_of = lambda b: jax.tree.map(np.shape, b)
+        shape_of = ((lambda b: jax.tree.map(lambda a: (np.shape(a), np.result_type(a)), b))
+                    if self.per_process else lambda b: jax.tree.map(np.shape, b))
         for batch in batches:
-            if pending and (shape_of(batch) != shape_of(pending[0]) or len(pending) >= length):
-                report = flush()
+            changed = bool(pending) and shape_of(batch) != shape_of(pending[0])
+            if changed or len(pending) >= length:
+                report = flush(following=batch if changed else None)
                 if report is not None or stopper.raised:
                     return report
             pending.append(batch)
-        report = flush()
+        report = flush(last=True)
         return report if report is not None else finished()
+
+    def _global_groups(self, groups, epoch, done):
+        """A loader's groups of micro-batches on several processes: before each, the
+        processes check that they agree (as many groups, of one layout, the epoch ending at
+        the same one: `local_batches_agree`); each as the global group of every process's
+        micro-batches, their rows (axis 1) in process order."""
+        it = iter(groups)
+        following = next(it, None)
+        while True:
+            group = following
+            following = None if group is None else next(it, None)
+            local_batches_agree([] if group is None else [group], following is None,
+                                epoch=epoch, step=done(), what=GROUPS)
+            if group is None:
+                return
+            yield global_batches(group, self.step_mesh, self.data_axis, row_axis=1)
 
     # --- one call of the step (tails, loaders with accumulation, hand-written steps) ------
     def _call(self, call, epoch, batch_index, batches, examples):

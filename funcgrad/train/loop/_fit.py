@@ -50,6 +50,20 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     ``epoch -> iterable`` (epoch 0-based); each batch is passed to the step as it comes.
     A dict, tuple or array is a dataset; a list is a sequence of batches.
 
+    **Several processes.** With a data-parallel step (``make_train_step(..., mesh=mesh)``) in
+    a run of P processes (``jax.distributed``), array data is the whole dataset on every
+    process (replicated; each batch's rows are split over the mesh's data axis inside the
+    chunk), and a loader yields each process's **own rows**: process p's t-th batch holds the
+    rows of the global batch t that its devices hold, ``(B / P, ...)`` per leaf
+    (`funcgrad.process_rows`), and the global batch of step t is every process's t-th batch
+    in process order, ``(B, ...)`` (with ``accumulate=K``, the same for each micro-batch).
+    Before each chunk the processes compare how many batches they hold, their structure,
+    shapes and dtypes and whether their epoch ends there (one small all-gather), and raise
+    the same ValueError on every process when they differ, before any collective of the step
+    could wait for a batch that never comes; the chunk's global arrays are then built with
+    ``jax.make_array_from_process_local_data``, one transfer per leaf. In one process a
+    loader's batches are the global batches.
+
     **Speed.** With array data and a step from `funcgrad.make_train_step` (jitted), the data
     is put on the device once, each epoch's order is drawn there (`funcgrad.train.loop._chunks.
     epoch_order`; `funcgrad.train.data.batches` yields the same order on the host), and one
@@ -127,7 +141,11 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
         `batch_size`; leaves with different numbers of rows (named by their paths); empty
         data; a loader batch whose structure or row counts differ from the first (named); an
         iterator (used up after one pass) with more than one epoch; an accumulating step with
-        ``tail="drop"`` that would drop every group; ``resume`` without `checkpoint_dir`.
+        ``tail="drop"`` that would drop every group; ``resume`` without `checkpoint_dir`;
+        with a data-parallel step on several processes, loaders that disagree across the
+        processes (batches per epoch, structure, shapes, dtypes: on every process, naming
+        each process's batches and the fix), or a global batch (P times a loader's rows) that
+        does not divide among the mesh's devices.
       FloatingPointError: at a non-finite step, when `step` was made with ``nonfinite="raise"``.
       TypeError: if `step`, `evaluate` or `log` is of the wrong kind, or the first call of
         `step` returns something other than ``(TrainState, metrics)`` with "loss" and

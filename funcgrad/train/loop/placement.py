@@ -13,6 +13,12 @@ rows, with no communication but the step's own all-reduce. In a run of several p
 each process passes its own copy of the whole dataset (``jax.make_array_from_process_local_data``
 with a replicated sharding: every process's local data is the whole array) and of the state
 (checked equal across processes by `funcgrad.replicate`).
+
+A loader in a run of several processes (`per_process_loader`) yields each process's own rows
+of every global batch; `local_batches_agree` checks, before each chunk, that the processes
+hold as many batches of one layout (one small all-gather), and `global_batches` builds the
+chunk's global arrays from every process's rows (``jax.make_array_from_process_local_data``,
+one transfer per leaf), split over the data axis in the mesh's order of processes.
 """
 from __future__ import annotations
 
@@ -66,6 +72,112 @@ def place_state(tree: PyTree, mesh: Any = None, *, check: bool = True) -> PyTree
     from funcgrad.parallel.placement import replicate
 
     return replicate(tree, mesh, check=check)
+
+
+def per_process_loader(source: Any, mesh: Any) -> bool:
+    """Whether `fit` reads a loader whose batches are each process's own rows: a loader, a
+    data-parallel step, several processes. (In one process a loader yields global batches.)"""
+    return source.loader is not None and mesh is not None and jax.process_count() > 1
+
+
+def _layout(tree: PyTree) -> str:
+    """The leaves of a batch with their shapes and dtypes: ``x (16, 64) float32, y (16,)
+    int32`` (an error's words, and what the processes compare)."""
+    from funcgrad._paths import key_paths, slash_path
+
+    return ", ".join(f"{slash_path(p) or 'batch'} {tuple(np.shape(a))} {np.result_type(a)}"
+                     for p, a in zip(key_paths(tree), jax.tree.leaves(tree)))
+
+
+def local_batches_agree(batches: Sequence[PyTree], last: bool, *, epoch: int, step: int,
+                        following: PyTree = None,
+                        what: tuple[str, str] = ("batch", "batches")) -> None:
+    """Checks that every process is at the same point of its loader, before the collectives
+    of a chunk of `batches` (this process's next ones, all of one layout; none at the end of
+    an epoch) would hang or fail: the same number of them, of the same structure, shapes and
+    dtypes, and the epoch ending after them (`last`) on every process or on none. One small
+    all-gather (`funcgrad.parallel.placement.gather_from_processes`); every process calls it
+    once per chunk, in the same order.
+
+    Args:
+      batches: this process's batches of the chunk (host arrays), or none.
+      last: whether this process's loader ends the epoch after them.
+      epoch: the epoch (from 1) and `step` the chunk's first step in it: for the message.
+      following: the batch read after them (of other shapes or dtypes), if any: for the
+        message.
+      what: the singular and plural of what `batches` are.
+    Raises:
+      ValueError: the processes disagree; on every process, the same message, with each
+        process's count, layout and what follows, and the fix.
+    """
+    from funcgrad.parallel.placement import _crc, gather_from_processes
+
+    layout = _layout(batches[0]) if batches else ""
+    after = _layout(following) if following is not None else ""
+    every, texts = gather_from_processes([len(batches), int(last), _crc(layout)],
+                                         f"{layout}\n{after}")
+    if (every == every[0]).all():
+        return
+    count = len(every)
+
+    def said(p: int) -> str:
+        n, ends = int(every[p, 0]), bool(every[p, 1])
+        held, _, then = texts[p].partition("\n")
+        held = f"{n} {what[n != 1]} ({held})" if n else f"no more {what[1]}"
+        then = ("its epoch ends" if ends else f"one of ({then})" if then else "more")
+        return f"process {p}: {held}, then {then}"
+    raise ValueError(
+        f"fit: the processes' loaders disagree in epoch {epoch} from step {step} on: "
+        + "; ".join(said(p) for p in range(count)) + ". With a data-parallel step in a run of "
+        f"{count} processes each process's loader yields its own rows of every global batch "
+        "(the global batch is every process's batch, in process order), so every process "
+        "must yield as many batches per epoch, with the same leaves, shapes and dtypes: "
+        f"B / {count} rows each for a global batch of B (fg.process_rows(B, mesh)). Pad a "
+        "short last batch to the full size and mask the padding (a loss that weights rows by "
+        "a 0/1 mask and divides by its sum), or drop it on every process (fg.batches(..., "
+        "drop_last=True)); or give fit the whole dataset as arrays on every process.")
+
+
+def global_batches(local: PyTree, mesh: Any, axis: str, *, row_axis: int) -> PyTree:
+    """This process's rows as the global arrays of every process's rows: each leaf of `local`
+    (host arrays; the rows on axis `row_axis`: 0 for one batch ``(b, ...)``, 1 for stacked
+    batches ``(T, b, ...)`` or micro-batches ``(K, m, ...)`` and their mask) becomes a global
+    ``jax.Array`` with P times the rows on that axis, split over the mesh's `axis`, process
+    p's rows where its devices are (rows ``p * b`` to ``(p + 1) * b`` on `fg.data_mesh()`).
+    One transfer per leaf (``jax.make_array_from_process_local_data``). The processes must
+    agree on the shapes first (`local_batches_agree`).
+
+    Raises:
+      ValueError: P * b does not divide among the axis's devices (how to pad and mask), this
+        process's devices hold rows that are not contiguous, or a leaf is a global array
+        already (fit takes each process's host rows).
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from funcgrad.parallel.placement import divisibility_error, process_rows
+
+    leaves = jax.tree.leaves(local)
+    if any(isinstance(a, jax.Array) and not a.is_fully_addressable for a in leaves):
+        raise ValueError(
+            "fit: a loader's batch holds a global jax.Array (from fg.process_batch or "
+            "fg.shard_batch, say); with a data-parallel step in a run of several processes "
+            "fit takes each process's own rows as host arrays and builds the global batch "
+            "itself: yield the local rows.")
+    size = int(mesh.shape[axis])
+    total = int(np.shape(leaves[0])[row_axis]) * jax.process_count()
+    if total % size:
+        raise divisibility_error(
+            f"fit (each process's loader yields {total // jax.process_count()} rows of a "
+            f"global batch of {total})", total, size, axis)
+    process_rows(total, mesh, axis)  # this process's rows are contiguous: a slice of each
+    sharding = NamedSharding(mesh, P(*([None] * row_axis), axis))
+
+    def put(leaf: Any) -> jax.Array:
+        host = np.asarray(leaf)
+        shape = (*host.shape[:row_axis], total, *host.shape[row_axis + 1:])
+        return jax.make_array_from_process_local_data(sharding, host, shape)
+    return jax.tree.map(put, local)
 
 
 def stack_batches(batches: Sequence[PyTree]) -> PyTree:
