@@ -24,7 +24,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "..", "tests", "parallel", "_worker.py")
-SCENARIOS = "step,accumulate,zero,state_keys_scale,mapped,bad,uneven!,fit,resume,smoke@3"
+SCENARIOS = ("step,accumulate,zero,state_keys_scale,mapped,bad,uneven!,fit,resume,fit_zero,"
+             "fit_loader,fit_loader_accumulate,fit_loader_bad,smoke@3")
 
 
 def main() -> int:

@@ -336,3 +336,18 @@ def test_disagreeing_per_process_loaders_fail_at_once_on_every_process():
         assert max(r["error_seconds"].values()) < 15, r["error_seconds"]
         assert r["good_steps"] == 6
         assert r["nonfinite"] == {"step": 3, "batch": 3, "state_step": 3, "finite": True}
+
+
+def test_fit_with_zero1_equals_one_device_fit_and_resumes_bit_for_bit():
+    results, seconds = launch("fit_zero")
+    assert seconds < RUN_LIMIT
+    for r in results:
+        run = r["fit_zero"]
+        assert run["param_err"] <= TOL * max(1.0, run["max_p"]), run
+        assert run["opt_state_err"] <= TOL, run
+        assert _same_steps(*run["losses"]), run["losses"]
+        assert len(run["losses"][0]) == 2 * 14  # 2 epochs of 420 digits in batches of 32
+        # Each process holds half of the (64, 32) weight's first moment, also after a resume
+        # from the orbax checkpoint of the split state.
+        assert run["mu_shard"] == run["resumed_mu_shard"] == [32, 32], run
+        assert run["bitwise"] and run["history_same"], run

@@ -75,13 +75,17 @@ class ChunkRunner:
     """
 
     def __init__(self, step: Callable, *, accumulate: int | None, skip_bad: bool,
-                 unguarded: bool = False, mesh: Any = None, data_axis: str = "data"):
+                 unguarded: bool = False, mesh: Any = None, data_axis: str = "data",
+                 state_shardings: Callable | None = None):
         self.step, self.accumulate, self.skip_bad = step, accumulate, skip_bad
         self.unguarded = unguarded
         # A data-parallel step's mesh: each batch's rows are split over `data_axis` (each
         # device gathers its own rows from the replicated dataset), the state and the rows
         # read back stay replicated (`funcgrad.train.loop.placement`).
         self.mesh, self.data_axis = mesh, data_axis
+        # ZeRO-1 (shard_opt_state=True): where the step keeps its state (the optimizer state
+        # split over the data axis); None: replicated.
+        self.state_shardings = state_shardings
         self.monitor_layout = None  # set while tracing a monitored step
         # A guarded chunk donates the state it starts from; an unguarded one keeps it (fit
         # re-runs the chunk from it, guarded, when a step was bad).
@@ -129,6 +133,14 @@ class ChunkRunner:
         from jax.sharding import PartitionSpec as P
         return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, P()))
 
+    def _placed(self, state, *rest):
+        """The state where the step keeps it (replicated, or its optimizer state split under
+        ZeRO-1) and `rest` (counts, rows) replicated: ``(state, *rest)``."""
+        if self.state_shardings is None:
+            return self._replicated((state, *rest))
+        state = jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+        return (state, *self._replicated(rest))
+
     def _split_rows(self, batch):
         """A batch with its rows (axis 0; axis 1 of stacked micro-batches and their mask)
         split over the mesh's data axis. Rows that do not divide among the devices (an
@@ -152,7 +164,7 @@ class ChunkRunner:
     def _compute(self, state, batch):
         """One step and its metrics in the chunks' layout (see the class docstring)."""
         new_state, metrics = self.step(state, self._split_rows(batch))
-        new_state = self._replicated(new_state)
+        (new_state,) = self._placed(new_state)
         if self.accumulate is not None:  # one update: its metrics without the update axis
             metrics = {k: jax.tree.map(lambda a: a[0], v) for k, v in metrics.items()
                        if k not in ("aux", "examples", "dropped_examples")}
@@ -265,8 +277,8 @@ class ChunkRunner:
             return self._batch_of(data, jax.lax.dynamic_slice(order, ((start + i) * size,),
                                                               (size,)))
         last = self._tail_of(data, order[n - tail:], batch_size) if tail else None
-        return self._replicated(self._loop(state, batch_at if size <= n else None, count,
-                                           length, last))
+        return self._placed(*self._loop(state, batch_at if size <= n else None, count,
+                                        length, last))
 
     def _epochs(self, state, data, key, first, count, *, most, length, size, tail,
                 batch_size):
@@ -281,11 +293,11 @@ class ChunkRunner:
             state, ran, rows = one(state, e)
             return state, jax.tree.map(lambda b, v: b.at[e].set(v), buffers, (ran, rows))
         state, (counts, rows) = jax.lax.fori_loop(0, count, body, (state, buffers))
-        return self._replicated((state, counts, rows))
+        return self._placed(state, counts, rows)
 
     def _stacked(self, state, batches):
         length = jax.tree.leaves(batches)[0].shape[0]
-        return self._replicated(self._loop(
+        return self._placed(*self._loop(
             state, lambda i: jax.tree.map(lambda leaf: leaf[i], batches), jnp.int32(length),
             length))
 

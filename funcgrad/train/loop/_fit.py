@@ -218,8 +218,9 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     bar = tqdm(total=total, disable=not progress, unit="step", leave=False)
     run.bar = bar
     run.write = lambda line: _say(log, tqdm, line)
-    # A data-parallel step's state is replicated over its mesh (checked equal across processes).
-    run.state, run.run_step = place_state(state, mesh_of(step)), run_step
+    # A data-parallel step's state is replicated over its mesh (checked equal across
+    # processes), its optimizer state split under ZeRO-1 (the step's own place_state).
+    run.state, run.run_step = place_state(state, mesh_of(step), step=step), run_step
     position = {"epoch": start_epoch - 1, "step_in_epoch": start_in_epoch, "run_step": run_step,
                 "epoch_first": epoch_first, **settings}
     bar.update(run_step if total is not None else 0)

@@ -63,12 +63,17 @@ def place_data(data: PyTree, mesh: Any = None) -> PyTree:
     return jax.tree.map(put, data)
 
 
-def place_state(tree: PyTree, mesh: Any = None, *, check: bool = True) -> PyTree:
+def place_state(tree: PyTree, mesh: Any = None, *, check: bool = True,
+                step: Any = None) -> PyTree:
     """`tree` (a `TrainState`, the order's key) where the step takes it: as is for a
     one-device step, replicated over `mesh` otherwise (`funcgrad.replicate`: in several
-    processes the copies are compared first with `check`)."""
+    processes the copies are compared first with `check`); a `TrainState` given with the
+    `step` that takes it goes where ``step.place_state`` puts it (with
+    ``shard_opt_state=True``, the optimizer state split over the data axis)."""
     if mesh is None:
         return tree
+    if step is not None and getattr(step, "shard_opt_state", False):
+        return step.place_state(tree, check=check)
     from funcgrad.parallel.placement import replicate
 
     return replicate(tree, mesh, check=check)
