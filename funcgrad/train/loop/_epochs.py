@@ -317,8 +317,8 @@ def _runner(step: Callable, raw: Callable, skip_bad: bool,
             raw, accumulate=getattr(step, "accumulate", None), skip_bad=skip_bad,
             unguarded=unguarded, mesh=mesh_of(step),
             data_axis=getattr(step, "data_axis", None) or "data",
-            state_shardings=(step.state_shardings if getattr(step, "shard_opt_state", False)
-                             else None))
+            state_shardings=(getattr(step, "state_shardings", None)
+                             if getattr(step, "shard_opt_state", False) else None))
     return runners[skip_bad, unguarded]
 
 
