@@ -140,12 +140,40 @@ def add_parser(sub: Any) -> _Parser:
 def run(train_parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``funcgrad train`` with its parsed `args`: the checks of flag combinations (exit 2 through
     `train_parser`), then the run; returns the exit status."""
-    from funcgrad import cli  # the package's names (_train, _mlp, _cnn) are the seams tests patch
-
     if args.momentum is not None and args.optimizer != "momentum":
         train_parser.error(
             f"argument --momentum: applies to --optimizer momentum only (got --optimizer "
             f"{args.optimizer}); drop it or add --optimizer momentum")
+    if args.distributed and (args.detect_anomaly or args.memory_report):
+        train_parser.error(
+            f"argument --distributed: not with --"
+            f"{'detect-anomaly' if args.detect_anomaly else 'memory-report'} (debug on one "
+            "process, without --distributed)")
+    try:
+        return _checked_run(train_parser, args, argv)
+    except KeyboardInterrupt:
+        print("funcgrad: interrupted", file=sys.stderr)
+        return 130
+    except (ImportError, OSError, ValueError, MemoryError) as e:
+        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except Exception as e:  # e.g. XLA running out of memory for a huge --hidden
+        if type(e).__name__ != "JaxRuntimeError":
+            raise
+        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+def _checked_run(train_parser: _Parser, args: argparse.Namespace,
+                 argv: Sequence[str] | None) -> int:
+    """`run` after the flag checks that need nothing but the flags: --distributed joins the run,
+    the checks that read the --resume checkpoint or probe XLA, --out's, then `_train`."""
+    from funcgrad import cli  # the package's names (_train, _mlp, _cnn) are the seams tests patch
+
+    # Joining comes before anything touches JAX: reading the --resume checkpoint (orbax) and
+    # the float16 probe start JAX's backend, after which jax.distributed refuses to start.
+    if args.distributed:
+        _join()
     if args.resume is not None:
         if not os.path.isdir(os.path.join(args.resume, "checkpoints")):
             train_parser.error(
@@ -162,28 +190,11 @@ def run(train_parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | N
             train_parser.error(
                 "argument --dtype: XLA on this CPU cannot compile float16 (no F16C instructions, "
                 "openxla/xla#6787); use --dtype bfloat16, or a machine with F16C or a GPU")
-    if args.distributed and (args.detect_anomaly or args.memory_report):
-        train_parser.error(
-            f"argument --distributed: not with --"
-            f"{'detect-anomaly' if args.detect_anomaly else 'memory-report'} (debug on one "
-            "process, without --distributed)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                            "pass a folder path (it is created if missing)")
     _check_out(train_parser, args)
-    try:
-        return cli._train(args, resumed)
-    except KeyboardInterrupt:
-        print("funcgrad: interrupted", file=sys.stderr)
-        return 130
-    except (ImportError, OSError, ValueError, MemoryError) as e:
-        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
-    except Exception as e:  # e.g. XLA running out of memory for a huge --hidden
-        if type(e).__name__ != "JaxRuntimeError":
-            raise
-        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
+    return cli._train(args, resumed)
 
 
 #: What funcgrad train writes into --out: a folder holding any of them holds an earlier run,
@@ -516,16 +527,26 @@ def _check_resumable(args: argparse.Namespace, state, resumed: tuple[int, dict])
             "another --out.") from None
 
 
-def _distributed():
-    """``--distributed``: joins the run (`funcgrad.distributed_init`, before any computation)
-    and returns its mesh over every process's devices and whether this is process 0."""
+def _join() -> bool:
+    """``--distributed``: joins the run (`funcgrad.distributed_init`) unless this process has
+    joined already; whether this is process 0. It must come before anything starts JAX's
+    backend (a computation, orbax reading a checkpoint, ``jax.devices()``)."""
     import jax
 
     from funcgrad.parallel.distributed import distributed_init
+
+    if not jax.distributed.is_initialized():
+        distributed_init()
+    return jax.process_index() == 0
+
+
+def _distributed():
+    """``--distributed``: joins the run (`_join`, before any computation) and returns its mesh
+    over every process's devices and whether this is process 0."""
     from funcgrad.parallel.placement import data_mesh
 
-    distributed_init()
-    return data_mesh(), jax.process_index() == 0
+    main = _join()
+    return data_mesh(), main
 
 
 def _process_count() -> int:
