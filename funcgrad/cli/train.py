@@ -172,8 +172,7 @@ def _checked_run(train_parser: _Parser, args: argparse.Namespace,
 
     # Joining comes before anything touches JAX: reading the --resume checkpoint (orbax) and
     # the float16 probe start JAX's backend, after which jax.distributed refuses to start.
-    if args.distributed:
-        _join()
+    main = _join() if args.distributed else True
     if args.resume is not None:
         if not os.path.isdir(os.path.join(args.resume, "checkpoints")):
             train_parser.error(
@@ -193,7 +192,7 @@ def _checked_run(train_parser: _Parser, args: argparse.Namespace,
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                            "pass a folder path (it is created if missing)")
-    _check_out(train_parser, args)
+    _check_out(train_parser, args, delete=main)
     return cli._train(args, resumed)
 
 
@@ -212,10 +211,12 @@ def _listed(names: list[str]) -> str:
     return ", ".join(name + "/" if name == "checkpoints" else name for name in names)
 
 
-def _check_out(train_parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_out(train_parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+               delete: bool = True) -> None:
     """Refuses (exit 2, before anything is loaded or trained) an --out that holds an earlier
     run, unless --resume continues that very run there; with --overwrite, deletes that run's
-    files instead (only those: `_RUN_FILES`)."""
+    files instead (only those: `_RUN_FILES`), if `delete` (process 0 of a --distributed run:
+    the others check the same folder and leave it alone)."""
     here = (args.resume is not None
             and os.path.realpath(args.resume) == os.path.realpath(args.out))
     if here and args.overwrite:
@@ -230,6 +231,8 @@ def _check_out(train_parser: argparse.ArgumentParser, args: argparse.Namespace) 
             f"argument --out: {args.out} holds an earlier run ({_listed(found)}); continue "
             f"it with --resume {args.out}, write this run elsewhere with another --out DIR, "
             "or replace it with --overwrite")
+    if not delete:
+        return
     import shutil
 
     for name in found:
@@ -461,7 +464,7 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
             if args.memory_report else None
         clock.lap("setup")
         result = _fit_keeping_everything(
-            fit, args, step, state, data.x_train, data.y_train, epochs=args.epochs,
+            fit, args, step, state, data.x_train, data.y_train, main=main, epochs=args.epochs,
             batch_size=args.batch_size, seed=args.seed,
             evaluate=lambda *p: {"test_accuracy": model.test_accuracy(*p)},
             progress=main and not args.no_progress and sys.stderr.isatty(),
@@ -558,20 +561,28 @@ def _quiet(*args: Any, **kwargs: Any) -> None:
     """`print` on the processes other than 0 of a --distributed run."""
 
 
-def _fit_keeping_everything(fit, args, step, state, x, y, **kwargs):
+def _fit_keeping_everything(fit, args, step, state, x, y, *, main: bool = True, **kwargs):
     """`fit` with checkpoints in OUT/checkpoints (resumed from --resume DIR); a crash inside
-    it still writes metrics.json with the history so far before the error propagates."""
+    it still writes metrics.json with the history so far before the error propagates.
+
+    In a --distributed run only process 0 (`main`) writes: the copy of --resume DIR's
+    checkpoints into another --out (every process waits for it before reading them) and
+    the crash's metrics.json. Orbax writes the checkpoints, coordinating the processes."""
     checkpoints = os.path.join(args.out, "checkpoints")
     if args.resume is not None and os.path.realpath(args.resume) != os.path.realpath(args.out):
         import shutil
         # main's _check_out refused an --out holding an earlier run (or --overwrite cleared it)
-        shutil.copytree(os.path.join(args.resume, "checkpoints"), checkpoints)
+        if main:
+            shutil.copytree(os.path.join(args.resume, "checkpoints"), checkpoints)
+        if args.distributed:
+            from jax.experimental.multihost_utils import sync_global_devices
+            sync_global_devices("funcgrad train: the --resume checkpoints are copied")
     try:
         return fit(step, state, x, y, checkpoint_dir=checkpoints, resume=args.resume is not None,
                    **kwargs)
     except Exception as error:
         partial = getattr(error, "fit_result", None)
-        if partial is not None:
+        if partial is not None and main:
             with open(os.path.join(args.out, "metrics.json"), "w") as f:
                 json.dump(_strict_json({
                     "config": {k: v for k, v in vars(args).items() if k != "command"},
