@@ -169,8 +169,13 @@ def test_a_resumed_two_process_run_ends_as_the_uninterrupted_one(tmp_path, two_p
     whole = two_processes[0]
     part, moved = str(tmp_path / "part"), str(tmp_path / "moved")
     _train(part, processes=2, epochs=1)
-    # Into another --out first (process 0 copies the checkpoints there), then in place.
-    _, wrote = _train(moved, "--resume", part, processes=2)
+    # Into another --out first (process 0 deletes the earlier run there and copies the
+    # checkpoints), then in place.
+    os.makedirs(moved)
+    open(os.path.join(moved, "training.png"), "w").close()
+    done, wrote = _train(moved, "--resume", part, "--overwrite", processes=2)
+    assert "[0] funcgrad: note: --overwrite: deleted" in done.stderr
+    assert "[1] funcgrad: note" not in done.stderr
     assert "checkpoints" in wrote  # the copy, by process 0 only
     done, _ = _train(part, "--resume", part, processes=2)
     assert "[0] epoch   2" in done.stdout and "[0] epoch   1" not in done.stdout
