@@ -140,12 +140,39 @@ def add_parser(sub: Any) -> _Parser:
 def run(train_parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``funcgrad train`` with its parsed `args`: the checks of flag combinations (exit 2 through
     `train_parser`), then the run; returns the exit status."""
-    from funcgrad import cli  # the package's names (_train, _mlp, _cnn) are the seams tests patch
-
     if args.momentum is not None and args.optimizer != "momentum":
         train_parser.error(
             f"argument --momentum: applies to --optimizer momentum only (got --optimizer "
             f"{args.optimizer}); drop it or add --optimizer momentum")
+    if args.distributed and (args.detect_anomaly or args.memory_report):
+        train_parser.error(
+            f"argument --distributed: not with --"
+            f"{'detect-anomaly' if args.detect_anomaly else 'memory-report'} (debug on one "
+            "process, without --distributed)")
+    try:
+        return _checked_run(train_parser, args, argv)
+    except KeyboardInterrupt:
+        print("funcgrad: interrupted", file=sys.stderr)
+        return 130
+    except (ImportError, OSError, ValueError, MemoryError) as e:
+        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except Exception as e:  # e.g. XLA running out of memory for a huge --hidden
+        if type(e).__name__ != "JaxRuntimeError":
+            raise
+        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+def _checked_run(train_parser: _Parser, args: argparse.Namespace,
+                 argv: Sequence[str] | None) -> int:
+    """`run` after the flag checks that need nothing but the flags: --distributed joins the run,
+    the checks that read the --resume checkpoint or probe XLA, --out's, then `_train`."""
+    from funcgrad import cli  # the package's names (_train, _mlp, _cnn) are the seams tests patch
+
+    # Joining comes before anything touches JAX: reading the --resume checkpoint (orbax) and
+    # the float16 probe start JAX's backend, after which jax.distributed refuses to start.
+    main = _join() if args.distributed else True
     if args.resume is not None:
         if not os.path.isdir(os.path.join(args.resume, "checkpoints")):
             train_parser.error(
@@ -162,28 +189,11 @@ def run(train_parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | N
             train_parser.error(
                 "argument --dtype: XLA on this CPU cannot compile float16 (no F16C instructions, "
                 "openxla/xla#6787); use --dtype bfloat16, or a machine with F16C or a GPU")
-    if args.distributed and (args.detect_anomaly or args.memory_report):
-        train_parser.error(
-            f"argument --distributed: not with --"
-            f"{'detect-anomaly' if args.detect_anomaly else 'memory-report'} (debug on one "
-            "process, without --distributed)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         train_parser.error(f"argument --out: {args.out} exists and is not a folder; "
                            "pass a folder path (it is created if missing)")
-    _check_out(train_parser, args)
-    try:
-        return cli._train(args, resumed)
-    except KeyboardInterrupt:
-        print("funcgrad: interrupted", file=sys.stderr)
-        return 130
-    except (ImportError, OSError, ValueError, MemoryError) as e:
-        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
-    except Exception as e:  # e.g. XLA running out of memory for a huge --hidden
-        if type(e).__name__ != "JaxRuntimeError":
-            raise
-        print(f"funcgrad: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
+    _check_out(train_parser, args, delete=main)
+    return cli._train(args, resumed)
 
 
 #: What funcgrad train writes into --out: a folder holding any of them holds an earlier run,
@@ -201,10 +211,12 @@ def _listed(names: list[str]) -> str:
     return ", ".join(name + "/" if name == "checkpoints" else name for name in names)
 
 
-def _check_out(train_parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_out(train_parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+               delete: bool = True) -> None:
     """Refuses (exit 2, before anything is loaded or trained) an --out that holds an earlier
     run, unless --resume continues that very run there; with --overwrite, deletes that run's
-    files instead (only those: `_RUN_FILES`)."""
+    files instead (only those: `_RUN_FILES`), if `delete` (process 0 of a --distributed run:
+    the others check the same folder and leave it alone)."""
     here = (args.resume is not None
             and os.path.realpath(args.resume) == os.path.realpath(args.out))
     if here and args.overwrite:
@@ -219,6 +231,8 @@ def _check_out(train_parser: argparse.ArgumentParser, args: argparse.Namespace) 
             f"argument --out: {args.out} holds an earlier run ({_listed(found)}); continue "
             f"it with --resume {args.out}, write this run elsewhere with another --out DIR, "
             "or replace it with --overwrite")
+    if not delete:
+        return
     import shutil
 
     for name in found:
@@ -450,7 +464,7 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
             if args.memory_report else None
         clock.lap("setup")
         result = _fit_keeping_everything(
-            fit, args, step, state, data.x_train, data.y_train, epochs=args.epochs,
+            fit, args, step, state, data.x_train, data.y_train, main=main, epochs=args.epochs,
             batch_size=args.batch_size, seed=args.seed,
             evaluate=lambda *p: {"test_accuracy": model.test_accuracy(*p)},
             progress=main and not args.no_progress and sys.stderr.isatty(),
@@ -516,16 +530,26 @@ def _check_resumable(args: argparse.Namespace, state, resumed: tuple[int, dict])
             "another --out.") from None
 
 
-def _distributed():
-    """``--distributed``: joins the run (`funcgrad.distributed_init`, before any computation)
-    and returns its mesh over every process's devices and whether this is process 0."""
+def _join() -> bool:
+    """``--distributed``: joins the run (`funcgrad.distributed_init`) unless this process has
+    joined already; whether this is process 0. It must come before anything starts JAX's
+    backend (a computation, orbax reading a checkpoint, ``jax.devices()``)."""
     import jax
 
     from funcgrad.parallel.distributed import distributed_init
+
+    if not jax.distributed.is_initialized():
+        distributed_init()
+    return jax.process_index() == 0
+
+
+def _distributed():
+    """``--distributed``: joins the run (`_join`, before any computation) and returns its mesh
+    over every process's devices and whether this is process 0."""
     from funcgrad.parallel.placement import data_mesh
 
-    distributed_init()
-    return data_mesh(), jax.process_index() == 0
+    main = _join()
+    return data_mesh(), main
 
 
 def _process_count() -> int:
@@ -537,20 +561,28 @@ def _quiet(*args: Any, **kwargs: Any) -> None:
     """`print` on the processes other than 0 of a --distributed run."""
 
 
-def _fit_keeping_everything(fit, args, step, state, x, y, **kwargs):
+def _fit_keeping_everything(fit, args, step, state, x, y, *, main: bool = True, **kwargs):
     """`fit` with checkpoints in OUT/checkpoints (resumed from --resume DIR); a crash inside
-    it still writes metrics.json with the history so far before the error propagates."""
+    it still writes metrics.json with the history so far before the error propagates.
+
+    In a --distributed run only process 0 (`main`) writes: the copy of --resume DIR's
+    checkpoints into another --out (every process waits for it before reading them) and
+    the crash's metrics.json. Orbax writes the checkpoints, coordinating the processes."""
     checkpoints = os.path.join(args.out, "checkpoints")
     if args.resume is not None and os.path.realpath(args.resume) != os.path.realpath(args.out):
         import shutil
         # main's _check_out refused an --out holding an earlier run (or --overwrite cleared it)
-        shutil.copytree(os.path.join(args.resume, "checkpoints"), checkpoints)
+        if main:
+            shutil.copytree(os.path.join(args.resume, "checkpoints"), checkpoints)
+        if args.distributed:
+            from jax.experimental.multihost_utils import sync_global_devices
+            sync_global_devices("funcgrad train: the --resume checkpoints are copied")
     try:
         return fit(step, state, x, y, checkpoint_dir=checkpoints, resume=args.resume is not None,
                    **kwargs)
     except Exception as error:
         partial = getattr(error, "fit_result", None)
-        if partial is not None:
+        if partial is not None and main:
             with open(os.path.join(args.out, "metrics.json"), "w") as f:
                 json.dump(_strict_json({
                     "config": {k: v for k, v in vars(args).items() if k != "command"},
