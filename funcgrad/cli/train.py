@@ -149,6 +149,27 @@ def run(train_parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | N
             f"argument --distributed: not with --"
             f"{'detect-anomaly' if args.detect_anomaly else 'memory-report'} (debug on one "
             "process, without --distributed)")
+    status = _reported_run(train_parser, args, argv)
+    if status and args.distributed:
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> None:
+    """Ends a --distributed process that failed at once, as `funcgrad.distributed_init`'s
+    `exit_on_error` does for an uncaught exception: a normal exit would wait at JAX's
+    shutdown barrier for processes that may be waiting for this one in a collective."""
+    import jax
+
+    if jax.process_count() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def _reported_run(train_parser: _Parser, args: argparse.Namespace,
+                  argv: Sequence[str] | None) -> int:
+    """`_checked_run`, with the errors a user can fix printed in one line (exit status 1)."""
     try:
         return _checked_run(train_parser, args, argv)
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import NamedTuple
 
@@ -97,7 +98,8 @@ def free_port() -> int:
 def distributed_init(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, *, timeout: float | None = None,
                      heartbeat_timeout: int = 100, shutdown_timeout: int = 300,
-                     cpu_collectives: str = "gloo") -> DistributedInfo:
+                     cpu_collectives: str = "gloo",
+                     exit_on_error: bool = True) -> DistributedInfo:
     """Initializes ``jax.distributed`` for this process; call it first, before any JAX
     computation.
 
@@ -124,6 +126,12 @@ def distributed_init(coordinator: str | None = None, num_processes: int | None =
         ``shutdown_timeout_seconds``): a process that ran fewer steps reaches it first, and
         the run then ends with an error after this long instead of hanging.
       cpu_collectives: "gloo" (or "mpi") for CPU devices.
+      exit_on_error: in a run of several processes, a process whose program ends with an
+        uncaught exception prints its traceback and exits at once (status 1; 130 for Ctrl-C),
+        without JAX's shutdown barrier: there it would wait for processes that wait for it in
+        a collective, and the run would hang for `shutdown_timeout` seconds before anyone saw
+        the error. ``funcgrad launch`` (or the cluster's launcher) then stops the others, as
+        ``torchrun`` does. False keeps Python's usual exit (and JAX's barrier).
     Returns:
       a `DistributedInfo`.
     Raises:
@@ -174,8 +182,32 @@ def distributed_init(coordinator: str | None = None, num_processes: int | None =
                                    initialization_timeout=int(max(1, timeout)),
                                    heartbeat_timeout_seconds=heartbeat_timeout,
                                    shutdown_timeout_seconds=shutdown_timeout)
+    if exit_on_error and jax.process_count() > 1:
+        _exit_on_uncaught_exception()
     return DistributedInfo(jax.process_index(), jax.process_count(),
                            tuple(jax.local_devices()), tuple(jax.devices()), coordinator)
+
+
+def _exit_on_uncaught_exception() -> None:
+    """Makes an uncaught exception end this process at once, after its traceback (see
+    `distributed_init`'s `exit_on_error`): ``os._exit`` skips the atexit handlers, among them
+    ``jax.distributed.shutdown``'s barrier."""
+    previous = sys.excepthook
+    if getattr(previous, "_funcgrad_exits", False):
+        return
+
+    def hook(kind, value, traceback) -> None:
+        try:
+            previous(kind, value, traceback)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # a closed stream: nothing left to flush
+                    pass
+            os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+    hook._funcgrad_exits = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def run_environment(process_id: int, num_processes: int, coordinator: str,

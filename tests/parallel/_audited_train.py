@@ -1,12 +1,14 @@
 """``python _audited_train.py --watch DIR [--fail-at-epoch E] -- train ...``: runs ``funcgrad
 train ...`` (as the ``funcgrad`` console script does) and, at exit, prints one line
-``WROTE ["path", ...]``: the paths inside DIR that this process created, opened for writing,
+``WROTE ["path", ...]`` (also when it ends with ``os._exit``, as a failed ``--distributed``
+process does): the paths inside DIR that this process created, opened for writing,
 renamed, copied or deleted (Python's audit events), relative to DIR. DIR/checkpoints/ and
 what orbax writes inside it are left out (orbax coordinates the processes itself), but not a
 copy into it (``--resume`` into another ``--out`` copies the run's checkpoints there).
 
 With ``--fail-at-epoch E`` the test accuracy raises a RuntimeError naming the process at
-epoch E's evaluation, on every process: a run that crashes inside ``fit``.
+epoch E's evaluation, on every process (with ``--fail-process P``, on process P alone): a run
+that crashes inside ``fit``.
 
 tests/parallel/test_train_distributed.py runs it under ``funcgrad launch``.
 """
@@ -50,8 +52,9 @@ def _watch(folder: str) -> list[str]:
     return seen
 
 
-def _fail_at(epoch: int) -> None:
-    """The test accuracy of `funcgrad.cli._mlp`'s model raises at its `epoch`-th call."""
+def _fail_at(epoch: int, process: int | None = None) -> None:
+    """The test accuracy of `funcgrad.cli._mlp`'s model raises at its `epoch`-th call (on
+    every process, or on `process` alone)."""
     from funcgrad import cli
 
     make = cli._mlp
@@ -64,7 +67,7 @@ def _fail_at(epoch: int) -> None:
             import jax
 
             calls[0] += 1
-            if calls[0] == epoch:
+            if calls[0] == epoch and process in (None, jax.process_index()):
                 raise RuntimeError(f"planted failure at epoch {epoch}'s evaluation on process "
                                    f"{jax.process_index()}")
             return model.test_accuracy(*arrays)
@@ -80,9 +83,21 @@ def main() -> None:
     ours, theirs = argv[:split], argv[split + 1:]
     folder = ours[ours.index("--watch") + 1]
     seen = _watch(folder)
-    atexit.register(lambda: print("WROTE " + json.dumps(sorted(set(seen))), flush=True))
+    def report() -> None:
+        print("WROTE " + json.dumps(sorted(set(seen))), flush=True)
+    atexit.register(report)
+    # A failed --distributed process ends with os._exit (skipping JAX's shutdown barrier, and
+    # the atexit handlers with it): report there too.
+    real_exit = os._exit
+
+    def exit_reporting(status: int) -> None:
+        report()
+        real_exit(status)
+    os._exit = exit_reporting
     if "--fail-at-epoch" in ours:
-        _fail_at(int(ours[ours.index("--fail-at-epoch") + 1]))
+        _fail_at(int(ours[ours.index("--fail-at-epoch") + 1]),
+                 int(ours[ours.index("--fail-process") + 1]) if "--fail-process" in ours
+                 else None)
     sys.argv = ["funcgrad", *theirs]
     from funcgrad.cli import console_main
 

@@ -5,6 +5,7 @@ Python programs (no JAX) except the two distributed_init cases; every run has a 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -187,3 +188,31 @@ def test_distributed_init_arguments():
     info = distributed.distributed_init(num_processes=1)  # one process: nothing to start
     assert info.num_processes == 1 and info.coordinator is None
     assert os.environ.get(distributed.ENV_COORDINATOR) is None
+
+
+def test_an_exception_in_one_process_ends_the_run_at_once():
+    """Process 1 raises while process 0 waits for it in a collective. Without funcgrad's
+    exit on an uncaught exception, process 1 would wait at JAX's shutdown barrier (for
+    process 0, which waits for process 1) until that barrier's timeout, and the launcher
+    would see no failure before its own --timeout."""
+    start = time.perf_counter()
+    done = _launch("-n", "2", "--timeout", "50", "--grace", "1", code="""
+        import os
+        import funcgrad as fg
+        fg.distributed_init(timeout=20)
+        import numpy as np
+        from jax.experimental import multihost_utils
+        multihost_utils.process_allgather(np.ones(1))   # both joined
+        if os.environ["FUNCGRAD_PROCESS_ID"] == "1":
+            raise RuntimeError("planted failure in process 1")
+        multihost_utils.process_allgather(np.ones(1))   # waits for process 1: never comes
+        print("never")
+    """)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert seconds < 30, seconds  # not the launcher's 50 s
+    assert "[1] RuntimeError: planted failure in process 1" in done.stderr
+    # The launcher names the first exit it sees: process 1's, or process 0's (its collective
+    # fails when process 1's connection closes: gloo's "Connection reset/closed by peer").
+    assert re.search(r"process [01] exited with status 1", done.stderr), done.stderr[-3000:]
+    assert "never" not in done.stdout

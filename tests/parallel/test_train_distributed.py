@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -33,12 +34,15 @@ def _run(command: list[str], limit: float = 90, status: int = 0) -> subprocess.C
 
 
 def _train(out: str, *flags: str, processes: int, epochs: int = EPOCHS, status: int = 0,
-           fail_at_epoch: int | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+           fail_at_epoch: int | None = None, fail_process: int | None = None,
+           ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """``funcgrad train`` (seed 3, clip norm 1) into `out` on 1 process, or on 2 under
     ``funcgrad launch`` with --distributed; the run, and the paths process 0 wrote into `out`
     (outside orbax's checkpoints). Checks that process 1 wrote none."""
     audited = [sys.executable, AUDITED, "--watch", out,
-               *(["--fail-at-epoch", str(fail_at_epoch)] if fail_at_epoch else []), "--"]
+               *(["--fail-at-epoch", str(fail_at_epoch)] if fail_at_epoch else []),
+               *(["--fail-process", str(fail_process)] if fail_process is not None else []),
+               "--"]
     train = [*audited, "train", "--epochs", str(epochs), "--seed", "3", "--out", out,
              "--no-progress", "--clip-norm", "1.0", *flags]
     if processes == 1:
@@ -193,13 +197,20 @@ def test_a_resumed_two_process_run_ends_as_the_uninterrupted_one(tmp_path, two_p
 
 def test_a_crashed_two_process_run_leaves_one_metrics_file_by_process_0(tmp_path):
     # The test accuracy raises at epoch 2 on every process (a crash inside fit): the run
-    # checkpoints the last state and writes metrics.json with the history so far. On 2
-    # processes, process 0 alone writes it (_train checks process 1 wrote nothing).
+    # writes metrics.json with the history so far. On 2 processes, process 0 alone writes it
+    # (_train checks process 1 wrote nothing). One process also checkpoints the state at the
+    # crash; several keep their last periodic checkpoint (epoch 1's, --checkpoint-every 1)
+    # and say so: a save waits for every process, and they need not all have failed (the
+    # next test).
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    _train(one, processes=1, status=1, fail_at_epoch=2)
-    done, wrote = _train(two, processes=2, status=1, fail_at_epoch=2)
+    _train(one, "--checkpoint-every", "1", processes=1, status=1, fail_at_epoch=2)
+    done, wrote = _train(two, "--checkpoint-every", "1", processes=2, status=1,
+                         fail_at_epoch=2)
     assert wrote == ["metrics.json"]
     assert sorted(os.listdir(two)) == ["checkpoints", "metrics.json"]
+    assert [n for n in os.listdir(os.path.join(two, "checkpoints")) if n.isdigit()] == ["45"]
+    assert "the state at the error is not checkpointed" in done.stderr
+    assert "the last state (step 90) is checkpointed" not in done.stderr
     assert done.stderr.count("the history so far is in") == 1
     assert "[0] funcgrad train: the history so far is in" in done.stderr
     m1, m2 = _assert_trains_like(one, two)
@@ -208,3 +219,16 @@ def test_a_crashed_two_process_run_leaves_one_metrics_file_by_process_0(tmp_path
     assert len(m2["epochs"]) == 1 and len(m2["steps"]["loss"]) == 2 * 45
     assert {k: v for k, v in m2["config"].items() if k not in ("out", "distributed")} == {
         k: v for k, v in m1["config"].items() if k not in ("out", "distributed")}
+
+
+def test_a_failure_on_one_process_ends_the_run_in_seconds(tmp_path):
+    # Process 1 alone raises at epoch 2's evaluation while process 0 goes on into epoch 2's
+    # steps, whose all-reduce waits for process 1. Process 1 exits at once (no wait at JAX's
+    # shutdown barrier, which would wait for process 0: 300 s), process 0's collective then
+    # fails, and the launcher ends the run: not its 60 s limit.
+    start = time.perf_counter()
+    done, _ = _train(str(tmp_path / "two"), processes=2, status=1, fail_at_epoch=2,
+                     fail_process=1)
+    seconds = time.perf_counter() - start
+    assert "RuntimeError: planted failure at epoch 2's evaluation on process 1" in done.stderr
+    assert "timed out" not in done.stderr and seconds < 45, (seconds, done.stderr[-3000:])

@@ -97,9 +97,12 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     **Checkpoints.** With `checkpoint_dir`, the whole state (params, optimizer state, model
     state, key, loss scale, monitor state, step) and the run's position and history are saved
     with orbax-checkpoint (`funcgrad.train.checkpoint`) every `every` epochs, when the run
-    stops on a non-finite step (the last finite state), on Ctrl-C and at the end. ``resume=
-    True`` continues from the newest checkpoint there (its epoch and batch), so training 10
-    epochs equals training 5, stopping and resuming for 5 more, bit for bit.
+    stops on a non-finite step (the last finite state), on Ctrl-C and at the end, and at an
+    exception in one process (in a run of several, an exception's state is not saved: the
+    save waits for every process, and the others need not have failed; the last periodic
+    checkpoint is kept). ``resume=True`` continues from the newest checkpoint there (its
+    epoch and batch), so training 10 epochs equals training 5, stopping and resuming for 5
+    more, bit for bit.
 
     **Ctrl-C.** The first SIGINT stops the run after the current chunk (all the epochs of a
     call that ran several) and returns a `FitResult` with ``interrupted=True`` (a second one
@@ -261,7 +264,16 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
         cast(Any, error).fit_result = FitResult(run.state, history, None, False)
         alive = not any(getattr(leaf, "is_deleted", lambda: False)()
                         for leaf in jax.tree.leaves(run.state))
-        if checkpoint_dir is not None and alive:
+        if checkpoint_dir is not None and alive and jax.process_count() > 1:
+            # Orbax's save waits for every process, and the others may not have failed (an
+            # error in one process's loader or evaluation): it would hang them all. The
+            # last periodic checkpoint is what is kept; the process exits and its launcher
+            # stops the others (funcgrad.distributed_init's exit_on_error).
+            error.add_note(f"funcgrad.fit: in a run of {jax.process_count()} processes the "
+                           "state at the error is not checkpointed (the save waits for every "
+                           "process, and the others may still be training); the last "
+                           f"checkpoint in {checkpoint_dir} is kept.")
+        elif checkpoint_dir is not None and alive:
             try:
                 _resume.save(checkpoint_dir, run.state, position, history)
                 error.add_note(f"funcgrad.fit: the last state (step {int(run.state.step)}) "
