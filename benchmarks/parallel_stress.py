@@ -6,8 +6,11 @@
 Each run is one ``funcgrad launch`` of tests/parallel/_worker.py per scenario of
 tests/parallel/test_distributed.py (default: every one), under the same limits as the tests:
 the launcher stops a launch after 60 s (status 124: a hang), this script kills it after 90 s.
-A scenario is written ``name``, ``name@N`` (on N processes instead of --processes) or
-``name!`` (expected to fail, as its test expects: processes running different step counts).
+A scenario is written ``name``, ``name@N`` (on N processes instead of --processes),
+``name!`` (expected to fail, as its test expects: processes running different step counts),
+or ``a+b+c``: one launch running a, b and c in turn in the same processes (their collectives
+back to back; the limit is --limit times their number), which saves each launch's start-up
+(the default runs every passing scenario so, then the two others).
 A launch passes when it ends with status 0 within the limit (``name!``: with an error status
 other than the limit's 124, within the limit); its result is not re-checked here (the tests
 do that). Exit status 1 if any launch did not pass.
@@ -24,8 +27,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "..", "tests", "parallel", "_worker.py")
-SCENARIOS = ("step,accumulate,zero,state_keys_scale,mapped,bad,uneven!,fit,resume,fit_zero,"
-             "fit_loader,fit_loader_accumulate,fit_loader_bad,smoke@3")
+SCENARIOS = ("step+accumulate+zero+state_keys_scale+mapped+bad+fit+resume+fit_zero+fit_loader"
+             "+fit_loader_accumulate+fit_loader_bad,uneven!,smoke@3")
 
 
 def main() -> int:
@@ -48,16 +51,19 @@ def main() -> int:
             args.runs = run
             break
         for scenario in scenarios:
-            name, _, count = scenario.rstrip("!").partition("@")
+            names, _, count = scenario.rstrip("!").partition("@")
             failing = scenario.endswith("!")
+            limit = args.limit * len(names.split("+"))
+            label = (scenario if "+" not in scenario
+                     else f"{len(names.split('+'))} scenarios")
             command = [sys.executable, "-m", "funcgrad", "launch", "-n",
                        count or str(args.processes),
-                       "--timeout", str(args.limit), "--init-timeout", "20", "--grace", "2",
-                       "--", sys.executable, WORKER, name]
+                       "--timeout", str(limit), "--init-timeout", "20", "--grace", "2",
+                       "--", sys.executable, WORKER, *names.split("+")]
             start = time.perf_counter()
             try:
                 done = subprocess.run(command, capture_output=True, text=True,
-                                      timeout=args.limit + 30)
+                                      timeout=limit + 30)
                 status = done.returncode
                 # The lines that say why (JAX's errors come before its stack traces).
                 said = [line for line in done.stderr.splitlines() if any(
@@ -70,16 +76,17 @@ def main() -> int:
             seconds = time.perf_counter() - start
             verdict = ("hang" if status in (124, "killed")
                        else "ok" if (status != 0) == failing else "failed")
-            outcomes.append({"run": run, "scenario": scenario, "status": status,
+            outcomes.append({"run": run, "scenario": label, "status": status,
                              "seconds": round(seconds, 2), "verdict": verdict,
                              "why": tail[-3000:]})
-            print(f"run {run + 1:>3}/{args.runs} {scenario:<17} {verdict:<6} {seconds:6.1f} s",
+            print(f"run {run + 1:>3}/{args.runs} {label:<17} {verdict:<6} {seconds:6.1f} s",
                   flush=True)
             if verdict != "ok":
                 print(tail, flush=True)
     bad = [o for o in outcomes if o["verdict"] != "ok"]
+    labels = list(dict.fromkeys(o["scenario"] for o in outcomes))
     by_scenario = {s: [o["seconds"] for o in outcomes if o["scenario"] == s] or [0.0]
-                   for s in scenarios}
+                   for s in labels}
     runs_ok = sum(all(o["verdict"] == "ok" for o in outcomes if o["run"] == r)
                   for r in range(args.runs))
     print(f"\n{runs_ok}/{args.runs} runs passed every scenario; "
