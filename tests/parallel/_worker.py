@@ -8,8 +8,12 @@ batch, held whole on this process's own device.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 
 import funcgrad as fg
@@ -581,22 +585,35 @@ def scenario_fit() -> None:
             for i, v in enumerate(jax.tree.leaves(pm))))
 
 
+@contextlib.contextmanager
+def run_folder(name: str):
+    """A folder every process of this run sees (one per run: the coordinator's port in its
+    name), removed by process 0 once every process is done with it."""
+    port = os.environ["FUNCGRAD_COORDINATOR"].rsplit(":", 1)[1]
+    root = os.path.join(tempfile.gettempdir(), f"funcgrad-{name}-test-{port}")
+    try:
+        yield root
+    finally:
+        multihost_sync(f"{name}-done")
+        if PID == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def bitwise(a, b) -> bool:
+    """Whether two pytrees of arrays are equal bit for bit."""
+    return all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def scenario_resume() -> None:
     """Orbax checkpoints of the mesh step's replicated state, written by both processes into
     one folder: 2 epochs, stop, resume to 4 equals 4 without stopping, bit for bit."""
-    import os
-    import shutil
-    import tempfile
-
     digits = fg.load_digits(seed=0)
     x, y = digits.x_train.astype(np.float32), digits.y_train.astype(np.int32)
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 1e-3)
     step = fg.make_train_step(mlp_loss, tx, mesh=MESH, clip_norm=1.0)
-    port = os.environ["FUNCGRAD_COORDINATOR"].rsplit(":", 1)[1]  # one folder per run
-    root = os.path.join(tempfile.gettempdir(), f"funcgrad-resume-test-{port}")
     options = {"batch_size": 32, "seed": 1, "progress": False}
-    try:
+    with run_folder("resume") as root:
         whole = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=4,
                        checkpoint_dir=os.path.join(root, "whole"), **options)
         first = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=2,
@@ -604,14 +621,9 @@ def scenario_resume() -> None:
         resumed = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=4,
                          checkpoint_dir=os.path.join(root, "parts"), resume=True, **options)
         saved = sorted(os.listdir(os.path.join(root, "parts")))
-    finally:
-        multihost_sync("resume-done")
-        if PID == 0:
-            shutil.rmtree(root, ignore_errors=True)
     a, b = local(whole.state), local(resumed.state)
     RESULT["resume"] = {
-        "bitwise": all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a),
-                                                            jax.tree.leaves(b))),
+        "bitwise": bitwise(a, b),
         "leaves": len(jax.tree.leaves(a)),
         "steps": [int(a.step), int(b.step), int(local(first.state.step))],
         "history_same": whole.history.step_loss == resumed.history.step_loss
@@ -679,32 +691,21 @@ def scenario_fit_loader() -> None:
     global batch: chunks of stacked batches, a short last batch of 4 = 2 + 2 rows) with an
     evaluation split, against one-device `fit` whose loader yields the global batches; then
     1 epoch with a checkpoint, resumed to 2: bit for bit the 2 epochs without stopping."""
-    import os
-    import shutil
-    import tempfile
-
     RESULT["funcgrad"] = fg.__file__  # the copy under test (PYTHONPATH)
     digits = fg.load_digits(seed=0)
     split = {"x": digits.x_test.astype(np.float32), "y": digits.y_test.astype(np.int32)}
     options = {"clip_norm": 1.0}
     many, (params, tx), loader = _loader_fits("plain", mlp_loss, options, 32,
                                               {"evaluate": split})
-    port = os.environ["FUNCGRAD_COORDINATOR"].rsplit(":", 1)[1]  # one folder per run
-    root = os.path.join(tempfile.gettempdir(), f"funcgrad-loader-test-{port}")
-    try:
+    with run_folder("loader") as root:
         step = fg.make_train_step(mlp_loss, tx, mesh=MESH, **options)
         fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1, progress=False,
                checkpoint_dir=root)
         resumed = fg.fit(step, fg.init_train_state(params, tx), loader, epochs=EPOCHS,
                          progress=False, checkpoint_dir=root, resume=True)
-    finally:
-        multihost_sync("loader-resume-done")
-        if PID == 0:
-            shutil.rmtree(root, ignore_errors=True)
     a, b = local(many.state), local(resumed.state)
     RESULT["resume"] = {
-        "bitwise": all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a),
-                                                            jax.tree.leaves(b))),
+        "bitwise": bitwise(a, b),
         "steps": int(b.step),
         "history_same": many.history.step_loss == resumed.history.step_loss}
 
@@ -777,10 +778,6 @@ def scenario_fit_zero() -> None:
     """`fit` with a ZeRO-1 step (shard_opt_state=True) on array data: equal to one-device
     `fit`, the optimizer state still split after it; 1 epoch with an orbax checkpoint of the
     split state, resumed to 2: bit for bit the 2 epochs without stopping."""
-    import os
-    import shutil
-    import tempfile
-
     digits = fg.load_digits(seed=0)
     x, y = digits.x_train[:420].astype(np.float32), digits.y_train[:420].astype(np.int32)
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
@@ -790,17 +787,11 @@ def scenario_fit_zero() -> None:
                  fg.init_train_state(params, tx), x, y, epochs=EPOCHS, **options)
     step = fg.make_train_step(mlp_loss, tx, clip_norm=1.0, mesh=MESH, shard_opt_state=True)
     many = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=EPOCHS, **options)
-    port = os.environ["FUNCGRAD_COORDINATOR"].rsplit(":", 1)[1]  # one folder per run
-    root = os.path.join(tempfile.gettempdir(), f"funcgrad-zero-test-{port}")
-    try:
+    with run_folder("zero") as root:
         fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=1, checkpoint_dir=root,
                **options)
         resumed = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=EPOCHS,
                          checkpoint_dir=root, resume=True, **options)
-    finally:
-        multihost_sync("zero-resume-done")
-        if PID == 0:
-            shutil.rmtree(root, ignore_errors=True)
     mu = many.state.opt_state[0].mu[0]["w"]  # adam's first moment of the (64, 32) weight
     a, b = gathered(many.state), gathered(resumed.state)
     p1 = local(one.state.params)
@@ -811,8 +802,7 @@ def scenario_fit_zero() -> None:
         "mu_shard": list(mu.addressable_data(0).shape),
         "resumed_mu_shard": list(resumed.state.opt_state[0].mu[0]["w"]
                                  .addressable_data(0).shape),
-        "bitwise": all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a),
-                                                            jax.tree.leaves(b))),
+        "bitwise": bitwise(a, b),
         "history_same": many.history.step_loss == resumed.history.step_loss}
 
 
