@@ -204,7 +204,7 @@ def test_processes_running_different_step_counts_fail_instead_of_hanging():
         done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 3, 4])
 def test_other_process_counts(n):
     results, _ = launch("smoke", n=n)
     assert len(results) == n and results[0]["devices"] == n
