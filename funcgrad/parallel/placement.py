@@ -202,7 +202,18 @@ def divisibility_error(where: str, rows: int, devices: int, axis: str,
         f"(a batch size that is a multiple of {devices}).")
 
 
-def shard_batch(batch: PyTree, mesh: Mesh, axis: str = DATA_AXIS) -> PyTree:
+def _row_axis(batch: PyTree, row_axis: int | None) -> int:
+    """The axis of `batch`'s rows: 1 for a `funcgrad.Microbatches` (stacked micro-batches
+    ``(num_micro_batches, m, ...)`` and their mask), else 0, unless `row_axis` says."""
+    if row_axis is not None:
+        return row_axis
+    from funcgrad.train.microbatches import Microbatches
+
+    return 1 if isinstance(batch, Microbatches) else 0
+
+
+def shard_batch(batch: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
+                row_axis: int | None = None) -> PyTree:
     """Returns the global batch `batch` split along its rows over `mesh`'s `axis`.
 
     Each leaf's leading axis (the rows) is divided among the devices of `axis`
@@ -213,19 +224,26 @@ def shard_batch(batch: PyTree, mesh: Mesh, axis: str = DATA_AXIS) -> PyTree:
     this for a loader per process itself).
 
     Args:
-      batch: a pytree of arrays of shape ``(B, ...)``, the same on every process.
+      batch: a pytree of arrays of shape ``(B, ...)``, the same on every process; or stacked
+        micro-batches for an accumulating step: a `funcgrad.Microbatches` (its arrays
+        ``(num_micro_batches, B, ...)`` and mask ``(num_micro_batches, B)``), split along
+        axis 1.
       mesh: the step's mesh; `axis`: its data axis.
+      row_axis: the axis of the rows (default 0; 1 for a `Microbatches`); 1 for a plain
+        pytree of stacked micro-batches (and, separately, their mask).
     Returns:
-      the batch as global ``jax.Array`` leaves of the same shapes.
+      the batch as global ``jax.Array`` leaves of the same shapes (a `Microbatches` stays
+      one).
     Raises:
       ValueError: B does not divide among the devices (the message says how to pad and mask),
         the leaves disagree on B, or a leaf has no row axis.
     """
     size = check_mesh(mesh, axis, "shard_batch")
-    rows = _rows_of(batch, "shard_batch")
+    row_axis = _row_axis(batch, row_axis)
+    rows = _rows_of(batch, "shard_batch", row_axis)
     if rows % size:
-        raise divisibility_error("shard_batch", rows, size, axis)
-    sharding = NamedSharding(mesh, P(axis))
+        raise divisibility_error("shard_batch", rows, size, axis, accumulate=row_axis == 1)
+    sharding = NamedSharding(mesh, P(*([None] * row_axis), axis))
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)
 
@@ -310,7 +328,7 @@ def gather_from_processes(numbers: Any, text: str = "") -> tuple[np.ndarray, lis
 
 
 def process_batch(local: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
-                  rows: Any = None, check: bool = True) -> PyTree:
+                  rows: Any = None, check: bool = True, row_axis: int | None = None) -> PyTree:
     """Returns the global batch made of every process's `local` rows
     (``jax.make_array_from_process_local_data``), split over `mesh`'s `axis`.
 
@@ -319,7 +337,9 @@ def process_batch(local: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
     process this is `shard_batch`.
 
     Args:
-      local: a pytree of arrays of shape ``(b, ...)``: this process's rows.
+      local: a pytree of arrays of shape ``(b, ...)``: this process's rows; or its rows of
+        stacked micro-batches for an accumulating step: a `funcgrad.Microbatches` (arrays
+        ``(num_micro_batches, b, ...)``, mask ``(num_micro_batches, b)``), rows on axis 1.
       mesh: the step's mesh (all processes' devices); `axis`: its data axis.
       rows: optional, the global row numbers of `local` (an int array of length b, or a
         slice): checked against `process_rows`, so that rows fed by the wrong process (shards
@@ -327,15 +347,19 @@ def process_batch(local: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
       check: before building the arrays, the processes compare their row counts and the
         batch's structure, trailing shapes and dtypes (one small all-gather): a difference
         raises here rather than hanging or failing inside the step's collectives.
+      row_axis: the axis of the rows (default 0; 1 for a `Microbatches`); 1 for a plain
+        pytree of stacked micro-batches (and, separately, their mask).
     Returns:
-      the batch as global ``jax.Array`` leaves of shape ``(P * b, ...)``.
+      the batch as global ``jax.Array`` leaves of shape ``(P * b, ...)`` (P * b on
+      `row_axis`; a `Microbatches` stays one).
     Raises:
       ValueError: processes that disagree on the rows, structure, shapes or dtypes (with each
         process's row count); `rows` that are not this process's; P * b not divisible among
         the devices (how to pad and mask); leaves that disagree on b.
     """
     size = check_mesh(mesh, axis, "process_batch")
-    b = _rows_of(local, "process_batch")
+    row_axis = _row_axis(local, row_axis)
+    b = _rows_of(local, "process_batch", row_axis)
     count = jax.process_count()
     if check and count > 1:
         layout = _layout(local)
@@ -353,7 +377,8 @@ def process_batch(local: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
                 "divides by its sum), or drop it on every process.")
     total = b * count
     if total % size:
-        raise divisibility_error("process_batch", total, size, axis)
+        raise divisibility_error("process_batch", total, size, axis,
+                                 accumulate=row_axis == 1)
     if rows is not None:
         expected = process_rows(total, mesh, axis)
         got = (np.arange(total)[rows] if isinstance(rows, slice)
@@ -366,10 +391,11 @@ def process_batch(local: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
                 f"batch, but its devices hold rows {expected.start}..{expected.stop - 1}: the "
                 "shards are swapped or misordered. Read fg.process_rows(global_batch_size, "
                 "mesh) on each process and feed exactly those rows.")
-    sharding = NamedSharding(mesh, P(axis))
+    sharding = NamedSharding(mesh, P(*([None] * row_axis), axis))
 
     def put(x: Any) -> jax.Array:
         host = np.asarray(x) if not isinstance(x, jax.Array) else x
-        shape = (total, *np.shape(host)[1:])
-        return jax.make_array_from_process_local_data(sharding, host, shape)
+        shape = list(np.shape(host))
+        shape[row_axis] = total
+        return jax.make_array_from_process_local_data(sharding, host, tuple(shape))
     return jax.tree.map(put, local)

@@ -45,6 +45,27 @@ def _check_rows(batch: Any, mask: Any, size: int, axis: str, row_axis: int) -> N
                                          accumulate=bool(row_axis))
 
 
+def _check_global(batch: Any, mask: Any, accumulate: int | None) -> None:
+    """In a run of several processes: no batch leaf is a ``jax.Array`` on this process's
+    devices alone. JAX would take each process's devices' part of its own local array as the
+    global batch (half of each process's rows on 2 processes), silently."""
+    for name, tree in (("batch", batch), ("mask", mask)):
+        for path, leaf in zip(key_paths(tree), jax.tree.leaves(tree)):
+            if isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
+                fix = ("fg.process_batch(local_microbatches, mesh) (a fg.Microbatches: rows "
+                       "on axis 1)" if accumulate is not None
+                       else "fg.process_batch(local_rows, mesh)")
+                raise ValueError(
+                    f"the data-parallel train step: {name}{keystr(path)} is a jax.Array on "
+                    f"this process's devices only ({leaf.sharding}) in a run of "
+                    f"{jax.process_count()} processes. The step takes global arrays: from "
+                    "local ones JAX would use each device's part of its own process's array "
+                    "as the global batch, mixing the processes' rows. Build the global batch "
+                    f"with {fix}, each process passing its own rows (fg.process_rows), or "
+                    "fg.shard_batch(global_batch, mesh) when every process holds the whole "
+                    "batch.")
+
+
 def _explain(error: ValueError, mesh: Any, axis: str,
              zero: bool = False) -> ValueError | None:
     """A clearer error for JAX's placement errors at the step's call, or None."""
@@ -74,6 +95,15 @@ def _explain(error: ValueError, mesh: Any, axis: str,
                  "optimizer state split over the data axis (shard_opt_state=True)" if zero
                  else f"the state replicated over {mesh}")
         place = "step.place_state(state)" if zero else "fg.replicate(state, mesh)"
+        if "P(None, " in text:  # the rows of stacked micro-batches: axis 1
+            return ValueError(
+                "the data-parallel train step: an argument is placed otherwise than the step "
+                f"expects: {state}, and the stacked micro-batches (and their mask) with their "
+                "rows, axis 1, split over the data axis. Place the state with "
+                f"{place} and the micro-batches with fg.process_batch(local_microbatches, "
+                "mesh) or fg.shard_batch(microbatches, mesh) given a fg.Microbatches (or "
+                "row_axis=1 for a plain pytree and its mask). JAX said: "
+                f"{text.splitlines()[0]}")
         return ValueError(
             "the data-parallel train step: an argument is placed on other devices or sharded "
             f"otherwise than the step expects ({state}, the batch's rows split over its data "
@@ -143,10 +173,14 @@ def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | No
                 raise
             raise clearer from error
 
+    several = jax.process_count() > 1
+
     def call(state: Any, batch: Any, mask: Any = None) -> Any:
         if accumulate is None and mask is not None:
             raise TypeError("the train step takes (state, batch); a mask is for a step made "
                             "with accumulate=K.")
+        if several:
+            _check_global(batch, mask, accumulate)
         return translated(jitted, state, batch, mask)
 
     call.__name__ = call.__qualname__ = getattr(step, "__name__", "step")

@@ -272,6 +272,15 @@ def scenario_accumulate() -> None:
     sharded_mask = mesh_args.pop("mask")
     sm, mm = many(fg.replicate(state, MESH), mesh_args, sharded_mask)
     RESULT["accumulate_masked"] = row(s1, sm, m1, mm)
+    # The same micro-batches as a fg.Microbatches, each process passing its own rows of them
+    # (fg.process_batch splits axis 1 of a Microbatches), and held whole (fg.shard_batch).
+    local_mbs = fg.Microbatches({k: v[:, fg.process_rows(8, MESH)] for k, v in stacked.items()},
+                                mask[:, fg.process_rows(8, MESH)])
+    sp, mp = many(fg.replicate(state, MESH), fg.process_batch(local_mbs, MESH))
+    ss, ms = many(fg.replicate(state, MESH), fg.shard_batch(fg.Microbatches(stacked, mask),
+                                                            MESH))
+    RESULT["accumulate_microbatches"] = {"process_batch": row(s1, sp, m1, mp),
+                                         "shard_batch": row(s1, ss, m1, ms)}
     RESULT["collectives_masked"] = fg.collectives(
         many, fg.replicate(state, MESH), mesh_args, sharded_mask).to_dict()
 
@@ -519,6 +528,10 @@ def scenario_bad() -> None:
             st(state, {"x": np.zeros((rows, 3), np.float32), "y": np.zeros(rows, np.int32)})
         except ValueError as e:
             errors[name] = str(e)
+    try:  # this process's rows as a jax.Array of its own device: no error from JAX itself
+        st(state, {"x": jnp.zeros((4, 3)), "y": jnp.zeros(4, jnp.int32)})
+    except ValueError as e:
+        errors["local_jax_array"] = str(e)
     try:
         fg.process_batch({"x": np.zeros((3, 3), np.float32)}, MESH, check=False)
         fg.shard_batch({"x": np.zeros((5, 3), np.float32)}, MESH)

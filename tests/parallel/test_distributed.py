@@ -111,6 +111,9 @@ def test_accumulation_over_devices_equals_the_full_batch():
     masked = r["accumulate_masked"]
     assert masked["grad_err"] <= TOL and masked["param_err"] <= TOL, masked
     assert masked["examples"][0] == masked["examples"][1]
+    for how, got in r["accumulate_microbatches"].items():
+        assert got["grad_err"] <= TOL and got["param_err"] <= TOL, (how, got)
+        assert got["examples"][0] == got["examples"][1], (how, got)
     depths = sorted(c["loop_depth"] for c in _gradient_all_reduces(r["collectives_masked"]))
     assert depths == [0, 1], r["collectives_masked"]
     # BatchNorm under accumulation: the gradient of each device normalising its own rows, the
@@ -189,6 +192,9 @@ def test_bad_input_fails_clearly_before_any_collective():
         assert "rows per process {0: 4, 1: 5}" in e["shapes"]
         assert "processes hold different values for leaf[0]['w']" in e["params"]
         assert "fg.process_batch" in e["numpy_batch"]
+        # A process's own jax.Array: JAX would silently mix the processes' rows.
+        assert ("batch['x'] is a jax.Array on this process's devices only" in
+                e["local_jax_array"] and "fg.process_batch(local_rows" in e["local_jax_array"])
         for key in ("indivisible", "shard_batch"):
             assert "5 rows does not divide among the 2 devices" in e[key]
             assert "Pad it to 6 rows" in e[key]

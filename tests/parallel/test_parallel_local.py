@@ -119,6 +119,12 @@ def test_batch_errors_and_placement_in_one_process():
     np.testing.assert_array_equal(got["x"], batch["x"])
     with pytest.raises(ValueError, match="shards are swapped"):
         fg.process_batch(batch, mesh, rows=np.arange(1, 9))
+    # Stacked micro-batches: a Microbatches is split along its rows, axis 1 (mask too).
+    mbs = fg.stack_microbatches([batch, {k: v[:5] for k, v in batch.items()}])
+    placed = fg.shard_batch(mbs, mesh)
+    assert isinstance(placed, fg.Microbatches)
+    assert placed.mask.sharding.spec == P(None, "data") == placed.data["x"].sharding.spec
+    np.testing.assert_array_equal(fg.process_batch(mbs, mesh).mask, mbs.mask)
     step = fg.make_train_step(_loss, tx, mesh=mesh)
     with pytest.raises(ValueError, match=r"batch\['t'\] has 0 axes; every leaf of a sharded "
                                          r"batch needs at least 1.*loss's closure"):

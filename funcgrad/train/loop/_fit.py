@@ -73,8 +73,10 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     step of the same call: one dispatch per epoch. When nothing on the host needs an epoch's
     numbers before the next (no `evaluate`, ``progress=False``, no checkpoint due, default
     `chunk`, `optimistic` chunks: no loss scale, ``on_nonfinite="stop"``), several epochs
-    run in one call (up to 1,024 steps), with the same history, log lines, alerts and state,
-    bit for bit; their log lines come out together once the last of them is recorded. A
+    run in one call (up to 1,024 steps), with the same history, log lines, alerts and state
+    (bit for bit on the digits MLP; the several-epoch program is compiled apart, and XLA may
+    fuse a model differently there: a linen CNN with BatchNorm differed by 7e-8, float32
+    rounding); their log lines come out together once the last of them is recorded. A
     loader's batches are stacked `chunk` at a time (default 64) and sent in one transfer
     when their shapes agree. Everything the step does runs inside the chunk: clipping, the
     guard, accumulation, loss scaling, the monitor, masks, model state, keys. A hand-written
@@ -97,12 +99,12 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     **Checkpoints.** With `checkpoint_dir`, the whole state (params, optimizer state, model
     state, key, loss scale, monitor state, step) and the run's position and history are saved
     with orbax-checkpoint (`funcgrad.train.checkpoint`) every `every` epochs, when the run
-    stops on a non-finite step (the last finite state), on Ctrl-C and at the end, and at an
-    exception in one process (in a run of several, an exception's state is not saved: the
-    save waits for every process, and the others need not have failed; the last periodic
-    checkpoint is kept). ``resume=True`` continues from the newest checkpoint there (its
-    epoch and batch), so training 10 epochs equals training 5, stopping and resuming for 5
-    more, bit for bit.
+    stops on a non-finite step (the last finite state), on Ctrl-C, at the end, and at an
+    exception (not in a run of several processes: the save waits for every process, and the
+    others need not have failed; the last periodic checkpoint is kept). ``resume=True``
+    continues from the newest checkpoint there (its epoch and batch), so training 10 epochs
+    equals training 5, stopping and resuming for 5 more: bit for bit when both run the same programs (one epoch per dispatch, or a model
+    XLA fuses alike in both, as the digits MLP), else to float32 rounding.
 
     **Ctrl-C.** The first SIGINT stops the run after the current chunk (all the epochs of a
     call that ran several) and returns a `FitResult` with ``interrupted=True`` (a second one

@@ -4,7 +4,8 @@ A checkpoint (`funcgrad.train.checkpoint`, orbax) holds the whole `TrainState`, 
 position (``epoch``, ``step_in_epoch``, ``run_step``, ``epoch_first`` and the settings that
 decide which examples the rest of an epoch visits) and its `History`. `fit` saves every
 ``every`` epochs, at a non-finite stop, on Ctrl-C, after a crash and at the end; ``resume=
-True`` restores the newest one, checks the settings and continues bit for bit.
+True`` restores the newest one, checks the settings and continues bit for bit (when the
+resumed run's dispatches compile to the same programs, see `funcgrad.fit`).
 """
 from __future__ import annotations
 
