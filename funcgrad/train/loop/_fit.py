@@ -103,8 +103,9 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     exception (not in a run of several processes: the save waits for every process, and the
     others need not have failed; the last periodic checkpoint is kept). ``resume=True``
     continues from the newest checkpoint there (its epoch and batch), so training 10 epochs
-    equals training 5, stopping and resuming for 5 more: bit for bit when both run the same programs (one epoch per dispatch, or a model
-    XLA fuses alike in both, as the digits MLP), else to float32 rounding.
+    equals training 5, stopping and resuming for 5 more: bit for bit when both run the same
+    programs (one epoch per dispatch, or a model XLA fuses alike in both, as the digits
+    MLP), else to float32 rounding.
 
     **Ctrl-C.** The first SIGINT stops the run after the current chunk (all the epochs of a
     call that ran several) and returns a `FitResult` with ``interrupted=True`` (a second one
