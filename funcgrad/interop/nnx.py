@@ -60,7 +60,8 @@ def from_nnx(model: Any) -> Model:
       a `funcgrad.interop.Model`; ``m.rebuild(params, model_state)`` is a new module.
     Raises:
       TypeError: for an ``nnx.Optimizer`` (the message says what to pass instead), a linen or
-        equinox module (pointed to its adapter), or anything else that is not an nnx module.
+        equinox module (pointed to its adapter), a module without ``__call__``, or anything
+        else that is not an nnx module.
       ValueError: if the module has no ``nnx.Param``.
     """
     from flax import nnx
@@ -69,6 +70,11 @@ def from_nnx(model: Any) -> Model:
         raise TypeError(_OPTIMIZER)
     if not isinstance(model, nnx.Module):
         raise TypeError(_wrong_module("from_nnx", "flax.nnx", model))
+    if not callable(model):
+        # funcgrad calls the module itself (`model(x)`), as nnx's own loop does.
+        raise TypeError(f"from_nnx: {type(model).__name__} has no __call__, and funcgrad "
+                        "runs the module as model(*args). Define __call__ (it may just "
+                        "return self.forward(x)), or pass the submodule that is called.")
     # nnx.split returns one State per filter; its stubs type them a variadic tuple.
     graphdef, param_state, rest_state = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     params = nnx.to_pure_dict(param_state)

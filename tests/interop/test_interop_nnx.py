@@ -151,6 +151,16 @@ def test_an_optimizer_and_other_objects_are_refused_clearly():
         from_nnx(m := {"w": jnp.ones(2)})
     assert m  # (the dict itself is fine, just not a model)
 
+    class Forward(nnx.Module):  # PyTorch habit: the computation in `forward`, no __call__
+        def __init__(self):
+            self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(TypeError, match=r"Forward has no __call__.*self\.forward\(x\)"):
+        from_nnx(Forward())
+
 
 def test_a_module_without_params_and_a_key_are_refused():
     with pytest.raises(ValueError, match="no nnx.Param"):
