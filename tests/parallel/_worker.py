@@ -785,6 +785,18 @@ def scenario_fit_loader_bad() -> None:
     RESULT["nonfinite"] = {"step": stopped.nonfinite.step, "batch": stopped.nonfinite.batch,
                            "state_step": int(local(stopped.state.step)),
                            "finite": bool(np.isfinite(max_abs(local(stopped.state.params))))}
+    # A non-finite update from a finite loss and gradient (Adam with eps=0 on a leaf the
+    # loss never uses: g = m = v = 0, so its update is 0/0): the guard skips step 0, fit stops
+    # there, and the report names the leaf; the step is rerun on that global batch, sliced
+    # from the chunk's stacked batches on every process.
+    adam0 = optax.adam(0.1, eps=0.0)
+    unused = fg.make_train_step(lambda p, b: mlp_loss(p["mlp"], b), adam0, mesh=MESH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = fg.fit(unused, fg.init_train_state({"mlp": params, "u": jnp.zeros(1)}, adam0),
+                     mine, epochs=1, progress=False)
+    RESULT["update"] = {"step": got.nonfinite.step, "loss": got.nonfinite.loss,
+                        "state_step": int(local(got.state.step)), "text": got.nonfinite.update}
 
 
 def scenario_fit_zero() -> None:

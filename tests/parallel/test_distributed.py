@@ -342,6 +342,13 @@ def test_disagreeing_per_process_loaders_fail_at_once_on_every_process():
         assert max(r["error_seconds"].values()) < 15, r["error_seconds"]
         assert r["good_steps"] == 6
         assert r["nonfinite"] == {"step": 3, "batch": 3, "state_step": 3, "finite": True}
+        # Adam with eps=0 and a leaf u the loss never uses: u's update is 0/0 at step 0
+        # while the loss (finite digits-like data) and the gradient are finite.
+        update = r["update"]
+        assert update["step"] == 0 and update["state_step"] == 0, update
+        assert math.isfinite(update["loss"]), update
+        assert "params['u']" in update["text"] and "holds NaN/inf" in update["text"], update
+        assert "params['mlp']" not in update["text"], update
 
 
 def test_fit_with_zero1_equals_one_device_fit_and_resumes_bit_for_bit():
