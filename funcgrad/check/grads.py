@@ -220,10 +220,24 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64  # the caller's mode
         as_run = None if x64 else _as_run(fn, args, has_aux)
     with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
-        prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
+        try:
+            prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
+            refused = None
+        except (TypeError, ValueError) as error:
+            # fn runs as the caller runs it but not traced under x64, where its own integer
+            # arithmetic widens too (equinox's BatchNorm adds 1 to an int32 counter held in
+            # its state, gets int64 and refuses it): check the program traced as it runs.
+            if as_run is None or not as_run.value.size:
+                raise
+            refused = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            prob = _setup(as_run.program, args, argnums_t, has_aux, order, names, seed,
+                          force_cast=True)
+            prob["notes"].insert(0, f"fn fails when traced with x64 on ({type(error).__name__}: "
+                                    f"{refused[:160]}); the check used fn's program as you "
+                                    "run it (traced with x64 off), evaluated in float64.")
         prob = lift_precision_of(prob, lift_precision, modes,
                                  _tolerances(prob["dtype_used"], eps, rtol, atol)[1:])
-        if as_run is not None:
+        if as_run is not None and refused is None:
             prob = _as_the_user_runs_it(
                 prob, as_run, lift_precision, modes,
                 lambda dtype: _tolerances(dtype, eps, rtol, atol)[1:],

@@ -187,6 +187,54 @@ def test_bad_input_is_refused_clearly(bad, error, match):
         from_equinox(*args)
 
 
+class BatchModeCNN(CNN):
+    """The CNN with BatchNorm in mode="batch" (what equinox's warning recommends for new
+    code): its state holds an int32 step counter that the layer adds 1 to and stores back,
+    refusing a value of another dtype."""
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.bn = eqx.nn.BatchNorm(2, axis_name="batch", momentum=0.9, mode="batch")
+
+
+@jax.custom_jvp
+def _relu_wrong_rule(x):
+    return jax.nn.relu(x)
+
+
+@_relu_wrong_rule.defjvp
+def _relu_wrong_rule_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jax.nn.relu(x), jnp.where(x > 0, 2.0 * t, 0.0)  # the true slope is 1, not 2
+
+
+class BatchModeCNNWrongRule(BatchModeCNN):
+    def __call__(self, x, state, *, key=None):
+        x, state = self.bn(self.conv(x), state)
+        x = self.pool(self.dropout(_relu_wrong_rule(x), key=key))
+        return self.out(x.reshape(-1)), state
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["right", "wrong_rule"])
+def test_check_grads_on_a_batch_mode_batchnorm(wrong):
+    # Traced with x64 on (the check's float64 evaluation), the counter's `+ 1` is int64 and
+    # equinox refused it (ValueError: weak_i32 vs weak_i64). The check now uses the program
+    # as the caller runs it (traced with x64 off), still evaluated in float64: it passes the
+    # right model and, through the same path, finds a relu rule whose slope is 2 instead of 1:
+    # at the leaves before the relu (conv.weight, bn.weight, bn.bias), not at conv.bias, whose
+    # gradient is 0 either way (BatchNorm subtracts the batch mean, cancelling the bias), nor
+    # at the output layer, whose gradient does not go through the rule.
+    model, state = eqx.nn.make_with_state(BatchModeCNNWrongRule if wrong
+                                          else BatchModeCNN)(jax.random.key(0))
+    m = from_equinox(model, state)
+    loss = m.loss(_ce, train=True).bind(m.model_state, jax.random.key(2))
+    report = fg.check_grads(loss, m.params, _batch())
+    assert any("fails when traced with x64 on" in n and "weak_i64" in n for n in report.notes)
+    failed = [r.path for r in report.rows if not r.ok]
+    assert failed == (["params.conv.weight", "params.bn.weight", "params.bn.bias"] if wrong
+                      else []), report
+
+
 # --- point 4: funcgrad's train step through the adapter = equinox's own loop ---------------
 
 STEPS = 5
