@@ -38,7 +38,8 @@ def add_parser(sub: Any) -> _Parser:
         description=textwrap.fill(
             "Run the gradient-debugging checklist on a model: " + ", ".join(CHECKS)
             + ". Prints one line per check (findings first, with the time each took); exit "
-            "status 0 when healthy, 1 when a check fails, 2 for usage errors. Without "
+            "status 0 when healthy, 1 when a check fails, 2 for usage errors, 3 when no check "
+            "failed but one crashed (the checklist is incomplete). Without "
             "MODEL.py, the digits MLP that `funcgrad train` trains.", 78),
         epilog=EXPECTED_FILE)
     d.add_argument("model", nargs="?", default=None, metavar="MODEL.py",

@@ -75,8 +75,12 @@ class DoctorReport:
 
     @property
     def exit_code(self) -> int:
-        """1 when a check failed, else 0 (warnings and crashed checks do not fail a run)."""
-        return 1 if any(f.verdict == "fail" for f in self.findings) else 0
+        """1 when a check failed; else 3 when a check crashed (verdict "error": the checklist
+        is incomplete, so a CI gate must not pass it as healthy); else 0 (warnings do not fail
+        a run)."""
+        if any(f.verdict == "fail" for f in self.findings):
+            return 1
+        return 3 if any(f.verdict == "error" for f in self.findings) else 0
 
     def by_check(self, name: str) -> Finding:
         """The finding of the check `name`; KeyError (naming the checks run) if it did not run."""

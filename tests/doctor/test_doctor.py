@@ -345,7 +345,7 @@ def test_a_crashing_check_is_an_error_and_the_others_still_run(monkeypatch):
     assert report.by_check("init_loss").verdict == "error"
     assert "RuntimeError: boom" in report.by_check("init_loss").summary
     assert report.by_check("grad_flow").verdict == "pass"
-    assert report.exit_code == 0
+    assert report.exit_code == 3  # no fail, but the checklist is incomplete
 
 
 def test_a_linen_model_file_whose_call_needs_train_is_loaded_in_training_mode():
