@@ -136,7 +136,8 @@ def distributed_init(coordinator: str | None = None, num_processes: int | None =
       a `DistributedInfo`.
     Raises:
       ValueError: an environment variable that is not an integer, a coordinator that is not
-        host:port, a process id outside ``[0, num_processes)``, only some of the three given.
+        host:port, a process id outside ``[0, num_processes)``, only some of the three given;
+        none given and no cluster JAX detects (the message says to use ``funcgrad launch``).
       OSError: process 0's coordinator port is already in use (the message names the fix).
       TimeoutError: the coordinator does not answer within `timeout`.
       RuntimeError: (from JAX) JAX already ran a computation, or ``initialize`` was called
@@ -161,9 +162,20 @@ def distributed_init(coordinator: str | None = None, num_processes: int | None =
             "Open MPI, Kubernetes, Cloud TPU). funcgrad launch -n N -- cmd sets all three.")
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     if coordinator is None:  # a cluster: JAX reads its environment
-        jax.distributed.initialize(initialization_timeout=int(timeout),
-                                   heartbeat_timeout_seconds=heartbeat_timeout,
-                                   shutdown_timeout_seconds=shutdown_timeout)
+        try:
+            jax.distributed.initialize(initialization_timeout=int(timeout),
+                                       heartbeat_timeout_seconds=heartbeat_timeout,
+                                       shutdown_timeout_seconds=shutdown_timeout)
+        except ValueError as error:
+            if "coordinator_address" not in str(error):
+                raise
+            raise ValueError(
+                "distributed_init: there is no run to join: funcgrad launch's variables "
+                f"({ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}) are not set, and "
+                "JAX found no cluster it knows (SLURM, Open MPI, Kubernetes, Cloud TPU) "
+                f"({error}). Start the script with funcgrad launch -n N -- python "
+                "script.py (N=1 for one process), or pass num_processes=1 (or set "
+                f"{ENV_NUM_PROCESSES}=1) to run it alone.") from None
     else:
         assert num_processes is not None and process_id is not None
         if not 0 <= process_id < num_processes:

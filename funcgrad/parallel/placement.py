@@ -9,6 +9,7 @@ parameters, a process feeding rows that belong to another.
 """
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any
 
@@ -34,12 +35,29 @@ def data_mesh(devices: Any = None, axis: str = DATA_AXIS) -> Mesh:
     loss is written on the global batch and XLA's partitioner (GSPMD) splits it.
 
     Raises:
-      ValueError: `devices` is empty.
+      ValueError: `devices` is empty; this process was started as one of several (by
+        ``funcgrad launch``) but never joined them (no ``fg.distributed_init()`` before).
     """
+    check_joined("data_mesh")
     found = list(jax.devices() if devices is None else devices)
     if not found:
         raise ValueError("data_mesh: no devices given.")
     return Mesh(np.array(found, dtype=object), (axis,))
+
+
+def check_joined(where: str) -> None:
+    """Raises ValueError when ``funcgrad launch`` started this process as one of several
+    (``FUNCGRAD_NUM_PROCESSES`` > 1) but JAX runs it alone: ``fg.distributed_init()`` was not
+    called, and each process would train on its own, silently."""
+    from funcgrad.parallel.distributed import ENV_NUM_PROCESSES
+
+    wanted = os.environ.get(ENV_NUM_PROCESSES, "")
+    if wanted.isdigit() and int(wanted) > 1 and jax.process_count() == 1:
+        raise ValueError(
+            f"{where}: this process was started as one of {wanted} ({ENV_NUM_PROCESSES}="
+            f"{wanted}, set by funcgrad launch), but JAX runs it alone: each process would "
+            "train on its own. Call fg.distributed_init() at the top of the script, before "
+            "any JAX computation.")
 
 
 def check_mesh(mesh: Any, axis: str, where: str) -> int:
@@ -69,6 +87,7 @@ def check_mesh(mesh: Any, axis: str, where: str) -> int:
             "data-parallel step writes the loss on the global batch and lets XLA partition it, "
             "on Auto axes. Build the mesh with fg.data_mesh(), jax.sharding.Mesh(devices, "
             f"({axis!r},)) or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,)).")
+    check_joined(where)
     if jax.process_count() > 1:
         held = {d.process_index for d in mesh.devices.flat}
         if held != set(range(jax.process_count())):

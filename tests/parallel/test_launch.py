@@ -216,3 +216,39 @@ def test_an_exception_in_one_process_ends_the_run_at_once():
     # fails when process 1's connection closes: gloo's "Connection reset/closed by peer").
     assert re.search(r"process [01] exited with status 1", done.stderr), done.stderr[-3000:]
     assert "never" not in done.stdout
+
+
+def test_distributed_init_with_no_run_to_join_says_to_launch():
+    # Plain `python script.py` (no funcgrad launch, no cluster): JAX's own error was
+    # "coordinator_address should be defined."; funcgrad's names the launcher and N=1.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FUNCGRAD_COORDINATOR", "FUNCGRAD_NUM", "FUNCGRAD_PROCESS",
+                                "JAX_COORDINATOR", "SLURM_", "OMPI_"))}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import funcgrad as fg
+        try:
+            fg.distributed_init()
+        except ValueError as e:
+            print(e)
+    """)], capture_output=True, text=True, timeout=LIMIT, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "there is no run to join" in done.stdout, done.stdout
+    assert "funcgrad launch -n N -- python script.py" in done.stdout
+    assert "num_processes=1" in done.stdout
+
+
+def test_a_launched_process_that_never_joined_is_refused():
+    # Under `funcgrad launch -n 2` each process is one of 2; without fg.distributed_init()
+    # JAX runs each alone (1 process, 1 device), and each would train on its own, silently.
+    done = _launch("-n", "2", code="""
+        import funcgrad as fg
+        try:
+            fg.data_mesh()
+        except ValueError as e:
+            print("refused:", e)
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = sorted(done.stdout.splitlines())
+    assert len(lines) == 2 and all("refused: data_mesh: this process was started as one of 2"
+                                   in line for line in lines), lines
+    assert all("fg.distributed_init()" in line for line in lines)
