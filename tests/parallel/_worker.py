@@ -537,6 +537,22 @@ def scenario_bad() -> None:
         fg.shard_batch({"x": np.zeros((5, 3), np.float32)}, MESH)
     except ValueError as e:
         errors["shard_batch"] = str(e)
+    # fit with arrays: every process must pass the same whole dataset. Each process's own
+    # half (fg.process_rows of it), or the same rows in an order of its own, trained on rows
+    # mixed across the processes, silently; a dataset of another length aborted in gloo.
+    rng = np.random.default_rng(0)  # the same 16 rows on every process (3 features, 2 classes)
+    x, y = rng.normal(size=(16, 3)).astype(np.float32), rng.integers(0, 2, 16).astype(np.int32)
+    half = fg.process_rows(16, MESH)
+    order = np.random.default_rng(PID).permutation(16)
+    for name, (xs, ys) in {"fit_own_half": (x[half], y[half]),
+                           "fit_own_order": (x[order], y[order]),
+                           "fit_lengths": (x[:16 - 2 * PID], y[:16 - 2 * PID])}.items():
+        try:
+            fg.fit(st, state, xs, ys, epochs=1, batch_size=4, progress=False)
+        except ValueError as e:
+            errors[name] = str(e)
+    good = fg.fit(st, state, x, y, epochs=1, batch_size=4, progress=False)
+    RESULT["fit_good_steps"] = int(local(good.state.step))  # still in step: 16 / 4 = 4
     RESULT["errors"] = errors
 
 

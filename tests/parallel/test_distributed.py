@@ -198,6 +198,13 @@ def test_bad_input_fails_clearly_before_any_collective():
         for key in ("indivisible", "shard_batch"):
             assert "5 rows does not divide among the 2 devices" in e[key]
             assert "Pad it to 6 rows" in e[key]
+        for key in ("fit_own_half", "fit_own_order", "fit_lengths"):
+            assert "fit: the processes passed different data (the leaves ['x', 'y'] differ" \
+                in e[key], e.get(key)
+            assert "pass a loader that yields this process's rows" in e[key]
+        assert "process 0: x (16, 3) float32" in e["fit_lengths"]
+        assert "process 1: x (14, 3) float32" in e["fit_lengths"]
+        assert r["fit_good_steps"] == 4
 
 
 def test_processes_running_different_step_counts_fail_instead_of_hanging():
