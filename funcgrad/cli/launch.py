@@ -7,7 +7,10 @@ Each process gets ``FUNCGRAD_PROCESS_ID`` (0 to N-1), ``FUNCGRAD_NUM_PROCESSES``
 process prints comes out prefixed with its index (``[1] ...``), on the launcher's stdout or
 stderr as the process wrote it. When a process fails (a non-zero status or a signal) the
 launcher stops the others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with
-the failing status; SIGINT and SIGTERM sent to the launcher are passed on to every process.
+the failing status; SIGINT and SIGTERM sent to the launcher are passed on to every process,
+and a process still running ``--grace`` seconds later is killed (JAX's preemption notifier
+catches SIGTERM, and a process blocked in a collective or at JAX's shutdown barrier does not
+see SIGINT; a second signal to the launcher kills at once).
 With ``--timeout S`` the whole run is stopped after S seconds (status 124), so a deadlock ends.
 """
 from __future__ import annotations
@@ -51,8 +54,8 @@ def add_parser(sub: Any) -> _Parser:
                     help="seconds distributed_init waits for all processes to join "
                          "(FUNCGRAD_INIT_TIMEOUT; default: its own, 300)")
     lp.add_argument("--grace", type=_positive(float), default=5.0, metavar="S",
-                    help="seconds between SIGTERM and SIGKILL when stopping processes "
-                         "(default: 5)")
+                    help="seconds between SIGTERM (or a signal passed on) and SIGKILL when "
+                         "stopping processes (default: 5)")
     lp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                     help="the command each process runs")
     return lp
@@ -115,6 +118,7 @@ class Launch:
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self.signalled: int | None = None
+        self.signalled_at, self.killed = 0.0, False
 
     def _say(self, text: str) -> None:
         with self.lock:
@@ -152,7 +156,7 @@ class Launch:
         if self.signalled is not None:  # a second Ctrl-C: no more patience
             self._signal_all(signal.SIGKILL)
             return
-        self.signalled = sig
+        self.signalled, self.signalled_at = sig, time.monotonic()
         self._signal_all(sig)
 
     def run(self) -> int:
@@ -200,6 +204,14 @@ class Launch:
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if self.signalled is not None and all(c is not None for c in codes):
                 return 128 + self.signalled
+            if (self.signalled is not None and not self.killed
+                    and time.monotonic() - self.signalled_at > self.grace):
+                running = [i for i, c in enumerate(codes) if c is None]
+                self._say(f"processes {running} still running {self.grace:g} s after "
+                          f"{signal.Signals(self.signalled).name} (ignored, or blocked in a "
+                          "collective); killing them")
+                self.killed = True
+                self._signal_all(signal.SIGKILL)
             if failed and self.signalled is None:
                 i, code = failed[0]
                 alive = sum(c is None for c in codes)

@@ -252,3 +252,35 @@ def test_a_launched_process_that_never_joined_is_refused():
     assert len(lines) == 2 and all("refused: data_mesh: this process was started as one of 2"
                                    in line for line in lines), lines
     assert all("fg.distributed_init()" in line for line in lines)
+
+
+def test_a_process_that_ignores_the_signal_is_killed_after_the_grace():
+    # JAX's preemption notifier catches SIGTERM and a process blocked in a collective never
+    # runs Python's SIGINT handler: the launcher kills what still runs --grace s after the
+    # signal it passed on (here 1 s) instead of waiting for it for minutes.
+    code = textwrap.dedent("""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(50)
+    """)
+    p = subprocess.Popen([sys.executable, "-m", "funcgrad", "launch", "-n", "2", "--grace",
+                          "1", "--", sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        ready = 0
+        assert p.stdout is not None
+        while ready < 2:
+            line = p.stdout.readline()
+            assert line, "a process ended before it was ready"
+            ready += "ready" in line
+        start = time.perf_counter()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=LIMIT)
+        seconds = time.perf_counter() - start
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM
+    assert seconds < 10, seconds  # 1 s of grace, not the 50 s the processes would sleep
+    assert "processes [0, 1] still running 1 s after SIGTERM" in err, err
