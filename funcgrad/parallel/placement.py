@@ -144,10 +144,12 @@ def replicate(tree: PyTree, mesh: Mesh, *, check: bool = True) -> PyTree:
     sharding = NamedSharding(mesh, P())
     leaves, treedef = jax.tree.flatten(tree)
     paths = key_paths(tree)
+    # Leaves named as the caller writes them: state.params['w'] for a TrainState.
+    root = "state" if hasattr(tree, "params") and hasattr(tree, "opt_state") else "tree"
     for path, leaf in zip(paths, leaves):
         if (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
                 and not leaf.is_fully_replicated):
-            raise ValueError(f"replicate: leaf{keystr(path)} is sharded as {leaf.sharding}; "
+            raise ValueError(f"replicate: {root}{keystr(path)} is sharded as {leaf.sharding}; "
                              "the data-parallel step keeps the state replicated on every "
                              "device. Gather it first (jax.experimental.multihost_utils."
                              "process_allgather) or rebuild it with init_train_state.")
@@ -161,7 +163,7 @@ def replicate(tree: PyTree, mesh: Mesh, *, check: bool = True) -> PyTree:
             i = int(differ[0])
             which = [p for p in range(every.shape[0]) if every[p, i] != every[0, i]]
             raise ValueError(
-                f"replicate: the processes hold different values for leaf{keystr(paths[i])} "
+                f"replicate: the processes hold different values for {root}{keystr(paths[i])} "
                 f"(and {differ.size - 1} more leaves): process 0 differs from processes "
                 f"{which}. A replicated state must be the same on every process: build it "
                 "from the same seed on each (init_train_state(fg.mlp_init(jax.random.key(0), "

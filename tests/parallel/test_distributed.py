@@ -190,7 +190,7 @@ def test_bad_input_fails_clearly_before_any_collective():
         e = r["errors"]
         assert "shards are swapped" in e["swapped"] and "fg.process_rows" in e["swapped"]
         assert "rows per process {0: 4, 1: 5}" in e["shapes"]
-        assert "processes hold different values for leaf[0]['w']" in e["params"]
+        assert "processes hold different values for tree[0]['w']" in e["params"]
         assert "fg.process_batch" in e["numpy_batch"]
         # A process's own jax.Array: JAX would silently mix the processes' rows.
         assert ("batch['x'] is a jax.Array on this process's devices only" in
