@@ -8,7 +8,8 @@ process prints comes out prefixed with its index (``[1] ...``), on the launcher'
 stderr as the process wrote it. When a process fails (a non-zero status or a signal) the
 launcher stops the others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with
 the failing status; SIGINT and SIGTERM sent to the launcher are passed on to every process,
-and a process still running ``--grace`` seconds later is killed (JAX's preemption notifier
+and a process still running ``--signal-grace`` seconds later (default 30: time to save its
+work) is killed (JAX's preemption notifier
 catches SIGTERM, and a process blocked in a collective or at JAX's shutdown barrier does not
 see SIGINT; a second signal to the launcher kills at once).
 With ``--timeout S`` the whole run is stopped after S seconds (status 124), so a deadlock ends.
@@ -54,8 +55,11 @@ def add_parser(sub: Any) -> _Parser:
                     help="seconds distributed_init waits for all processes to join "
                          "(FUNCGRAD_INIT_TIMEOUT; default: its own, 300)")
     lp.add_argument("--grace", type=_positive(float), default=5.0, metavar="S",
-                    help="seconds between SIGTERM (or a signal passed on) and SIGKILL when "
-                         "stopping processes (default: 5)")
+                    help="seconds between SIGTERM and SIGKILL when stopping processes after "
+                         "one failed or the timeout (default: 5)")
+    lp.add_argument("--signal-grace", type=_positive(float), default=30.0, metavar="S",
+                    help="seconds a process has, after a SIGINT or SIGTERM the launcher passed "
+                         "on, to save its work and exit before SIGKILL (default: 30)")
     lp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                     help="the command each process runs")
     return lp
@@ -92,7 +96,8 @@ def run(parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | None) -
     else:
         port = args.port
     return Launch(command, args.nproc, f"{host}:{port}", timeout=args.timeout,
-                  init_timeout=args.init_timeout, grace=args.grace).run()
+                  init_timeout=args.init_timeout, grace=args.grace,
+                  signal_grace=args.signal_grace).run()
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -111,9 +116,11 @@ class Launch:
 
     def __init__(self, command: list[str], n: int, coordinator: str, *,
                  timeout: float | None = None, init_timeout: float | None = None,
-                 grace: float = 5.0, out: IO[str] | None = None, err: IO[str] | None = None):
+                 grace: float = 5.0, out: IO[str] | None = None, err: IO[str] | None = None,
+                 signal_grace: float = 30.0):
         self.command, self.n, self.coordinator = command, n, coordinator
         self.timeout, self.init_timeout, self.grace = timeout, init_timeout, grace
+        self.signal_grace = signal_grace
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
@@ -205,9 +212,9 @@ class Launch:
             if self.signalled is not None and all(c is not None for c in codes):
                 return 128 + self.signalled
             if (self.signalled is not None and not self.killed
-                    and time.monotonic() - self.signalled_at > self.grace):
+                    and time.monotonic() - self.signalled_at > self.signal_grace):
                 running = [i for i, c in enumerate(codes) if c is None]
-                self._say(f"processes {running} still running {self.grace:g} s after "
+                self._say(f"processes {running} still running {self.signal_grace:g} s after "
                           f"{signal.Signals(self.signalled).name} (ignored, or blocked in a "
                           "collective); killing them")
                 self.killed = True

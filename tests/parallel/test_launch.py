@@ -257,15 +257,16 @@ def test_a_launched_process_that_never_joined_is_refused():
 def test_a_process_that_ignores_the_signal_is_killed_after_the_grace():
     # JAX's preemption notifier catches SIGTERM and a process blocked in a collective never
     # runs Python's SIGINT handler: the launcher kills what still runs --grace s after the
-    # signal it passed on (here 1 s) instead of waiting for it for minutes.
+    # signal it passed on (--signal-grace, here 1 s) instead of waiting for it for minutes.
     code = textwrap.dedent("""
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("ready", flush=True)
         time.sleep(50)
     """)
-    p = subprocess.Popen([sys.executable, "-m", "funcgrad", "launch", "-n", "2", "--grace",
-                          "1", "--", sys.executable, "-c", code], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "funcgrad", "launch", "-n", "2",
+                          "--signal-grace", "1", "--", sys.executable, "-c", code],
+                         stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         ready = 0
