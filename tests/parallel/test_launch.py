@@ -79,8 +79,31 @@ def test_timeout_stops_a_hung_run():
     assert "timed out after 2 s with processes [0, 1] still running" in done.stderr
 
 
+def _signalled_when_ready(code: str, *flags: str) -> tuple[subprocess.Popen, str, str, float]:
+    """Launches 2 processes running `code` (each prints "ready" when its handlers are set),
+    sends the launcher SIGTERM once both are ready; the launcher, its stdout and stderr, and
+    the seconds from the signal to its end."""
+    p = subprocess.Popen([sys.executable, "-m", "funcgrad", "launch", "-n", "2", *flags, "--",
+                          sys.executable, "-c", textwrap.dedent(code)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = 0
+        assert p.stdout is not None
+        while ready < 2:
+            line = p.stdout.readline()
+            assert line, "a process ended before it was ready"
+            ready += "ready" in line
+        start = time.perf_counter()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=LIMIT)
+        return p, out, err, time.perf_counter() - start
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def test_sigterm_is_passed_on():
-    code = textwrap.dedent("""
+    p, out, _, _ = _signalled_when_ready("""
         import signal, sys, time
         def bye(sig, frame):
             print("got", signal.Signals(sig).name, flush=True)
@@ -89,21 +112,6 @@ def test_sigterm_is_passed_on():
         print("ready", flush=True)
         time.sleep(50)
     """)
-    p = subprocess.Popen([sys.executable, "-m", "funcgrad", "launch", "-n", "2", "--",
-                          sys.executable, "-c", code], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        ready = 0
-        assert p.stdout is not None
-        while ready < 2:
-            line = p.stdout.readline()
-            assert line, "a process ended before it was ready"
-            ready += "ready" in line
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=LIMIT)
-    finally:
-        if p.poll() is None:
-            p.kill()
     assert p.returncode == 128 + signal.SIGTERM
     assert sorted(out.splitlines()) == ["[0] got SIGTERM", "[1] got SIGTERM"]
 
@@ -256,32 +264,14 @@ def test_a_launched_process_that_never_joined_is_refused():
 
 def test_a_process_that_ignores_the_signal_is_killed_after_the_grace():
     # JAX's preemption notifier catches SIGTERM and a process blocked in a collective never
-    # runs Python's SIGINT handler: the launcher kills what still runs --grace s after the
-    # signal it passed on (--signal-grace, here 1 s) instead of waiting for it for minutes.
-    code = textwrap.dedent("""
+    # runs Python's SIGINT handler: the launcher kills what still runs --signal-grace s after
+    # the signal it passed on (here 1 s) instead of waiting for it for minutes.
+    p, _, err, seconds = _signalled_when_ready("""
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("ready", flush=True)
         time.sleep(50)
-    """)
-    p = subprocess.Popen([sys.executable, "-m", "funcgrad", "launch", "-n", "2",
-                          "--signal-grace", "1", "--", sys.executable, "-c", code],
-                         stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        ready = 0
-        assert p.stdout is not None
-        while ready < 2:
-            line = p.stdout.readline()
-            assert line, "a process ended before it was ready"
-            ready += "ready" in line
-        start = time.perf_counter()
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=LIMIT)
-        seconds = time.perf_counter() - start
-    finally:
-        if p.poll() is None:
-            p.kill()
+    """, "--signal-grace", "1")
     assert p.returncode == 128 + signal.SIGTERM
     assert seconds < 10, seconds  # 1 s of grace, not the 50 s the processes would sleep
     assert "processes [0, 1] still running 1 s after SIGTERM" in err, err
