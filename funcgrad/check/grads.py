@@ -229,7 +229,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
             # its state, gets int64 and refuses it): check the program traced as it runs.
             if as_run is None or not as_run.value.size:
                 raise
-            refused = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            refused = (str(error).strip().splitlines() or [""])[0]
             prob = _setup(as_run.program, args, argnums_t, has_aux, order, names, seed,
                           force_cast=True)
             prob["notes"].insert(0, f"fn fails when traced with x64 on ({type(error).__name__}: "

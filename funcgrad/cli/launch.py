@@ -9,9 +9,9 @@ stderr as the process wrote it. When a process fails (a non-zero status or a sig
 launcher stops the others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with
 the failing status; SIGINT and SIGTERM sent to the launcher are passed on to every process,
 and a process still running ``--signal-grace`` seconds later (default 30: time to save its
-work) is killed (JAX's preemption notifier
-catches SIGTERM, and a process blocked in a collective or at JAX's shutdown barrier does not
-see SIGINT; a second signal to the launcher kills at once).
+work) is killed (JAX's preemption notifier catches SIGTERM, and a process blocked in a
+collective or at JAX's shutdown barrier does not see SIGINT; a second signal to the launcher
+kills at once).
 With ``--timeout S`` the whole run is stopped after S seconds (status 124), so a deadlock ends.
 """
 from __future__ import annotations

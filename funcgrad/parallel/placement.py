@@ -115,7 +115,9 @@ def _local_value(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _fingerprint(x: Any) -> int:
+def leaf_fingerprint(x: Any) -> int:
+    """A CRC-32 of a leaf's shape, dtype and bytes (this process's copy): what the processes
+    compare to find out whether they hold the same value."""
     value = np.ascontiguousarray(_local_value(x))
     return zlib.crc32(value.tobytes(), zlib.crc32(f"{value.shape}{value.dtype}".encode()))
 
@@ -156,7 +158,7 @@ def replicate(tree: PyTree, mesh: Mesh, *, check: bool = True) -> PyTree:
     if check and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        mine = np.array([_fingerprint(x) for x in leaves], dtype=np.int64)
+        mine = np.array([leaf_fingerprint(x) for x in leaves], dtype=np.int64)
         every = np.asarray(multihost_utils.process_allgather(mine))
         differ = np.flatnonzero((every != every[0]).any(axis=0))
         if differ.size:
