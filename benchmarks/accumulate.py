@@ -4,7 +4,7 @@ For M micro-batches of m digits (m = 32 and 128 by default, M = 4, 8, 16, 32), t
 make one Adam update of a 64-128-10 ReLU MLP from the same m*M examples (the 1,437 training
 digits repeated where m*M is larger):
   * "full": funcgrad's `make_train_step` on one batch of m*M examples (the baseline);
-  * "scan": `funcgrad.make_train_step(accumulate=M)` on the M micro-batches stacked
+  * "scan": `make_train_step(funcgrad.accumulate(loss, M), tx)` on the M micro-batches stacked
     ``(M, m, 64)``: one jitted call, a `lax.scan` over the micro-batches, one Adam update;
   * "multisteps": ``optax.MultiSteps(adam, every_k_schedule=M)``, the PyTorch-style loop: M
     jitted calls, one per micro-batch, each running Adam's update (and discarding it M-1 times).
@@ -86,7 +86,7 @@ def main() -> None:
         stacked = {k: v.reshape(count, micro, *v.shape[1:]) for k, v in batch.items()}
         microbatches = [{k: v[i] for k, v in stacked.items()} for i in range(count)]
         full = fg.make_train_step(_mean_loss, tx)
-        scan = fg.make_train_step(_per_example_loss, tx, accumulate=count)
+        scan = fg.make_train_step(fg.accumulate(_per_example_loss, count), tx)
         multi_run, multi_lowered = _multistepsstep_runner(tx, params, microbatches, count)
         times = rounds({"full": step_runner(full, state, batch),
                         "scan": step_runner(scan, state, stacked), "multisteps": multi_run},

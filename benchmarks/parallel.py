@@ -6,8 +6,8 @@
 Each process count is one ``funcgrad launch -n P`` run of this file with ``--worker``. Two
 models, one global batch each, split over the processes: the digits MLP (64 -> 128 -> 10,
 ``fg.load_digits``, global batch 128) and a 1M-parameter MLP (64 -> 1000 -> 1000 -> 10 on
-random data, global batch 128). For each: steps per second of ``make_train_step(...,
-mesh=)``, and the time of the gradient's all-reduce alone (a program that sums gradient-sized
+random data, global batch 128). For each: steps per second of ``fg.data_parallel(step,
+mesh)``, and the time of the gradient's all-reduce alone (a program that sums gradient-sized
 per-device arrays over the data axis: one all-reduce of the same bytes, checked with
 ``fg.collectives``), as a share of the step. On one process the plain step (no mesh) runs
 beside the mesh step: their ratio is the mesh path's overhead on one device.
@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
         params = fg.mlp_init(jax.random.key(0), sizes)
         count = sum(int(np.size(p)) for p in jax.tree.leaves(params))
         tx = optax.adam(1e-3)
-        step = fg.make_train_step(loss, tx, mesh=mesh)
+        step = fg.data_parallel(fg.make_train_step(loss, tx), mesh)
         state = fg.replicate(fg.init_train_state(params, tx), mesh)
         batch = fg.process_batch({"x": x[rows], "y": y[rows]}, mesh)
 

@@ -24,8 +24,8 @@ def main() -> None:
     ]
     batch = {"x": jnp.float32(2.0), "y": jnp.float32(10.0)}
     tx = fg.make_optimizer("sgd", 0.01)
-    state = fg.init_train_state({"w": jnp.float32(1.0), "b": jnp.float32(0.0)}, tx)
     step = fg.make_train_step(loss_fn, tx)
+    state = step.init({"w": jnp.float32(1.0), "b": jnp.float32(0.0)})
     c = Check("SGD, lr=0.01, on y = w*x + b, x=2, target 10, from w=1 b=0")
     for k, (w, b, loss) in enumerate(hand, start=1):
         state, _ = step(state, batch)

@@ -97,7 +97,7 @@ def main() -> None:
     # The same freeze in funcgrad's train step: the gradient of layer 0 is computed there (the
     # step differentiates every leaf), but its update is exactly zero.
     train_step = fg.make_train_step(loss_fn, tx)
-    state = fg.init_train_state(params, tx)
+    state = train_step.init(params)
     for _ in range(3):
         state, _ = train_step(state, batch)
     same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params[0]),

@@ -126,7 +126,8 @@ def main() -> None:
         return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
 
     tx = optax.adam(1e-2)
-    step, state = fg.make_train_step(loss_fn, tx), fg.init_train_state(params, tx)
+    step = fg.make_train_step(loss_fn, tx)
+    state = step.init(params)
     for batch in list(fg.batches(data.x_train, data.y_train, batch_size=64, seed=0))[:40]:
         state, _ = step(state, batch)
     batch = {"x": jnp.asarray(data.x_test[:32]), "y": jnp.asarray(data.y_test[:32])}

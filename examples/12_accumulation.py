@@ -77,12 +77,12 @@ def tail_policy(params, microbatches, tail) -> Check:
     groups = [concat(microbatches[0:3]), concat(microbatches[3:6]), microbatches[6]]
     applied = groups if tail == "apply" else groups[:2]
     tx = optax.sgd(LR)
-    step = make_train_step(per_example_loss, tx, accumulate=3, tail=tail)
-    state, metrics = step(fg.init_train_state(params, tx), stack_microbatches(microbatches))
+    step = make_train_step(fg.accumulate(per_example_loss, 3, tail=tail), tx)
+    state, metrics = step(step.init(params), stack_microbatches(microbatches))
     hand = params  # full-batch SGD on each applied group: p <- p - lr * grad mean loss
     for group in applied:
         hand = jax.tree.map(lambda p, g: p - LR * g, hand, grad_mean_loss(hand, group))
-    c = Check(f'tail="{tail}": 7 micro-batches, accumulate=3, SGD lr={LR}',
+    c = Check(f'tail="{tail}": 7 micro-batches, 3 per update, SGD lr={LR}',
               right="hand loop")
     c.same("updates applied", int(state.step), len(applied))
     c.same("examples per update", " ".join(map(str, np.asarray(metrics["examples"]))),

@@ -48,7 +48,7 @@ def main() -> None:
     tx = optax.sgd(0.1)
     step = fg.make_train_step(loss_fn, tx, clip_norm=0.5)
     batch = {"x": data.x_train[:64], "y": data.y_train[:64]}
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     new, m = step(state, batch)
     g = jax.grad(loss_fn)(params, batch)
     norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(x))) for x in jax.tree.leaves(g))))

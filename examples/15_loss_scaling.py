@@ -4,10 +4,11 @@ A 64 -> 128 -> 10 MLP on the digits set, forward and backward in float16 over fl
 params. The cross-entropy is multiplied by w = 2**-24 (think of a small loss weight, or a deep
 net's small activation gradients), which shrinks every gradient below float16's range. Adam is
 given eps * w, which makes its steps on w * loss the same as on the loss itself, so the float32
-run is the reference and any difference comes from float16 alone. Each run is
-``fg.make_train_step(..., compute_dtype=..., loss_scale=ls)`` over
-``fg.init_train_state(..., loss_scale=ls)``, trained by ``fg.fit``, which takes a loss-scale
-skip as routine and lists it in ``History.skipped_steps``.
+run is the reference and any difference comes from float16 alone. Each float16 run is
+``fg.make_train_step(fg.mixed_precision(loss_fn, jnp.float16, loss_scale=ls), tx)``
+(``loss_scale=None`` unscaled; the float32 run takes ``loss_fn`` itself), its state from
+``step.init(params)``, trained by ``fg.fit``, which takes a loss-scale skip as routine and
+lists it in ``History.skipped_steps``.
 
     $ python examples/15_loss_scaling.py
 """
@@ -40,8 +41,10 @@ def test_accuracy(params, data, dtype) -> float:
 def train(params, data, *, compute_dtype, loss_scale, eval_dtype=None):
     """EPOCHS of Adam with `fg.fit`; returns its FitResult (state, history, nonfinite)."""
     tx = optax.adam(1e-3, eps=1e-8 * WEIGHT)
-    step = fg.make_train_step(loss_fn, tx, compute_dtype=compute_dtype, loss_scale=loss_scale)
-    state = fg.init_train_state(params, tx, loss_scale=loss_scale)
+    loss = (loss_fn if compute_dtype is None
+            else fg.mixed_precision(loss_fn, compute_dtype, loss_scale=loss_scale))
+    step = fg.make_train_step(loss, tx)
+    state = step.init(params)
     evaluate = (None if eval_dtype is None else
                 lambda p: {"test_accuracy": test_accuracy(p, data, eval_dtype)})
     return fg.fit(step, state, data.x_train, data.y_train, epochs=EPOCHS, batch_size=BATCH,

@@ -59,9 +59,9 @@ def main() -> None:
     print("training: lr = 0.01 * 1.05**step, 4 epochs of batch 32 (180 steps)")
     with warnings.catch_warnings():   # the report is printed below, not as a warning
         warnings.simplefilter("ignore", RuntimeWarning)
-        result = fg.fit(fg.make_train_step(loss_fn, tx), fg.init_train_state(params, tx),
-                        data.x_train, data.y_train, epochs=4, batch_size=32, progress=False,
-                        log=print)
+        step = fg.make_train_step(loss_fn, tx)
+        result = fg.fit(step, step.init(params), data.x_train, data.y_train, epochs=4,
+                        batch_size=32, progress=False, log=print)
     stop = result.nonfinite
     print(stop, end="\n\n")
     if stop is None:

@@ -95,7 +95,7 @@ def main() -> None:
     tx = optax.adam(1e-2)
     monitor = fg.grad_monitor()
     step = fg.make_train_step(m.loss(cross_entropy, train=True), tx, monitor=monitor)
-    state = m.init_train_state(tx, seed=0, monitor=monitor)
+    state = step.init(m.params, model_state=m.model_state, seed=0)
     losses, alerts = [], []
     for batch in batches:
         state, metrics = step(state, batch)

@@ -79,7 +79,7 @@ def main() -> None:
     tx = optax.adam(1e-2)
     monitor = fg.grad_monitor()
     step = fg.make_train_step(m.loss(cross_entropy, train=True), tx, monitor=monitor)
-    state = m.init_train_state(tx, monitor=monitor)  # no key: nnx draws from its own Rngs
+    state = step.init(m.params, model_state=m.model_state)  # no key: nnx has its own Rngs
     losses, alerts = [], []
     for batch in batches:
         state, metrics = step(state, batch)

@@ -40,7 +40,7 @@ def main():
     # 1. The train step, compiled as make_train_step jitted it.
     tx = optax.adam(1e-3)
     step = fg.make_train_step(loss, tx)
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     report = fg.memory_report(step, state, batch)
     print(report, "\n")
     c = Check("1. the train step (bytes)", "memory_report", "by hand")

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from funcgrad.parallel.placement import process_rows as process_rows
     from funcgrad.parallel.placement import replicate as replicate
     from funcgrad.parallel.placement import shard_batch as shard_batch
+    from funcgrad.parallel.step import data_parallel as data_parallel
     from funcgrad.train.accumulate import AccumulatedGrads as AccumulatedGrads
     from funcgrad.train.accumulate import Microbatches as Microbatches
     from funcgrad.train.accumulate import accumulate_grads as accumulate_grads
@@ -87,6 +88,7 @@ if TYPE_CHECKING:
     from funcgrad.train.masks import requires_grad as requires_grad
     from funcgrad.train.masks import trainable_mask as trainable_mask
     from funcgrad.train.masks import value_and_grad_trainable as value_and_grad_trainable
+    from funcgrad.train.microbatches import accumulate as accumulate
     from funcgrad.train.monitor import Alert as Alert
     from funcgrad.train.monitor import GradMonitor as GradMonitor
     from funcgrad.train.monitor import MonitorMetrics as MonitorMetrics
@@ -100,15 +102,18 @@ if TYPE_CHECKING:
     from funcgrad.train.nn import mlp_apply as mlp_apply
     from funcgrad.train.nn import mlp_init as mlp_init
     from funcgrad.train.nn import softmax_cross_entropy as softmax_cross_entropy
+    from funcgrad.train.optimizers import make_optimizer as make_optimizer
     from funcgrad.train.precision import LossScale as LossScale
     from funcgrad.train.precision import LossScaleState as LossScaleState
     from funcgrad.train.precision import all_finite as all_finite
     from funcgrad.train.precision import cast_floating as cast_floating
     from funcgrad.train.precision import dynamic_loss_scale as dynamic_loss_scale
+    from funcgrad.train.precision import mixed_precision as mixed_precision
     from funcgrad.train.precision import scaled_value_and_grad as scaled_value_and_grad
-    from funcgrad.train.step import TrainState as TrainState
-    from funcgrad.train.step import init_train_state as init_train_state
-    from funcgrad.train.step import make_optimizer as make_optimizer
+    from funcgrad.train.state import TrainState as TrainState
+    from funcgrad.train.state import init_train_state as init_train_state
+    from funcgrad.train.step import TrainStep as TrainStep
+    from funcgrad.train.step import detect_anomaly as detect_anomaly
     from funcgrad.train.step import make_train_step as make_train_step
 
 

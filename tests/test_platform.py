@@ -50,21 +50,20 @@ def test_without_f16c_float16_is_refused_with_the_reason_and_the_fix():
         import funcgrad as fg
         from funcgrad._platform import dtype_compiles
         assert not dtype_compiles(jnp.float16) and dtype_compiles(jnp.bfloat16)
-        for call in (lambda: fg.make_train_step(lambda p, b: p["w"].sum(), optax.sgd(0.1),
-                                                compute_dtype=jnp.float16),
+        for call in (lambda: fg.mixed_precision(lambda p, b: p["w"].sum(), jnp.float16),
                      lambda: fg.init_train_state({"w": jnp.ones(2, jnp.float16)}, "sgd")):
             try:
                 call()
             except RuntimeError as e:
                 print("REFUSED", e)
-        fg.make_train_step(lambda p, b: p["w"].sum(), optax.sgd(0.1),
-                           compute_dtype=jnp.bfloat16)          # bfloat16 is fine there
+        fg.make_train_step(fg.mixed_precision(lambda p, b: p["w"].sum(), jnp.bfloat16),
+                           optax.sgd(0.1))                      # bfloat16 is fine there
         print("DONE")
     """)
     assert proc.returncode == 0, proc.stderr
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
     assert len(refused) == 2 and proc.stdout.rstrip().endswith("DONE")
-    assert "make_train_step: compute_dtype is float16" in refused[0]
+    assert "mixed_precision: compute_dtype is float16" in refused[0]
     assert "init_train_state: params['w'] is float16" in refused[1]
     assert all("jnp.bfloat16" in r and "F16C" in r for r in refused)
 

@@ -37,7 +37,7 @@ def _remat_segments(text: str):
 def add_parser(sub: Any) -> _Parser:
     """Adds the ``train`` command and its flags to `sub` (the top-level subparsers)."""
     from funcgrad.train.nn import ACTIVATIONS
-    from funcgrad.train.step import OPTIMIZERS
+    from funcgrad.train.optimizers import OPTIMIZERS
 
     t = sub.add_parser(
         "train", help="train an MLP or a CNN on scikit-learn's digits set (the main job)",
@@ -413,8 +413,8 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
     from funcgrad.train.data import load_digits
     from funcgrad.train.loop import fit
     from funcgrad.train.monitor import grad_monitor
+    from funcgrad.train.optimizers import make_optimizer
     from funcgrad.train.precision import dynamic_loss_scale
-    from funcgrad.train.step import init_train_state, make_optimizer, make_train_step
 
     clock = _Clock()
     mesh, main = _distributed() if args.distributed else (None, True)
@@ -431,6 +431,11 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
     loss_scale = dynamic_loss_scale() if args.loss_scale == "dynamic" else None
     accumulate = args.accumulate if args.accumulate > 1 else None
     monitor = None if args.no_monitor else grad_monitor()
+    if loss_scale is not None and compute_dtype is None:
+        print("funcgrad: error: argument --loss-scale: dynamic loss scaling keeps small "
+              "float16/bfloat16 gradients from flushing to zero and changes nothing in "
+              "float32; pass --dtype float16 (or bfloat16) with it", file=sys.stderr)
+        return 2
     if args.dtype == "float16" and loss_scale is None:
         print("funcgrad: note: float16 without --loss-scale dynamic: small gradients may "
               "underflow to zero", file=sys.stderr)
@@ -473,12 +478,9 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
         warnings.filterwarnings("ignore", "non-finite value", RuntimeWarning)
         warnings.filterwarnings("ignore", "fit: accumulate=", UserWarning)  # the note above
         warnings.filterwarnings("ignore", category=CoupledExamplesWarning)  # the note above
-        step = make_train_step(model.loss, tx, clip_norm=args.clip_norm,
-                               compute_dtype=compute_dtype, loss_scale=loss_scale,
-                               accumulate=accumulate, detect_anomaly=args.detect_anomaly,
-                               monitor=monitor, mesh=mesh)
-        state = init_train_state(model.params, tx, loss_scale=loss_scale, monitor=monitor,
-                                 **model.state_kwargs)
+        step = _step(args, model.loss, tx, compute_dtype, loss_scale, accumulate, monitor,
+                     mesh)
+        state = step.init(model.params, **model.state_kwargs)
         if resumed is not None:
             _check_resumable(args, state, resumed)
         memory = _memory_report(step, state, data, args.batch_size, accumulate) \
@@ -694,6 +696,26 @@ class _Model(NamedTuple):
     state_kwargs: dict
     test_accuracy: Callable
     shape: dict
+
+
+def _step(args: argparse.Namespace, loss: Any, tx: Any, compute_dtype: Any, loss_scale: Any,
+          accumulate: int | None, monitor: Any, mesh: Any) -> Any:
+    """The run's `TrainStep`, built from its pieces as the flags ask."""
+    from funcgrad.train.microbatches import accumulate as accumulating
+    from funcgrad.train.precision import mixed_precision
+    from funcgrad.train.step import detect_anomaly, make_train_step
+
+    if compute_dtype is not None:
+        loss = mixed_precision(loss, compute_dtype, loss_scale=loss_scale)
+    if accumulate is not None:
+        loss = accumulating(loss, accumulate)
+    step = make_train_step(loss, tx, clip_norm=args.clip_norm, monitor=monitor)
+    if args.detect_anomaly:
+        step = detect_anomaly(step)
+    if mesh is not None:
+        from funcgrad.parallel.step import data_parallel
+        step = data_parallel(step, mesh)
+    return step
 
 
 def _mlp(args: argparse.Namespace, data, accumulate: int | None) -> _Model:

@@ -133,7 +133,8 @@ class Subject:
                  key: jax.Array | None = None, batch_size: int = 32, seed: int = 0,
                  source: str | None = None, eval_loss: Any = None):
         from funcgrad.train.loss import as_loss
-        from funcgrad.train.step import _trainable_of, make_optimizer
+        from funcgrad.train.optimizers import make_optimizer
+        from funcgrad.train.state import _trainable_of
 
         step_kwargs = dict(step_kwargs or {})
         flags = {name: bool(step_kwargs.pop(name)) for name in ("has_aux", "has_state",
@@ -204,17 +205,14 @@ class Subject:
     def make_step(self, *, monitor: Any = None, accumulate: bool = True, **overrides: Any):
         """``(step, state)``: `funcgrad.make_train_step` with the user's optimizer and
         step_kwargs (and `overrides`), and its initial `TrainState`."""
-        from funcgrad.train.step import init_train_state, make_train_step
+        from funcgrad.train._keywords import step_from_keywords
 
         kwargs = {**self.step_kwargs, **overrides}
         if not accumulate:
             kwargs.pop("accumulate", None)
-        step = make_train_step(self.loss, self.optimizer, monitor=monitor, **kwargs)
-        state = init_train_state(
-            self.params, self.optimizer, trainable=kwargs.get("trainable"),
-            loss_scale=kwargs.get("loss_scale"), monitor=monitor,
-            model_state=self.model_state,
-            key=self.key if self.loss.takes_key else None)
+        step = step_from_keywords(self.loss, self.optimizer, monitor=monitor, **kwargs)
+        state = step.init(self.params, model_state=self.model_state,
+                          key=self.key if self.loss.takes_key else None)
         return step, state
 
     def step_batch(self, batches: Iterator[PyTree], accumulate: bool = True) -> Any:

@@ -189,7 +189,7 @@ class Model:
 
         Args:
           objective: ``objective(outputs, batch) -> loss`` (a scalar, or one loss per example,
-            shape ``(m,)``, for ``make_train_step(..., accumulate=K)``), or ``(loss, aux)``
+            shape ``(m,)``, for ``funcgrad.accumulate(loss, K)``), or ``(loss, aux)``
             with `has_aux` (aux: a pytree of arrays, e.g. ``{"accuracy": ...}``).
           inputs: how the model's inputs come from the batch: a key (``"x"``: the model gets
             ``batch["x"]``), a sequence of keys (several positional inputs) or a function
@@ -282,7 +282,7 @@ class Model:
         `seed` makes the state's base key (the key of step s is ``fold_in(key, s)``); nnx
         models draw from their own ``Rngs`` and get no key.
         """
-        from funcgrad.train.step import init_train_state
+        from funcgrad.train.state import init_train_state
 
         if not self._takes_key:
             seed = None

@@ -85,7 +85,7 @@ class MemoryReport:
         no ``checkpoint_name`` in fn carries (a typo), a name on a scan carry (kept anyway).
       collectives: the compiled program's collectives (`funcgrad.parallel.collectives.
         Collective` rows: all-reduce, all-gather, ... with their bytes), e.g. of a step made
-        with ``make_train_step(..., mesh=)``; empty on one device. Printed when present.
+        with ``funcgrad.data_parallel``; empty on one device. Printed when present.
     """
     name: str
     mode: str

@@ -214,7 +214,7 @@ def collectives(fn: Any, *args: Any) -> CollectiveReport:
     where running collectives can stall in XLA:CPU's rendezvous).
 
     Args:
-      fn: a jitted function with ``lower`` (a step from ``make_train_step(..., mesh=)``, any
+      fn: a jitted function with ``lower`` (a step from ``funcgrad.data_parallel(step, mesh)``, any
         ``jax.jit`` function), called as ``fn.lower(*args).compile()``; or a compiled
         program (it has ``as_text``); or its HLO text (a str).
       *args: the arguments to lower `fn` with (arrays or ``jax.ShapeDtypeStruct`` with their

@@ -58,6 +58,6 @@ def data_parallel_value_and_grad(sum_and_count: Callable, axis_name: str) -> Cal
 def device_key(key: jax.Array, axis_name: str) -> jax.Array:
     """``fold_in(key, axis_index(axis_name))``: a different PRNG key on each device of a
     ``shard_map``/``pmap``, the same on every rerun (dropout masks that differ across devices
-    and repeat). Not needed by ``make_train_step(..., mesh=)``, whose loss draws for the global
-    batch: each device computes its own rows' part of the same mask as on one device."""
+    and repeat). Not needed by ``funcgrad.data_parallel(step, mesh)``, whose loss draws for
+    the global batch: each device computes its own rows' part of the same mask as on one device."""
     return jax.random.fold_in(key, jax.lax.axis_index(axis_name))

@@ -1,6 +1,6 @@
 """Where the arrays of a data-parallel run live: the mesh, replicated state, sharded batches.
 
-The data-parallel step (``make_train_step(..., mesh=mesh)``) takes its `TrainState`
+The data-parallel step (``funcgrad.data_parallel(step, mesh)``) takes its `TrainState`
 replicated over the mesh and its batch split along the rows over the mesh's data axis. These
 helpers put them there, in one process or in several (``jax.distributed``), and check what
 would otherwise go wrong silently or hang: a mesh without the data axis, a batch whose rows do
@@ -22,7 +22,7 @@ from funcgrad._paths import key_paths, keystr
 
 PyTree = Any
 
-#: The data axis's name when none is given (``make_train_step(..., data_axis=)``).
+#: The data axis's name when none is given (``funcgrad.data_parallel(step, mesh, data_axis=)``).
 DATA_AXIS = "data"
 
 
@@ -221,7 +221,8 @@ def divisibility_error(where: str, rows: int, devices: int, axis: str,
         f"mesh's axis {axis!r}. Pad it to {rows + pad} rows ({pad} more, e.g. copies of the "
         "last row) and give the padding zero weight: a loss that sums per-row terms times a "
         "0/1 mask and divides by the mask's sum (the real-row count) ignores it exactly; "
-        "with accumulate=K, fg.stack_microbatches pads and masks for you. Or drop the rows "
+        "that accumulates (fg.accumulate), fg.stack_microbatches pads and masks for you. Or "
+        "drop the rows "
         f"(a batch size that is a multiple of {devices}).")
 
 

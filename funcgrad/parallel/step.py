@@ -1,5 +1,5 @@
-"""The data-parallel train step: ``make_train_step(..., mesh=mesh)`` jits the same step with
-the state replicated over the mesh and the batch's rows split over its data axis.
+"""The data-parallel train step: ``funcgrad.data_parallel(step, mesh)`` jits the same step
+with the state replicated over the mesh and the batch's rows split over its data axis.
 
 The loss is still written on the global batch. XLA's partitioner (GSPMD) runs each device's
 rows where they are and inserts the collectives the math needs: the sum of the per-device
@@ -24,6 +24,96 @@ from jax.sharding import PartitionSpec as P
 
 from funcgrad._paths import key_paths, keystr
 from funcgrad.parallel.placement import check_mesh, divisibility_error
+from funcgrad.train.step import TrainStep, _check_step
+
+
+class DataParallel:
+    """Where a data-parallel `TrainStep` runs (its ``parallel`` field): the mesh, the axis
+    the batch's rows are split over, and whether the optimizer state is split (ZeRO-1)."""
+
+    def __init__(self, mesh: Any, data_axis: str, shard_opt_state: bool):
+        self.mesh, self.data_axis, self.shard_opt_state = mesh, data_axis, shard_opt_state
+
+    def __repr__(self) -> str:
+        zero = ", shard_opt_state=True" if self.shard_opt_state else ""
+        return f"data_parallel({dict(self.mesh.shape)}, data_axis={self.data_axis!r}{zero})"
+
+    def jit(self, step: Callable, accumulate: int | None) -> Any:
+        """`step` (unjitted) jitted for the mesh (`data_parallel_jit`)."""
+        return data_parallel_jit(step, self.mesh, self.data_axis, accumulate,
+                                 self.shard_opt_state)
+
+    def gather_updates(self) -> Callable | None:
+        """ZeRO-1's one all-gather of the sharded update inside the step, or None."""
+        if not self.shard_opt_state:
+            return None
+        from funcgrad.parallel.zero import replicated_constraint
+        return replicated_constraint(self.mesh)
+
+    def state_shardings(self, state: Any) -> Any:
+        if not self.shard_opt_state:
+            return jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
+        from funcgrad.parallel import zero
+        return zero.state_shardings(state, self.mesh, self.data_axis)
+
+    def place_state(self, state: Any, *, check: bool = True) -> Any:
+        if not self.shard_opt_state:
+            from funcgrad.parallel.placement import replicate
+            return replicate(state, self.mesh, check=check)
+        from funcgrad.parallel import zero
+        return zero.place_state(state, self.mesh, self.data_axis, check=check)
+
+
+def data_parallel(step: TrainStep, mesh: Any, *, data_axis: str = "data",
+                  shard_opt_state: bool = False) -> TrainStep:
+    """`step` for data parallelism over `mesh`: jitted with the state replicated over the
+    mesh and the batch's rows (axis 0; axis 1 of stacked micro-batches under
+    `funcgrad.accumulate`) split over its `data_axis`, in one process or across processes
+    (``jax.distributed``, ``funcgrad launch``).
+
+    The loss is written on the global batch as before; XLA inserts the gradient all-reduce,
+    and the numbers are the one-device step's on the same global batch (docs/guide/
+    distributed.md). Under `funcgrad.accumulate` each device accumulates its own rows and the
+    sums are all-reduced once per update (a coupled loss such as BatchNorm then sees each
+    device's rows, the model state is averaged over the devices, a loss's key is folded with
+    the device index). Rows must divide among the axis's devices.
+
+    Args:
+      step: a `TrainStep` (`funcgrad.make_train_step`), jitted (not ``jit=False``).
+      mesh: a ``jax.sharding.Mesh`` (``funcgrad.data_mesh()``).
+      data_axis: the mesh axis the batch's rows are split over.
+      shard_opt_state: split the optimizer state over `data_axis` ZeRO-1 style
+        (`funcgrad.parallel.zero`): each device keeps 1/N of Adam's moments, the params stay
+        replicated, and the step gathers the update (an all-gather besides the gradient
+        reduce). Place a state with ``step.place_state(state)``; `fit` does it itself.
+    Returns:
+      the `TrainStep` with ``parallel`` set; ``step.lower`` lowers the sharded program.
+    Raises:
+      TypeError: if `step` is not a `TrainStep` or `mesh` not a ``jax.sharding.Mesh``.
+      ValueError: if `mesh` has no axis `data_axis` (or it is Explicit, or it leaves a process
+        out), the step is already data-parallel, was made with ``jit=False``, or locates
+        anomalies (`funcgrad.detect_anomaly`: apply it to the one-device step).
+    Example:
+      >>> step = fg.data_parallel(fg.make_train_step(loss_fn, optax.adam(1e-3)),
+      ...                         fg.data_mesh())
+    """
+    _check_step("data_parallel", step)
+    check_mesh(mesh, data_axis, "data_parallel")
+    if step.parallel is not None:
+        raise ValueError(f"data_parallel: the step is already data-parallel ({step.parallel!r});"
+                         " apply data_parallel once, to the one-device step.")
+    if not step.jit:
+        raise ValueError("data_parallel: the step was made with jit=False; data_parallel "
+                         "shards the jitted step. Debug with the one-device step.")
+    if step.detect_anomaly:
+        raise ValueError("data_parallel: the step locates anomalies (funcgrad.detect_anomaly), "
+                         "which re-runs the loss eagerly on the host's copy of the batch. Locate "
+                         "a NaN with the one-device step on the same global batch.")
+    if not isinstance(shard_opt_state, bool):
+        raise TypeError(f"data_parallel: shard_opt_state must be True or False, got "
+                        f"{shard_opt_state!r}.")
+    import dataclasses
+    return dataclasses.replace(step, parallel=DataParallel(mesh, data_axis, shard_opt_state))
 
 
 def _check_rows(batch: Any, mask: Any, size: int, axis: str, row_axis: int) -> None:
@@ -124,7 +214,7 @@ def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | No
     with) and ``place_state(state)`` (the state put there)."""
     from funcgrad.parallel import zero
 
-    size = check_mesh(mesh, axis, "make_train_step")
+    size = check_mesh(mesh, axis, "data_parallel")
     row_axis = 0 if accumulate is None else 1
     replicated = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P(*([None] * row_axis), axis))
@@ -178,7 +268,7 @@ def data_parallel_jit(step: Callable, mesh: Any, axis: str, accumulate: int | No
     def call(state: Any, batch: Any, mask: Any = None) -> Any:
         if accumulate is None and mask is not None:
             raise TypeError("the train step takes (state, batch); a mask is for a step made "
-                            "with accumulate=K.")
+                            "whose loss accumulates (funcgrad.accumulate).")
         if several:
             _check_global(batch, mask, accumulate)
         return translated(jitted, state, batch, mask)

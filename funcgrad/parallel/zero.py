@@ -9,7 +9,7 @@ it) and one all-gather of the update per step, the same bytes on the wire as pla
 parallelism's one all-reduce (an all-reduce is a reduce-scatter plus an all-gather).
 
 Here the rule is written as shardings and XLA's partitioner (GSPMD) does the rest:
-`make_train_step(..., mesh=, shard_opt_state=True)` jits the step with each optimizer-state
+`funcgrad.data_parallel(step, mesh, shard_opt_state=True)` jits the step with each optimizer-state
 leaf split over the data axis along its first axis that divides among the devices (Adam's
 ``mu``/``nu`` of a ``(64, 32)`` weight: rows; scalars such as the step count, and leaves with
 no such axis, stay replicated), and the params, model state and everything else replicated.

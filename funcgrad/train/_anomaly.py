@@ -203,8 +203,8 @@ def _explain_skipped_update(state: Any, metrics: Mapping[str, Any]) -> str:
         return text + (
             " In float16 the optimizer's small constants round away (Adam's eps=1e-8 is 0 in "
             "float16, so its update is 0/0 wherever a gradient is 0 or tiny). Keep float32 "
-            "params and pass compute_dtype=jnp.float16 (with loss_scale="
-            "funcgrad.dynamic_loss_scale()) to make_train_step, or give the optimizer an eps "
+            "params and train funcgrad.mixed_precision(loss_fn, jnp.float16, loss_scale="
+            "funcgrad.dynamic_loss_scale()), or give the optimizer an eps "
             "float16 can hold, e.g. optax.adam(1e-3, eps=1e-4).")
     return text + (" Check the optimizer's settings (learning rate, eps) and the scale of the "
                    "params: an update that overflows comes from the optimizer, not the "

@@ -25,10 +25,11 @@ the loss function returns **per-example** losses:
 * `accumulate_grads` returns the mean loss, the mean gradient and the example count over a
   stack of micro-batches ``(num_micro_batches, m, ...)`` in one scan: its compiled temporary
   memory is that of one micro-batch, whatever their number.
-* ``funcgrad.make_train_step(loss_fn, optimizer, accumulate=K)`` applies one optimizer update
-  per K micro-batches, all inside one jitted call; the inner optimizer runs once per applied
-  update. It is `make_accumulating_step` around the train step's own update (norm, clipping,
-  non-finite guard, masks), and `funcgrad.train.fit` feeds it groups of K batches. When the number
+* ``funcgrad.make_train_step(funcgrad.accumulate(loss_fn, K), optimizer)`` applies one
+  optimizer update per K micro-batches, all inside one jitted call; the inner optimizer runs
+  once per applied update. It is `make_accumulating_step` around the train step's own update
+  (norm, clipping, non-finite guard, masks), and `funcgrad.train.fit` feeds it groups of K
+  batches. When the number
   of micro-batches is not a multiple of `accumulate`, the final partial group follows an
   explicit `tail` policy, "apply" (one update with the mean gradient over its examples) or
   "drop" (no update; the metrics count the dropped examples). ``optax.MultiSteps``, by
@@ -329,7 +330,7 @@ def make_accumulating_step(
         updates, in `apply_update`).
       jit: if False the step is returned un-jitted (for debugging with prints).
       mesh: a ``jax.sharding.Mesh`` whose `data_axis` splits the rows of every micro-batch
-        (axis 1 of the stacked micro-batches; ``make_train_step(..., mesh=)`` passes its own):
+        (axis 1 of the stacked micro-batches; ``funcgrad.data_parallel`` passes its own):
         each device accumulates its own rows of the group's micro-batches in a ``shard_map``
         and the sums are added over the devices once, after the group (one all-reduce per
         update, like PyTorch DDP's ``no_sync`` on all but the last micro-batch). The mean

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from funcgrad._paths import key_paths, keystr
-from funcgrad.train.step import TrainState
+from funcgrad.train.state import TrainState
 
 PyTree = Any
 
@@ -42,9 +42,9 @@ FORMAT = "funcgrad.checkpoint/1"
 
 _INSTALL = "pip install orbax-checkpoint"
 _LIKE_HINT = (
-    "Build `like` as the run that saved it built its state: init_train_state(params, "
-    "optimizer, trainable=..., loss_scale=..., monitor=..., model_state=..., seed=...) with "
-    "the same model, optimizer (a schedule too), dtypes and options.")
+    "Build `like` as the run that saved it built its state: step.init(params, "
+    "model_state=..., seed=...) of a step with the same loss pieces, optimizer (a schedule "
+    "too), trainable mask and monitor, and the same model and dtypes.")
 
 
 class Restored(NamedTuple):

@@ -26,8 +26,7 @@ and returns
   ``metrics["aux"]``.
 
 `Loss` carries the flags with the function, so a loss is declared once and every tool reads
-it the same way: ``make_train_step(Loss(fn, has_state=True), optimizer)`` or
-``make_train_step(fn, optimizer, has_state=True)`` are the same. The analysis tools
+it the same way: ``make_train_step(Loss(fn, has_state=True), optimizer)``. The analysis tools
 (`funcgrad.check_grads`, `funcgrad.explain_grads`, `funcgrad.find_nonfinite`, ...) take plain
 ``f(params, *args) -> scalar`` functions: `Loss.bind` fixes the model state and key and drops
 the aux.
@@ -44,6 +43,25 @@ import jax.numpy as jnp
 from funcgrad._paths import key_paths, keystr
 
 PyTree = Any
+
+
+class Precision(NamedTuple):
+    """A loss's compute dtype and loss scale (`funcgrad.mixed_precision`)."""
+    compute_dtype: Any
+    loss_scale: Any = None  # a funcgrad.LossScale, or None
+
+    def __repr__(self) -> str:
+        scale = "" if self.loss_scale is None else f", loss_scale={self.loss_scale!r}"
+        return f"mixed_precision({jnp.dtype(self.compute_dtype).name}{scale})"
+
+
+class Accumulation(NamedTuple):
+    """A loss's accumulation over micro-batches (`funcgrad.accumulate`)."""
+    k: int
+    tail: str = "apply"
+
+    def __repr__(self) -> str:
+        return f"accumulate({self.k}, tail={self.tail!r})"
 
 
 class LossOutput(NamedTuple):
@@ -91,9 +109,27 @@ class Loss:
         _check_signature(fn, has_state=has_state, takes_key=takes_key)
         functools.update_wrapper(self, fn, updated=())
 
+    #: How the train step evaluates the loss, set by the pieces that transform it:
+    #: `funcgrad.mixed_precision` (a `Precision`) and `funcgrad.accumulate` (an
+    #: `Accumulation`). None: in the params' own dtype, one update per batch.
+    precision: Precision | None = None
+    accumulation: Accumulation | None = None
+
+    def _marked(self, **marks: Any) -> Loss:
+        """A copy of this loss with `precision` and/or `accumulation` set (the function and
+        its flags shared)."""
+        out = Loss(self.fn, has_aux=self.has_aux, has_state=self.has_state,
+                   takes_key=self.takes_key)
+        out.precision, out.accumulation = self.precision, self.accumulation
+        for name, value in marks.items():
+            setattr(out, name, value)
+        return out
+
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
-        return f"Loss({name}, {_flags(self.has_aux, self.has_state, self.takes_key)})"
+        pieces = "".join(f", {piece!r}" for piece in (self.precision, self.accumulation)
+                         if piece is not None)
+        return f"Loss({name}, {_flags(self.has_aux, self.has_state, self.takes_key)}{pieces})"
 
     def __call__(self, params: PyTree, batch: Any, *, model_state: PyTree = None,
                  key: jax.Array | None = None) -> LossOutput:
@@ -140,8 +176,8 @@ class Loss:
                     f"declared with {_flags(False, False, self.takes_key)}, which returns the "
                     "loss alone. If the second item is auxiliary output, declare has_aux=True; "
                     "if it is the new model state (e.g. BatchNorm statistics), declare "
-                    "has_state=True and create the state with init_train_state(..., "
-                    "model_state=...).")
+                    "has_state=True (funcgrad.Loss(loss_fn, has_state=True)) and create the "
+                    "state with step.init(params, model_state=...).")
             return LossOutput(out)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             form = ("(loss, (new_model_state, aux))" if self.has_aux and self.has_state

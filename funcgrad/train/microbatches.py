@@ -23,11 +23,11 @@ class Microbatches:
     """Stacked, padded micro-batches and the mask of their real rows, travelling together.
 
     Made by `stack_microbatches` and `group_microbatches`; `accumulate_grads` and an
-    accumulating step (``make_train_step(..., accumulate=K)``) take it whole and use its mask,
-    so padding rows are never counted as examples. A pytree (its leaves are those of `data`,
-    then `mask`), so it passes through ``jax.jit``. It does not unpack: the PyTorch-style
-    ``stacked, mask = stack_microbatches(...)`` raises, because dropping the mask later would
-    silently average the padding rows in.
+    accumulating step (``make_train_step(funcgrad.accumulate(loss, K), ...)``) take it whole
+    and use its mask, so padding rows are never counted as examples. A pytree (its leaves are
+    those of `data`, then `mask`), so it passes through ``jax.jit``. It does not unpack: the
+    PyTorch-style ``stacked, mask = stack_microbatches(...)`` raises, because dropping the
+    mask later would silently average the padding rows in.
 
     Attributes:
       data: pytree of arrays of shape ``(num_micro_batches, m, ...)``, padded to m rows.
@@ -164,3 +164,49 @@ def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
         if group:
             yield stack_microbatches(group, size=size)
     return groups(size)
+
+
+#: What a final group of fewer than K micro-batches does (`accumulate`).
+TAIL_POLICIES = ("apply", "drop")
+
+
+def accumulate(loss_fn: Any, k: int, *, tail: str = "apply") -> Any:
+    """The loss, marked to give one update per K micro-batches with the mean gradient over
+    their examples (a piece of `funcgrad.make_train_step`; PyTorch's ``loss.backward()`` K
+    times before ``optimizer.step()``, but equal to the full batch's gradient).
+
+    The step then takes ``step(state, microbatches, mask=None)``: leaves of shape
+    ``(M, m, ...)`` (M micro-batches of m examples, padded; `mask` bool ``(M, m)`` marks the
+    real ones) or one `Microbatches` (`group_microbatches`, `stack_microbatches`), and the loss
+    returns one loss per example, shape ``(m,)``. The norm, clipping, guard and optimizer run
+    once per group of K, inside one ``lax.scan``; the metrics gain a leading axis of length U
+    (updates in the call) plus ``"examples": (U,)`` and ``"dropped_examples": ()``. The mean
+    is the full-batch gradient only if each example's loss depends on that example alone: a
+    loss coupled through the micro-batch (BatchNorm in training mode) warns at the first call
+    (`funcgrad.CoupledExamplesWarning`). Derivation and measurements:
+    the training guide (docs/guide/train.md).
+
+    Args:
+      loss_fn: the per-example loss: a function or a `funcgrad.Loss`.
+      k: micro-batches per update, an int >= 1.
+      tail: a final group of fewer than K micro-batches: "apply" (one more update over its
+        examples) or "drop" (counted in "dropped_examples").
+    Returns:
+      a `funcgrad.Loss` whose ``accumulation`` is ``Accumulation(k, tail)``.
+    Raises:
+      ValueError: if `k` is not a positive int, `tail` is not "apply" or "drop", or the loss
+        already accumulates.
+    Example:
+      >>> step = fg.make_train_step(fg.accumulate(per_example_loss, 4), optax.sgd(0.1))
+    """
+    from funcgrad.train.loss import Accumulation, as_loss
+
+    loss = as_loss(loss_fn)
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"accumulate: k must be a positive int (micro-batches per update), "
+                         f"got {k!r}.")
+    if tail not in TAIL_POLICIES:
+        raise ValueError(f"accumulate: tail must be one of {TAIL_POLICIES}, got {tail!r}.")
+    if loss.accumulation is not None:
+        raise ValueError(f"accumulate: {loss!r} already accumulates; apply accumulate once.")
+    return loss._marked(accumulation=Accumulation(int(k), tail))

@@ -13,10 +13,10 @@ run of finite steps S grows. bfloat16 has float32's 8 exponent bits and rarely n
 The pieces: `dynamic_loss_scale` (an ``(init, update)`` pair over `LossScaleState`),
 `scaled_value_and_grad` (forward and backward in the compute dtype, gradients unscaled in
 float32), `all_finite` and `cast_floating`. To train with them use
-``funcgrad.make_train_step(loss_fn, optimizer, compute_dtype=jnp.float16, loss_scale=ls)`` with
-``funcgrad.init_train_state(params, optimizer, loss_scale=ls)`` (``ls = dynamic_loss_scale()``):
-the step unscales, then measures the global norm, then clips, then applies the update only if
-finite, and `funcgrad.train.fit` counts the skipped steps in ``History.skipped_steps``.
+``step = funcgrad.make_train_step(mixed_precision(loss_fn, jnp.float16, loss_scale=ls),
+optimizer)`` and ``step.init(params)`` (``ls = dynamic_loss_scale()``): the step unscales,
+then measures the global norm, then clips, then applies the update only if finite, and
+`funcgrad.train.fit` counts the skipped steps in ``History.skipped_steps``.
 """
 from __future__ import annotations
 
@@ -303,3 +303,60 @@ def _check_master_params(params: PyTree) -> None:
             f"params{path} is {dtype}; mixed precision keeps float32 master params and casts "
             "them to the compute dtype inside the step, so small updates are not rounded away. "
             "Make them float32: jax.tree.map(lambda p: p.astype(jnp.float32), params).")
+
+
+def mixed_precision(loss_fn: Any, compute_dtype: Any, *,
+                    loss_scale: LossScale | None = None) -> Any:
+    """The loss, marked to be evaluated in `compute_dtype` over float32 params (a piece of
+    `funcgrad.make_train_step`).
+
+    The train step casts the params and the batch's floating leaves to `compute_dtype` for
+    the forward and backward pass (`scaled_value_and_grad`); the gradients come back float32,
+    and the norm, clipping, guard and update stay float32 (NVIDIA's mixed-precision recipe,
+    Micikevicius et al. 2018, arXiv:1710.03740). The model state is not cast (BatchNorm's
+    statistics keep their dtype, as PyTorch's autocast keeps BatchNorm in float32).
+
+    With `loss_scale` (`dynamic_loss_scale()`: PyTorch's ``GradScaler``) the loss is
+    multiplied by ``state.loss_scale.scale`` before the backward pass and the gradients divided
+    by it in float32 before the norm and the clipping; a step whose scaled gradients overflow
+    is skipped and backs the scale off (metrics gain "loss_scale" and "skipped_total").
+    ``step.init`` creates the scale's state.
+
+    Args:
+      loss_fn: the loss: a function ``(params, batch) -> scalar`` or a `funcgrad.Loss`.
+      compute_dtype: jnp.float16 or jnp.bfloat16 (float32 is accepted without a loss scale).
+      loss_scale: a `LossScale` (``funcgrad.dynamic_loss_scale()``), or None.
+    Returns:
+      a `funcgrad.Loss` whose ``precision`` is ``Precision(compute_dtype, loss_scale)``.
+    Raises:
+      TypeError: if `compute_dtype` is not a floating dtype, or `loss_scale` is not a
+        `LossScale` (``loss_scale=True``, the uncalled ``dynamic_loss_scale``).
+      ValueError: if the loss already has a precision, or `loss_scale` comes with a float32 or
+        float64 compute dtype, where scaling changes nothing (float32 gradients underflow below
+        1e-38, not 6e-8).
+      RuntimeError: if `compute_dtype` is float16 and XLA on this machine cannot compile
+        float16 (an x86 CPU without F16C: `funcgrad._platform`); the message points to bfloat16.
+    Example:
+      >>> loss = fg.mixed_precision(loss_fn, jnp.bfloat16)
+      >>> step = fg.make_train_step(loss, optax.adam(1e-3))
+    """
+    from funcgrad._platform import require_dtype_compiles
+    from funcgrad.train.loss import Precision, as_loss
+
+    loss = as_loss(loss_fn)
+    dtype = _floating_dtype(compute_dtype, "mixed_precision")
+    if loss_scale is not None and not isinstance(loss_scale, LossScale):
+        raise TypeError(f"mixed_precision: loss_scale must be a LossScale, e.g. "
+                        f"loss_scale=funcgrad.dynamic_loss_scale() (called), got "
+                        f"{type(loss_scale).__name__}.")
+    if loss_scale is not None and jnp.finfo(dtype).bits >= 32:
+        raise ValueError(
+            f"mixed_precision: a loss scale with compute dtype {dtype.name} changes nothing: "
+            "scaling keeps small float16/bfloat16 gradients from flushing to zero, and "
+            f"{dtype.name} gradients do not. Pass compute_dtype=jnp.float16 (or jnp.bfloat16) "
+            "with the loss scale, or drop loss_scale=.")
+    if loss.precision is not None:
+        raise ValueError(f"mixed_precision: {loss!r} already has a precision; apply "
+                         "mixed_precision once.")
+    require_dtype_compiles(dtype, "mixed_precision", "compute_dtype")
+    return loss._marked(precision=Precision(dtype, loss_scale))

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 import funcgrad as fg
+from funcgrad.train._keywords import step_from_keywords
 
 MODELS = pathlib.Path(__file__).parent / "models"
 
@@ -114,10 +115,10 @@ def train(m: Loaded, steps: int, *, batch_size: int = 64, optimizer=None,
 
     tx = optimizer or m.optimizer or optax.adam(1e-3)
     kw = dict(m.step_kwargs if step_kwargs is None else step_kwargs)
-    step = fg.make_train_step(m.loss, tx, **kw)
-    state = fg.init_train_state(m.params, tx, model_state=m.model_state, seed=seed,
-                                loss_scale=kw.get("loss_scale"), trainable=kw.get("trainable"))
-    k = kw.get("accumulate")
+    step = step_from_keywords(m.loss, tx, **kw)  # a model file's step keywords, as the doctor
+    state = step.init(m.params, model_state=m.model_state,
+                      seed=seed if m.loss.takes_key else None)
+    k = step.accumulate
     losses = []
     epoch = 0
     while len(losses) < steps:

@@ -249,7 +249,7 @@ def test_mixed_precision_step_keeps_float32_statistics():
     (m, tx, step), batch = _adam(), _batches()[0]
     state = m.init_train_state(tx, seed=0)
     full, at32 = step(state, batch)
-    half, at16 = fg.make_train_step(m.loss(_ce, **_TRAIN), tx, compute_dtype=jnp.bfloat16)(
+    half, at16 = fg.make_train_step(fg.mixed_precision(m.loss(_ce, **_TRAIN), jnp.bfloat16), tx)(
         state, batch)
     assert int(at16["skipped"]) == 0
     # bfloat16 keeps 8 significant bits (relative rounding 2**-9 ~ 2e-3 per operation); a

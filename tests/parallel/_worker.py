@@ -132,10 +132,20 @@ def mlp_loss(params, batch):
     return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
 
 
+def _step(loss, tx, mesh=None, shard_opt_state=False, **options):
+    """A train step from keywords: the loss's pieces (accumulate, compute_dtype, loss_scale:
+    `funcgrad.train._keywords`), wrapped by fg.data_parallel when a mesh is given."""
+    from funcgrad.train._keywords import step_from_keywords
+
+    step = step_from_keywords(loss, tx, **options)
+    return (step if mesh is None
+            else fg.data_parallel(step, mesh, shard_opt_state=shard_opt_state))
+
+
 def both(loss, tx, state, **options):
     """The one-device step and the mesh step with the same options, and the state."""
-    return ((fg.make_train_step(loss, tx, **options), state),
-            (fg.make_train_step(loss, tx, mesh=MESH, **options), state))
+    return ((_step(loss, tx, **options), state),
+            (_step(loss, tx, mesh=MESH, **options), state))
 
 
 def scenario_step() -> None:
@@ -231,8 +241,9 @@ def scenario_accumulate() -> None:
 
     tx = optax.chain(record_grads(), optax.sgd(0.1))
     state = fg.init_train_state(params, tx)
-    one = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0)
-    many = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0, mesh=MESH)
+    one = fg.make_train_step(fg.accumulate(per_example, 2), tx, clip_norm=1.0)
+    many = fg.data_parallel(fg.make_train_step(fg.accumulate(per_example, 2), tx, clip_norm=1.0),
+                            MESH)
     full = fg.make_train_step(lambda p, b: jnp.mean(per_example(p, b)), tx, clip_norm=1.0)
     s1, sm, sf = state, fg.replicate(state, MESH), state
 
@@ -284,7 +295,7 @@ def scenario_accumulate() -> None:
     RESULT["collectives_masked"] = fg.collectives(
         many, fg.replicate(state, MESH), mesh_args, sharded_mask).to_dict()
 
-    # BatchNorm (model state) under accumulation, with a loss scale: a one-layer net that
+    # BatchNorm (model state) under accumulation, clipped: a one-layer net that
     # normalises its hidden features over the rows it is given and keeps running means.
     bn_params = {"w": jax.random.normal(jax.random.key(2), (16, 8)) / 4,
                  "v": jax.random.normal(jax.random.key(3), (8, 10)) / 3}
@@ -299,22 +310,23 @@ def scenario_accumulate() -> None:
         return (optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]),
                 new_state)
 
-    ls = fg.dynamic_loss_scale(init_scale=2.0**10)
-    bn_state = fg.init_train_state(bn_params, tx, model_state=stats, loss_scale=ls)
-    options = dict(has_state=True, loss_scale=ls, clip_norm=1.0)
+    # (A loss scale needs a float16/bfloat16 compute dtype; scaled steps over devices are
+    # scenario_state_keys_scale's.)
+    bn_state = fg.init_train_state(bn_params, tx, model_state=stats)
+    options = dict(has_state=True, clip_norm=1.0)
     rng = np.random.default_rng(5)
     stacked = {"x": rng.normal(size=(2, 8, 16)).astype(np.float32),
                "y": rng.integers(0, 10, size=(2, 8)).astype(np.int32)}
     parts = _device_parts(stacked)
     # The gradient: the devices' parts as 2N micro-batches of their own, in one update.
     resplit = {k: np.concatenate([p[k] for p in parts]) for k in stacked}
-    ref = fg.make_train_step(bn_loss, tx, accumulate=2 * N, **options)
+    ref = _step(bn_loss, tx, accumulate=2 * N, **options)
     s_ref, _ = ref(bn_state, resplit)
     # The model state: the mean over the devices of each device's part run alone.
-    alone = fg.make_train_step(bn_loss, tx, accumulate=2, **options)
+    alone = _step(bn_loss, tx, accumulate=2, **options)
     states = [alone(bn_state, p)[0].model_state for p in parts]
     mean_state = jax.tree.map(lambda *v: np.mean(np.stack(v), axis=0), *states)
-    bn_many = fg.make_train_step(bn_loss, tx, accumulate=2, mesh=MESH, **options)
+    bn_many = _step(bn_loss, tx, accumulate=2, mesh=MESH, **options)
     s_bn, m_bn = bn_many(fg.replicate(bn_state, MESH), _split_rows(stacked))
     g_ref = local(_recorded(s_ref.opt_state))
     RESULT["accumulate_bn"] = {
@@ -340,11 +352,12 @@ def scenario_state_keys_scale() -> None:
                                growth_interval=2)
     state = fg.init_train_state(cnn_params, tx, model_state=stats, seed=3, loss_scale=ls)
     one, many = both(loss, tx, state, has_state=True, takes_key=True, loss_scale=ls,
-                     clip_norm=1.0)
+                     compute_dtype=jnp.bfloat16, clip_norm=1.0)
     rng = np.random.default_rng(5)
     steps = [{"x": rng.normal(size=(8, 64)).astype(np.float32),
               "y": rng.integers(0, 10, size=8).astype(np.int32)} for _ in range(4)]
-    steps[1]["x"] *= 1e4  # gradients above 2: times the scale 2**127 they overflow
+    steps[1]["x"] *= 1e4  # gradients above 2: times the scale 2**127 they overflow (bfloat16
+    #                       has float32's range)
     compare("bn_dropout_loss_scale", one, many, steps)
 
 
@@ -429,7 +442,7 @@ def scenario_uneven() -> None:
     the all-reduce. It must end with an error (JAX's shutdown barrier, 10 s here), not hang."""
     params = fg.mlp_init(jax.random.key(0), (16, 8, 10))
     tx = optax.sgd(0.1)
-    step = fg.make_train_step(mlp_loss, tx, mesh=MESH)
+    step = fg.data_parallel(fg.make_train_step(mlp_loss, tx), MESH)
     state = fg.replicate(fg.init_train_state(params, tx), MESH)
     batch = fg.process_batch(global_rows(data(8, 0)), MESH)
     for _ in range(3 - (PID == 1)):
@@ -459,7 +472,8 @@ def scenario_zero() -> None:
     tx = optax.chain(record_grads(), optax.adam(1e-2))
     state = fg.init_train_state(params, tx)
     one = fg.make_train_step(mlp_loss, tx, clip_norm=0.5)
-    many = fg.make_train_step(mlp_loss, tx, clip_norm=0.5, mesh=MESH, shard_opt_state=True)
+    many = fg.data_parallel(fg.make_train_step(mlp_loss, tx, clip_norm=0.5), MESH,
+                            shard_opt_state=True)
     s1, sm = state, many.place_state(state)
     steps = [data(16, 30 + s) for s in range(4)]
     steps[2]["x"][-1, 0] = np.nan  # the last process's rows: the update is skipped
@@ -491,9 +505,9 @@ def scenario_zero() -> None:
     def per_example(params, batch):
         return optax.softmax_cross_entropy_with_integer_labels(
             fg.mlp_apply(params, batch["x"]), batch["y"])
-    one = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0)
-    many = fg.make_train_step(per_example, tx, accumulate=2, clip_norm=1.0, mesh=MESH,
-                              shard_opt_state=True)
+    one = fg.make_train_step(fg.accumulate(per_example, 2), tx, clip_norm=1.0)
+    many = fg.data_parallel(fg.make_train_step(fg.accumulate(per_example, 2), tx, clip_norm=1.0),
+                            MESH, shard_opt_state=True)
     stacked = {k: v.reshape(2, 8, *v.shape[1:]) for k, v in data(16, 40).items()}
     s1, _ = one(state, stacked)
     sm, _ = many(many.place_state(state), _split_rows(stacked))
@@ -521,7 +535,7 @@ def scenario_bad() -> None:
     except ValueError as e:
         errors["params"] = str(e)
     tx = optax.sgd(0.1)
-    st = fg.make_train_step(mlp_loss, tx, mesh=MESH)
+    st = fg.data_parallel(fg.make_train_step(mlp_loss, tx), MESH)
     state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (3, 2)), tx)
     for name, rows in (("numpy_batch", 6), ("indivisible", 5)):
         try:
@@ -594,7 +608,7 @@ def scenario_fit() -> None:
             ("guarded_per_epoch", {}, {"optimistic": False, "chunk": 16})):
         runs = {}
         for where, mesh in (("one", None), ("mesh", MESH)):
-            step = fg.make_train_step(mlp_loss, tx, mesh=mesh, **options)
+            step = _step(mlp_loss, tx, mesh=mesh, **options)
             start = time.perf_counter()
             result = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=3,
                             batch_size=32, seed=1, progress=False, **fit_options)
@@ -640,7 +654,7 @@ def scenario_resume() -> None:
     x, y = digits.x_train.astype(np.float32), digits.y_train.astype(np.int32)
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 1e-3)
-    step = fg.make_train_step(mlp_loss, tx, mesh=MESH, clip_norm=1.0)
+    step = fg.data_parallel(fg.make_train_step(mlp_loss, tx, clip_norm=1.0), MESH)
     options = {"batch_size": 32, "seed": 1, "progress": False}
     with run_folder("resume") as root:
         whole = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=4,
@@ -686,7 +700,7 @@ def _loader_fits(name: str, loss, options: dict, size: int, fit_options: dict):
     for where, mesh in (("one", None), ("mesh", MESH)):
         if mesh is None and PID != 0:
             continue
-        step = fg.make_train_step(loss, tx, mesh=mesh, **options)
+        step = _step(loss, tx, mesh=mesh, **options)
         loader = ((lambda e: batches[e]) if mesh is None
                   else (lambda e: (own_rows(b) for b in batches[e])))
         start = time.perf_counter()
@@ -727,7 +741,7 @@ def scenario_fit_loader() -> None:
     many, (params, tx), loader = _loader_fits("plain", mlp_loss, options, 32,
                                               {"evaluate": split})
     with run_folder("loader") as root:
-        step = fg.make_train_step(mlp_loss, tx, mesh=MESH, **options)
+        step = _step(mlp_loss, tx, mesh=MESH, **options)
         fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1, progress=False,
                checkpoint_dir=root)
         resumed = fg.fit(step, fg.init_train_state(params, tx), loader, epochs=EPOCHS,
@@ -779,14 +793,14 @@ def scenario_fit_loader_bad() -> None:
     }
     errors, seconds = {}, {}
     for name, (loss, options, loader) in cases.items():
-        step = fg.make_train_step(loss, tx, mesh=MESH, **options)
+        step = _step(loss, tx, mesh=MESH, **options)
         start = time.perf_counter()
         try:
             fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1, progress=False)
         except ValueError as e:
             errors[name] = str(e)
         seconds[name] = time.perf_counter() - start
-    step = fg.make_train_step(mlp_loss, tx, mesh=MESH)
+    step = fg.data_parallel(fg.make_train_step(mlp_loss, tx), MESH)
     good = fg.fit(step, fg.init_train_state(params, tx), mine, epochs=1, progress=False)
     RESULT["errors"], RESULT["error_seconds"] = errors, seconds
     RESULT["good_steps"] = int(local(good.state.step))
@@ -806,7 +820,7 @@ def scenario_fit_loader_bad() -> None:
     # there, and the report names the leaf; the step is rerun on that global batch, sliced
     # from the chunk's stacked batches on every process.
     adam0 = optax.adam(0.1, eps=0.0)
-    unused = fg.make_train_step(lambda p, b: mlp_loss(p["mlp"], b), adam0, mesh=MESH)
+    unused = fg.data_parallel(fg.make_train_step(lambda p, b: mlp_loss(p["mlp"], b), adam0), MESH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         got = fg.fit(unused, fg.init_train_state({"mlp": params, "u": jnp.zeros(1)}, adam0),
@@ -826,7 +840,8 @@ def scenario_fit_zero() -> None:
     options = {"batch_size": 32, "seed": 1, "progress": False}
     one = fg.fit(fg.make_train_step(mlp_loss, tx, clip_norm=1.0),
                  fg.init_train_state(params, tx), x, y, epochs=EPOCHS, **options)
-    step = fg.make_train_step(mlp_loss, tx, clip_norm=1.0, mesh=MESH, shard_opt_state=True)
+    step = fg.data_parallel(fg.make_train_step(mlp_loss, tx, clip_norm=1.0), MESH,
+                            shard_opt_state=True)
     many = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=EPOCHS, **options)
     with run_folder("zero") as root:
         fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=1, checkpoint_dir=root,

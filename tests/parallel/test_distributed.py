@@ -28,16 +28,18 @@ def _same_on_every_process(results: list[dict], key: str) -> None:
     assert len(set(fingerprints)) == 1, fingerprints
 
 
-def _check_rows(rows: list[dict]) -> None:
+def _check_rows(rows: list[dict], tol: float = TOL) -> None:
+    """`tol`: float32's agreement, or a bfloat16 step's (its spacing, 2**-7, where the
+    devices' partial sums are rounded to bfloat16 before they are added)."""
     for i, row in enumerate(rows):
-        assert row["grad_err"] <= TOL, (i, row)
-        assert row["param_err"] <= TOL * max(1.0, row.get("max_p", 1.0)), (i, row)
+        assert row["grad_err"] <= tol, (i, row)
+        assert row["param_err"] <= tol * max(1.0, row.get("max_p", 1.0)), (i, row)
         assert row["skipped"][0] == row["skipped"][1], (i, row)
         a, b = row["loss"]
-        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-6 * max(1, abs(a)), row
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol * max(1, abs(a)), row
         a, b = row["grad_norm"]
-        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-6 * max(1, abs(a)), row
-        assert row["model_state_err"] <= 1e-6, (i, row)
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol * max(1, abs(a)), row
+        assert row["model_state_err"] <= tol, (i, row)
         if "monitor_err" in row:
             assert row["monitor_err"] <= 1e-5, (i, row)
         if row["key_same"] is not None:
@@ -152,7 +154,7 @@ def test_zero1_sharded_optimizer_state_equals_one_device():
 def test_model_state_keys_and_loss_scale_equal_one_device():
     results, _ = launch("state_keys_scale")
     rows = results[0]["bn_dropout_loss_scale"]
-    _check_rows(rows)
+    _check_rows(rows, tol=2.0**-7)  # computed in bfloat16 (a loss scale needs a half dtype)
     # Step 1's gradients overflow at the scale 2**127: both skip it and back the scale off.
     assert rows[1]["skipped"] == [1, 1]
     assert [row["loss_scale"][0] == row["loss_scale"][1] for row in rows] == [True] * 4

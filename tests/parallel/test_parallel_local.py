@@ -46,7 +46,7 @@ def test_one_device_mesh_step_is_the_plain_step():
     state = fg.init_train_state(params, tx, monitor=mon)
     plain = fg.make_train_step(_loss, tx, clip_norm=0.1, monitor=mon)
     mesh = fg.data_mesh()
-    meshed = fg.make_train_step(_loss, tx, clip_norm=0.1, monitor=mon, mesh=mesh)
+    meshed = fg.data_parallel(fg.make_train_step(_loss, tx, clip_norm=0.1, monitor=mon), mesh)
     assert meshed.mesh is mesh and meshed.data_axis == "data" and plain.mesh is None
     s1, s2 = state, fg.replicate(state, mesh)
     for _ in range(3):
@@ -65,22 +65,23 @@ def test_mesh_errors_name_the_fix():
     _, tx, _ = _setup()
     devices = np.array(jax.devices()[:1])
     with pytest.raises(TypeError, match="jax.sharding.Mesh"):
-        fg.make_train_step(_loss, tx, mesh=jax.devices())
+        fg.data_parallel(fg.make_train_step(_loss, tx), jax.devices())
     other = jax.sharding.Mesh(devices, ("batch",))
     with pytest.raises(ValueError, match=r"axes \('batch',\) and no data axis 'data'.*"
                                          r"data_axis="):
-        fg.make_train_step(_loss, tx, mesh=other)
-    assert fg.make_train_step(_loss, tx, mesh=other, data_axis="batch").data_axis == "batch"
+        fg.data_parallel(fg.make_train_step(_loss, tx), other)
+    assert fg.data_parallel(fg.make_train_step(_loss, tx), other,
+                            data_axis="batch").data_axis == "batch"
     explicit = jax.sharding.Mesh(devices, ("data",),
                                  axis_types=(jax.sharding.AxisType.Explicit,))
     with pytest.raises(ValueError, match="Explicit.*fg.data_mesh"):
-        fg.make_train_step(_loss, tx, mesh=explicit)
+        fg.data_parallel(fg.make_train_step(_loss, tx), explicit)
     with pytest.raises(ValueError, match="jit=False"):
-        fg.make_train_step(_loss, tx, mesh=fg.data_mesh(), jit=False)
+        fg.data_parallel(fg.make_train_step(_loss, tx, jit=False), fg.data_mesh())
     with pytest.raises(ValueError, match="detect_anomaly"):
-        fg.make_train_step(_loss, tx, mesh=fg.data_mesh(), detect_anomaly=True)
+        fg.data_parallel(fg.detect_anomaly(fg.make_train_step(_loss, tx)), fg.data_mesh())
     with pytest.raises(ValueError, match="shard_opt_state=True.*pass mesh="):
-        fg.make_train_step(_loss, tx, shard_opt_state=True)
+        fg.make_train_step(_loss, tx)
 
 
 @pytest.mark.parametrize("shape, size, spec", [
@@ -95,8 +96,8 @@ def test_zero1_on_one_device_is_the_plain_step():
     params, tx, batch = _setup()
     state = fg.init_train_state(params, tx)
     plain = fg.make_train_step(_loss, tx, clip_norm=0.1)
-    zero = fg.make_train_step(_loss, tx, clip_norm=0.1, mesh=fg.data_mesh(),
-                              shard_opt_state=True)
+    zero = fg.data_parallel(fg.make_train_step(_loss, tx, clip_norm=0.1), fg.data_mesh(),
+                            shard_opt_state=True)
     assert zero.shard_opt_state and not plain.shard_opt_state
     s1, s2 = state, zero.place_state(state)
     assert zero.place_state(s2) is s2  # placed already: as is
@@ -125,7 +126,7 @@ def test_batch_errors_and_placement_in_one_process():
     assert isinstance(placed, fg.Microbatches)
     assert placed.mask.sharding.spec == P(None, "data") == placed.data["x"].sharding.spec
     np.testing.assert_array_equal(fg.process_batch(mbs, mesh).mask, mbs.mask)
-    step = fg.make_train_step(_loss, tx, mesh=mesh)
+    step = fg.data_parallel(fg.make_train_step(_loss, tx), mesh)
     with pytest.raises(ValueError, match=r"batch\['t'\] has 0 axes; every leaf of a sharded "
                                          r"batch needs at least 1.*loss's closure"):
         step(fg.init_train_state(params, tx), {**batch, "t": jnp.float32(1)})

@@ -193,7 +193,7 @@ def test_tail_policy_and_one_inner_update_per_applied_update(tail, updates, drop
     mbs = stack_microbatches(microbatches)
     calls = []
     tx = _recording(optax.sgd(0.5), calls)
-    step = make_train_step(per_example_loss, tx, accumulate=2, tail=tail)
+    step = make_train_step(fg.accumulate(per_example_loss, 2, tail=tail), tx)
     state, metrics = step(fg.init_train_state(params, tx), mbs)
     jax.effects_barrier()
 
@@ -218,7 +218,7 @@ def test_drop_with_fewer_micro_batches_than_accumulate_changes_nothing():
     mbs = stack_microbatches(_split(batch, [4, 3]))
     tx = optax.adam(1e-2)
     state = fg.init_train_state(params, tx)
-    step = make_train_step(per_example_loss, tx, accumulate=3, tail="drop")
+    step = make_train_step(fg.accumulate(per_example_loss, 3, tail="drop"), tx)
     new, metrics = step(state, mbs)
     assert _bits(new) == _bits(state)  # params, Adam moments, count, step: bit-identical
     assert metrics["loss"].shape == (0,) and int(metrics["dropped_examples"]) == 7  # 4 + 3
@@ -230,7 +230,7 @@ def test_adam_step_equals_the_hand_written_full_batch_loop():
     microbatches = _split(batch, [5, 3, 7, 1, 4])
     mbs = stack_microbatches(microbatches)
     tx = optax.adam(1e-2)
-    step = make_train_step(per_example_loss, tx, accumulate=2)
+    step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
     state, metrics = step(fg.init_train_state(params, tx), mbs)
     ref, opt = params, tx.init(params)
     for group in [microbatches[0:2], microbatches[2:4], microbatches[4:]]:
@@ -252,7 +252,7 @@ def test_clipping_applies_once_to_the_mean_gradient():
         return 0.5 * jnp.sum(params["p"] ** 2) * jnp.ones_like(batch["x"])
 
     tx = optax.sgd(1.0)
-    step = make_train_step(loss_fn, tx, accumulate=3, clip_norm=0.5)
+    step = make_train_step(fg.accumulate(loss_fn, 3), tx, clip_norm=0.5)
     state, metrics = step(fg.init_train_state({"p": jnp.array([3.0, 4.0])}, tx),
                           {"x": jnp.zeros((3, 2))})
     np.testing.assert_allclose(state.params["p"], [2.7, 3.6], rtol=1e-6)
@@ -260,16 +260,18 @@ def test_clipping_applies_once_to_the_mean_gradient():
 
 
 def test_loss_scaled_accumulation_equals_the_unscaled_one():
-    # Second method: the same accumulating step without a loss scale. Multiplying the loss by
-    # a power of two (2**10) multiplies every cotangent by it exactly (no overflow here) and
-    # the float32 division undoes it exactly, so the updates agree to float rounding; the
-    # scale grows by 2 after growth_interval = 2 finite updates (PyTorch/jmp convention).
+    # Second method: the same accumulating bfloat16 step without a loss scale. Multiplying the
+    # loss by a power of two (2**10) multiplies every bfloat16 cotangent by it exactly (no
+    # overflow or subnormal here) and the float32 division undoes it exactly, so the updates
+    # agree to float rounding; the scale grows by 2 after growth_interval = 2 finite updates
+    # (PyTorch/jmp convention).
     params, batch = _params(), _examples(20)
     mbs = stack_microbatches(_split(batch, [5, 3, 7, 1, 4]))
     tx = optax.adam(1e-2)
     scale = fg.dynamic_loss_scale(init_scale=2.0**10, growth_interval=2)
-    scaled = make_train_step(per_example_loss, tx, accumulate=2, loss_scale=scale)
-    plain = make_train_step(per_example_loss, tx, accumulate=2)
+    half = fg.accumulate(per_example_loss, 2)
+    scaled = make_train_step(fg.mixed_precision(half, jnp.bfloat16, loss_scale=scale), tx)
+    plain = make_train_step(fg.mixed_precision(half, jnp.bfloat16), tx)
     s_state, s_metrics = scaled(fg.init_train_state(params, tx, loss_scale=scale), mbs)
     p_state, p_metrics = plain(fg.init_train_state(params, tx), mbs)
     for a, b in zip(jax.tree.leaves(s_state.params), jax.tree.leaves(p_state.params)):
@@ -282,16 +284,17 @@ def test_loss_scaled_accumulation_equals_the_unscaled_one():
 
 def test_an_overflowing_micro_batch_skips_its_whole_update_and_backs_off_once():
     # loss_i = (w * x_i)^2 with w = 1; micro-batch 1 holds x = 3e17: its loss 9e34 is finite in
-    # float32 (max ~3.4e38), but scaled by 2**15 it is ~2.9e39 = inf, and so is its scaled
-    # gradient 2**15 * 2 * w * x^2. Update 0 (micro-batches 0, 1) is skipped whole: params and
-    # optimizer state bit-identical, scale halved once to 2**14. Update 1 (micro-batches 2, 3,
-    # x = 1) applies: mean gradient 2 * w * x^2 = 2, SGD lr 0.1 -> w = 0.8.
+    # bfloat16 (float32's range, max ~3.4e38), but scaled by 2**15 it is ~2.9e39 = inf, and so
+    # is its scaled gradient 2**15 * 2 * w * x^2. Update 0 (micro-batches 0, 1) is skipped
+    # whole: params and optimizer state bit-identical, scale halved once to 2**14. Update 1
+    # (micro-batches 2, 3, x = 1) applies: mean gradient 2 * w * x^2 = 2, SGD lr 0.1 -> w = 0.8.
     def loss_fn(params, batch):
         return (params["w"] * batch["x"]) ** 2
 
     tx = optax.sgd(0.1)
     scale = fg.dynamic_loss_scale(init_scale=2.0**15)
-    step = make_train_step(loss_fn, tx, accumulate=2, loss_scale=scale)
+    step = make_train_step(
+        fg.accumulate(fg.mixed_precision(loss_fn, jnp.bfloat16, loss_scale=scale), 2), tx)
     x = np.array([[1.0], [3e17], [1.0], [1.0]], np.float32)
     state0 = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx, loss_scale=scale)
     state, metrics = step(state0, {"x": x[:2]})
@@ -322,7 +325,8 @@ def test_half_precision_accumulation_is_close_to_the_float32_full_batch(dtype):
     mbs = stack_microbatches(_split(batch, [8, 8, 8]))
     tx = optax.sgd(1.0)
     scale = fg.dynamic_loss_scale(init_scale=2.0**8)
-    step = make_train_step(loss_fn, tx, accumulate=3, compute_dtype=dtype, loss_scale=scale)
+    step = make_train_step(
+        fg.accumulate(fg.mixed_precision(loss_fn, dtype, loss_scale=scale), 3), tx)
     state, metrics = step(fg.init_train_state(params, tx, loss_scale=scale), mbs)
     assert int(metrics["skipped"][0]) == 0
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state.params))
@@ -346,7 +350,7 @@ def test_detect_anomaly_names_the_micro_batch_and_the_line():
     x = np.array([[1.0, 4.0], [1.0, 1.0], [9.0, 1.0], [1.0, -2.0], [1.0, 1.0], [1.0, 1.0]],
                  np.float32)
     tx = optax.sgd(0.1)
-    step = make_train_step(loss_fn, tx, accumulate=2, detect_anomaly=True)
+    step = fg.detect_anomaly(make_train_step(fg.accumulate(loss_fn, 2), tx))
     state0 = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx)
     state, metrics = step(state0, {"x": x})
     report = metrics["anomaly"]
@@ -384,8 +388,8 @@ def test_detect_anomaly_under_a_loss_scale_names_the_real_nan_not_an_overflow():
     x = np.array([[1.0], [1.0], [100.0], [-1.0]], np.float32)
     tx = optax.sgd(0.1)
     scale = fg.dynamic_loss_scale(init_scale=2.0**15)
-    step = make_train_step(loss_fn, tx, accumulate=2, compute_dtype=jnp.float16,
-                           loss_scale=scale, detect_anomaly=True)
+    half = fg.mixed_precision(loss_fn, jnp.float16, loss_scale=scale)
+    step = fg.detect_anomaly(make_train_step(fg.accumulate(half, 2), tx))
     _, metrics = step(fg.init_train_state({"w": jnp.ones(())}, tx, loss_scale=scale), {"x": x})
     assert list(np.asarray(metrics["loss_scale"])) == [2.0**15, 2.0**14]
     report = metrics["anomaly"]
@@ -402,7 +406,7 @@ def test_step_temp_memory_does_not_grow_with_micro_batches_or_updates():
     for num, k in [(4, 4), (16, 16), (16, 4), (64, 4)]:
         batch = _examples(32 * num, features=64, classes=10)
         stacked = {key: v.reshape(num, 32, *v.shape[1:]) for key, v in batch.items()}
-        step = make_train_step(per_example_loss, tx, accumulate=k)
+        step = make_train_step(fg.accumulate(per_example_loss, k), tx)
         temp[num, k] = step.lower(state, stacked).compile().memory_analysis().temp_size_in_bytes
     assert temp[16, 16] <= temp[4, 4]  # one update over 4 or 16 micro-batches
     assert temp[64, 4] <= temp[16, 4]  # 4 or 16 updates in one call
@@ -472,7 +476,7 @@ def test_multisteps_runs_the_inner_update_every_mini_step_and_keeps_the_tail():
     calls.clear()
     tx = _recording(optax.sgd(0.5), calls)
     mbs = stack_microbatches(microbatches)
-    step = make_train_step(per_example_loss, tx, accumulate=2)
+    step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
     state, metrics = step(fg.init_train_state(params, tx), mbs)
     jax.effects_barrier()
     assert len(calls) == 3 and int(np.sum(metrics["examples"])) == 20
@@ -506,15 +510,18 @@ def test_leaves_with_different_leading_axes_are_named():
         accumulate_grads(per_example_loss, params, stacked)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"accumulate": 0}, "accumulate must be a positive int"),
-    ({"accumulate": 2.0}, "accumulate must be a positive int"),
-    ({"accumulate": 2, "tail": "keep"}, r"tail must be one of \['apply', 'drop'\]"),
-    ({"accumulate": 2, "clip_norm": -1.0}, "clip_norm must be a positive number"),
-], ids=["zero", "float", "unknown_tail", "negative_clip"])
-def test_step_argument_errors(kwargs, match):
+@pytest.mark.parametrize("make, match", [
+    (lambda: fg.accumulate(per_example_loss, 0), "accumulate: k must be a positive int"),
+    (lambda: fg.accumulate(per_example_loss, 2.0), "accumulate: k must be a positive int"),
+    (lambda: fg.accumulate(per_example_loss, 2, tail="keep"),
+     r"tail must be one of \('apply', 'drop'\)"),
+    (lambda: fg.accumulate(fg.accumulate(per_example_loss, 2), 2), "already accumulates"),
+    (lambda: make_train_step(fg.accumulate(per_example_loss, 2), optax.sgd(0.1),
+                             clip_norm=-1.0), "clip_norm must be a positive number"),
+], ids=["zero", "float", "unknown_tail", "twice", "negative_clip"])
+def test_step_argument_errors(make, match):
     with pytest.raises(ValueError, match=match):
-        make_train_step(per_example_loss, optax.sgd(0.1), **kwargs)
+        make()
 
 
 # --- learning-rate schedules under accumulation (issue 11, point 7) ----------------------------
@@ -530,7 +537,7 @@ def test_a_schedule_counts_updates_and_the_step_reports_the_rate_applied():
     params, batch = _params(), _examples(24)
     parts = _split(batch, [4] * 6)
     tx = fg.make_optimizer("sgd", _halving)
-    step = make_train_step(per_example_loss, tx, accumulate=2)
+    step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
     state, metrics = step(fg.init_train_state(params, tx), stack_microbatches(parts))
     rates = [0.1, 0.05, 0.025]
     np.testing.assert_allclose(metrics["learning_rate"], rates, rtol=1e-7)
@@ -549,9 +556,9 @@ def test_the_rate_is_reported_wherever_the_state_holds_it():
     # A user's own inject_hyperparams, a frozen layer (the freeze wraps the state), and the
     # step without accumulation: the first update's rate, 0.1 in each.
     for step, state, args in [
-            (make_train_step(per_example_loss, injected, accumulate=2),
+            (make_train_step(fg.accumulate(per_example_loss, 2), injected),
              fg.init_train_state(params, injected), (mbs,)),
-            (make_train_step(per_example_loss, injected, accumulate=2, trainable=frozen),
+            (make_train_step(fg.accumulate(per_example_loss, 2), injected, trainable=frozen),
              fg.init_train_state(params, injected, trainable=frozen), (mbs,)),
             (make_train_step(mean_loss, fg.make_optimizer("adam", _halving)),
              fg.init_train_state(params, fg.make_optimizer("adam", _halving)), (batch,))]:
@@ -560,7 +567,7 @@ def test_the_rate_is_reported_wherever_the_state_holds_it():
     # (None of these warns: pytest makes a warning an error.) A constant rate: nothing to
     # report, no "learning_rate" and no warning.
     tx = optax.adam(1e-3)
-    _, metrics = make_train_step(per_example_loss, tx, accumulate=2)(
+    _, metrics = make_train_step(fg.accumulate(per_example_loss, 2), tx)(
         fg.init_train_state(params, tx), mbs)
     assert "learning_rate" not in metrics
 
@@ -579,7 +586,7 @@ def test_a_schedule_passed_straight_into_optax_is_said_once_and_still_applied():
     params, batch = _params(), _examples(16)
     parts = _split(batch, [4] * 4)
     tx = optax.sgd(optax.linear_schedule(0.1, 0.01, 10))
-    step = make_train_step(per_example_loss, tx, accumulate=2)
+    step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
     state = fg.init_train_state(params, tx)
     with pytest.warns(UserWarning, match=_UNREAD.format(index=1)) as caught:
         new, metrics = step(state, stack_microbatches(parts))
@@ -621,7 +628,7 @@ def test_fit_says_so_at_the_users_line_and_a_readable_rate_is_not_warned_about()
 def test_fit_runs_a_scheduled_accumulating_step():
     x, y = _examples(32)["x"], _examples(32)["y"]
     tx = fg.make_optimizer("sgd", _halving)
-    step = make_train_step(per_example_loss, tx, accumulate=2)
+    step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
     result = fg.fit(step, fg.init_train_state(_params(), tx), x, y, epochs=1, batch_size=8,
                     progress=False)
     # 4 batches of 8, 2 per update: 2 updates, the count the schedule saw; the last used 0.05.

@@ -56,9 +56,10 @@ def _mlp(optimizer=("adam", 1e-2), *, cast=None, takes_key=False, trainable=None
     params = params if cast is None else fg.cast_floating(params, cast)
     opt = fg.make_optimizer(*optimizer)
     mask = None if trainable is None else fg.trainable_mask(params, train=trainable)
-    step_options = {k: v for k, v in options.items() if k in ("monitor", "loss_scale")}
     loss = fg.Loss(_noisy_mlp_loss, takes_key=True) if takes_key else loss_fn
-    step = fg.make_train_step(loss, opt, trainable=mask, **step_options)
+    if "loss_scale" in options:
+        loss = fg.mixed_precision(loss, jnp.bfloat16, loss_scale=options["loss_scale"])
+    step = fg.make_train_step(loss, opt, trainable=mask, monitor=options.get("monitor"))
     make_state = lambda **like: fg.init_train_state(params, opt, trainable=mask,
                                                     **{**options, **like})
     return step, make_state, _batches(5, (5, 6), 3)

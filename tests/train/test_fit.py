@@ -110,7 +110,7 @@ def test_fit_with_accumulation_counts_updates_and_the_tail(tail, updates, droppe
         return optax.softmax_cross_entropy_with_integer_labels(fg.mlp_apply(p, b["x"]), b["y"])
 
     tx = optax.adam(1e-3)
-    step = fg.make_train_step(per_example, tx, accumulate=4, tail=tail)
+    step = fg.make_train_step(fg.accumulate(per_example, 4, tail=tail), tx)
     result = fg.fit(step, fg.init_train_state(params, tx), data.x_train, data.y_train, epochs=2,
                     batch_size=32, progress=False)
     assert len(result.history.step_loss) == updates and int(result.state.step) == updates
@@ -123,7 +123,7 @@ def test_fit_refuses_a_run_whose_every_group_would_be_dropped():
     # with tail="drop" no update would ever be applied.
     tx = optax.sgd(0.1)
     per_example = lambda p, b: jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=-1)
-    step = fg.make_train_step(per_example, tx, accumulate=4, tail="drop")
+    step = fg.make_train_step(fg.accumulate(per_example, 4, tail="drop"), tx)
     x, y = np.ones((50, 3), np.float32), np.zeros((50, 1), np.float32)
     state = fg.init_train_state({"w": jnp.zeros((3, 1))}, tx)
     with pytest.raises(ValueError, match=r"make 2 micro-batches per epoch, fewer than one group "
@@ -132,7 +132,7 @@ def test_fit_refuses_a_run_whose_every_group_would_be_dropped():
     # tail="apply" trains on them: one update per epoch (said: the group of 4 x 32 exceeds the
     # 50 rows). Hand: the gradient of the mean of (x·w - y)^2 at w = 0, y = 0 is 0, so w stays
     # 0 and the loss is 0.
-    step = fg.make_train_step(per_example, tx, accumulate=4)
+    step = fg.make_train_step(fg.accumulate(per_example, 4), tx)
     with pytest.warns(UserWarning, match="exceed the 50 examples of x"):
         result = fg.fit(step, state, x, y, epochs=1, batch_size=32, progress=False)
     assert int(result.state.step) == 1 and result.history.step_loss == [0.0]
@@ -190,7 +190,7 @@ def test_labels_numbered_from_one_and_a_nan_input_are_named_with_accumulation():
     per_example = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
         fg.mlp_apply(p, b["x"]), b["y"])
     state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 16, 10)), tx)
-    step = fg.make_train_step(per_example, tx, accumulate=2)
+    step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
     with pytest.warns(RuntimeWarning):
         result = fg.fit(step, state, data.x_train, y, epochs=1, batch_size=16, progress=False)
     report = result.nonfinite
@@ -264,8 +264,8 @@ def test_nonfinite_report_with_accumulation_names_the_batches_of_the_update():
     # losses p^2 and 2 batches of 1 per update: update k has p_k = (-1999)^k, and update 6's
     # loss 1999^12 overflows. Update 6 takes batches 12 and 13 of epoch 0.
     tx = optax.sgd(1000.0)
-    step = fg.make_train_step(lambda p, b: p["p"] ** 2 * jnp.ones_like(b["x"][:, 0]), tx,
-                              accumulate=2)
+    step = fg.make_train_step(fg.accumulate(lambda p, b: p["p"] ** 2 * jnp.ones_like(b["x"][:, 0]),
+                                            2), tx)
     state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
     with pytest.warns(RuntimeWarning, match=r"step 6 \(epoch 1, batches 12-13, accumulated\)"):
         result = fg.fit(step, state, np.zeros((32, 1), np.float32), np.zeros(32), epochs=1,
@@ -389,7 +389,7 @@ def test_an_accumulation_group_larger_than_the_data_is_said():
     # (10,000 examples) per update, so every update is the whole data set, one per epoch.
     tx = optax.sgd(0.1)
     per_example = lambda p, b: (b["x"][:, 0] * p["w"] - b["y"][:, 0]) ** 2
-    step = fg.make_train_step(per_example, tx, accumulate=1000)
+    step = fg.make_train_step(fg.accumulate(per_example, 1000), tx)
     state = fg.init_train_state({"w": jnp.float32(0.0)}, tx)
     with pytest.warns(UserWarning, match=r"accumulate=1000 micro-batches of 10 \(10000 examples\) "
                                          r"exceed the 100 examples of x.*one update per epoch"):
@@ -410,7 +410,7 @@ def test_fit_records_the_learning_rate_each_update_applied():
     schedule = optax.exponential_decay(0.1, transition_steps=1, decay_rate=0.5)
     tx = fg.make_optimizer("sgd", schedule)
     params = {"w": jnp.ones((1,), jnp.float32)}
-    step = fg.make_train_step(per_example, tx, accumulate=2)
+    step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
     result = fg.fit(step, fg.init_train_state(params, tx), x, 2.0 * x[:, 0], epochs=2,
                     batch_size=16, progress=False)
     np.testing.assert_allclose(result.history.step_learning_rate, [0.1, 0.05, 0.025, 0.0125],
@@ -420,7 +420,7 @@ def test_fit_records_the_learning_rate_each_update_applied():
     assert result.history.to_dict()["steps"]["learning_rate"] == result.history.step_learning_rate
     # A constant rate given as a number keeps nothing to report.
     tx = fg.make_optimizer("sgd", 0.1)
-    result = fg.fit(fg.make_train_step(per_example, tx, accumulate=2),
+    result = fg.fit(fg.make_train_step(fg.accumulate(per_example, 2), tx),
                     fg.init_train_state(params, tx), x, 2.0 * x[:, 0], epochs=1, batch_size=16,
                     progress=False)
     assert result.history.step_learning_rate == []

@@ -26,11 +26,10 @@ def _loss(params, batch):
     return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
 
 
-def _setup(monitor=None, clip_norm=None, **step_kwargs):
+def _setup(monitor=None, clip_norm=None):
     params = fg.mlp_init(jax.random.key(0), (F, 16, C))
-    tx = optax.adam(1e-2)
-    step = fg.make_train_step(_loss, tx, monitor=monitor, clip_norm=clip_norm, **step_kwargs)
-    return step, fg.init_train_state(params, tx, monitor=monitor)
+    step = fg.make_train_step(_loss, optax.adam(1e-2), monitor=monitor, clip_norm=clip_norm)
+    return step, step.init(params)
 
 
 def _assert_trees(a, b, exact=False, rtol=1e-5):
@@ -223,7 +222,7 @@ def test_accumulation_one_call_per_step_and_a_ctrl_c_at_an_epochs_end():
         fg.mlp_apply(p, b["x"]), b["y"])
     params = fg.mlp_init(jax.random.key(0), (F, 16, C))
     tx = optax.adam(1e-2)
-    step = fg.make_train_step(per_example, tx, accumulate=2)
+    step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
     state = fg.init_train_state(params, tx)
     single = fg.fit(step, state, X, Y, epochs=1, batch_size=8, chunk=1, progress=False)
     chunked = fg.fit(step, state, X, Y, epochs=1, batch_size=8, progress=False)

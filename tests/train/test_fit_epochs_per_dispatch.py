@@ -34,12 +34,11 @@ def _per_example(params, batch):
                                                            batch["y"])
 
 
-def _setup(loss=_loss, **step_kwargs):
+def _setup(loss=_loss):
     params = fg.mlp_init(jax.random.key(0), (F, 16, C))
     tx = fg.make_optimizer("adam", optax.cosine_decay_schedule(1e-2, 100))
-    monitor = fg.grad_monitor(warmup=2)
-    step = fg.make_train_step(loss, tx, monitor=monitor, **step_kwargs)
-    return step, fg.init_train_state(params, tx, monitor=monitor)
+    step = fg.make_train_step(loss, tx, monitor=fg.grad_monitor(warmup=2))
+    return step, step.init(params)
 
 
 @pytest.fixture
@@ -81,8 +80,9 @@ def _both(step, state, *args, **kw):
                          ids=["plain", "accumulate", "accumulate_drop"])
 def test_several_epochs_per_dispatch_are_the_run_of_one_epoch_per_dispatch(step_kwargs,
                                                                           calls):
-    loss = _per_example if step_kwargs else _loss
-    step, state = _setup(loss, **step_kwargs)
+    loss = (fg.accumulate(_per_example, step_kwargs["accumulate"],
+                          tail=step_kwargs.get("tail", "apply")) if step_kwargs else _loss)
+    step, state = _setup(loss)
     many, one, lines_many, lines_one = _both(step, state, X, Y, epochs=4, batch_size=10)
     assert calls == [4]  # the 4 epochs in one call (and none for one epoch per dispatch)
     _assert_same_run(many, one)

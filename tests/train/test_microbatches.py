@@ -65,7 +65,7 @@ def test_padded_micro_batches_carry_their_mask_and_refuse_to_unpack():
         accumulate_grads(loss_fn, {"w": jnp.float32(1.0)}, mbs, mask=mbs.mask)
     # The accumulating step takes it whole too: one update over the 3 real examples.
     tx = optax.sgd(1.0)
-    step = make_train_step(loss_fn, tx, accumulate=2)
+    step = make_train_step(fg.accumulate(loss_fn, 2), tx)
     state, metrics = step(fg.init_train_state({"w": jnp.float32(1.0)}, tx), mbs)
     assert int(metrics["examples"][0]) == 3
     assert float(state.params["w"]) == 1.0 - 2.0  # w - lr * 2

@@ -483,7 +483,7 @@ def test_a_frozen_layer_is_not_vanishing_and_accumulation_reports_per_update():
         return optax.softmax_cross_entropy_with_integer_labels(
             fg.mlp_apply(params, batch["x"]), batch["y"])
 
-    step = fg.make_train_step(per_example_loss, tx, trainable=mask, accumulate=2,
+    step = fg.make_train_step(fg.accumulate(per_example_loss, 2), tx, trainable=mask,
                               monitor=monitor)
     state = fg.init_train_state(params, tx, trainable=mask, monitor=monitor)
     assert state.monitor.below_floor.tolist() == [-1, 0]

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+import funcgrad as fg
 from funcgrad.train import precision as P
 from funcgrad.train.step import TrainState, init_train_state, make_train_step
 
@@ -191,7 +192,7 @@ def test_overflowing_step_is_skipped_and_leaves_state_bit_identical():
     #  step 3: x = [2000, 1] at scale 32 -> [64000, 32]: finite, applied with the true [2000, 1].
     tx = optax.adam(1e-2)
     ls = P.dynamic_loss_scale(init_scale=64.0, growth_interval=1000)
-    step = make_train_step(_linear_loss, tx, compute_dtype=jnp.float16, loss_scale=ls)
+    step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16, loss_scale=ls), tx)
     state0 = init_train_state({"w": jnp.ones((2,), jnp.float32)}, tx, loss_scale=ls)
     small = {"x": np.array([1000.0, 1.0], np.float32)}
     large = {"x": np.array([2000.0, 1.0], np.float32)}
@@ -229,7 +230,7 @@ def test_train_state_with_its_loss_scale_survives_flatten_unflatten_and_jit():
     # lr 0.1 from w = 1: 1 - 0.1 * 2000 = -199 (0.1f * 2000 rounds to 200 in float32).
     tx = optax.sgd(0.1)
     ls = P.dynamic_loss_scale(init_scale=64.0, growth_interval=1000)
-    step = make_train_step(_linear_loss, tx, compute_dtype=jnp.float16, loss_scale=ls)
+    step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16, loss_scale=ls), tx)
     batch = {"x": np.array([2000.0], np.float32)}
     state, m = step(init_train_state({"w": jnp.ones((1,), jnp.float32)}, tx, loss_scale=ls), batch)
     assert int(m["skipped"]) == 1 and _as_tuple(state.loss_scale) == (32.0, 0, True, 1)
@@ -252,7 +253,7 @@ def test_nan_in_the_batch_is_skipped_too():
     # off (64 -> 32), the params stay as they were.
     tx = optax.sgd(0.1)
     ls = P.dynamic_loss_scale(init_scale=64.0)
-    step = make_train_step(_linear_loss, tx, compute_dtype=jnp.float16, loss_scale=ls)
+    step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16, loss_scale=ls), tx)
     state = init_train_state({"w": jnp.ones((2,), jnp.float32)}, tx, loss_scale=ls)
     new, m = step(state, {"x": np.array([np.nan, 1.0], np.float32)})
     assert int(m["skipped"]) == 1 and float(new.loss_scale.scale) == 32.0
@@ -260,16 +261,17 @@ def test_nan_in_the_batch_is_skipped_too():
 
 
 @pytest.mark.parametrize("compute_dtype",
-                         [pytest.param(jnp.float16, marks=pytest.mark.float16), jnp.float32],
-                         ids=["float16", "float32"])
+                         [pytest.param(jnp.float16, marks=pytest.mark.float16), jnp.bfloat16],
+                         ids=["float16", "bfloat16"])
 def test_clipping_sees_the_unscaled_gradient(compute_dtype):
     # dL/dw = x = [3, 4], global norm 5 (3-4-5). Scale 2**10: the backward holds [3072, 4096]
-    # (exact in float16), unscaled to [3, 4] exactly. Clip to 1: [3, 4] / 5 = [0.6, 0.8]; SGD
-    # with lr 1 from w = 0 gives [-0.6, -0.8]. Clipping the *scaled* gradient (norm 5120) and
-    # unscaling afterwards would give [0.6, 0.8] / 1024 instead.
+    # (exact in float16 and bfloat16: 3 and 1 times a power of two), unscaled to [3, 4]
+    # exactly. Clip to 1: [3, 4] / 5 = [0.6, 0.8]; SGD with lr 1 from w = 0 gives
+    # [-0.6, -0.8]. Clipping the *scaled* gradient (norm 5120) and unscaling afterwards
+    # would give [0.6, 0.8] / 1024 instead.
     tx = optax.sgd(1.0)
     ls = P.dynamic_loss_scale(init_scale=2.0**10)
-    step = make_train_step(_linear_loss, tx, compute_dtype=compute_dtype, loss_scale=ls,
+    step = make_train_step(fg.mixed_precision(_linear_loss, compute_dtype, loss_scale=ls), tx,
                            clip_norm=1.0)
     state = init_train_state({"w": jnp.zeros((2,), jnp.float32)}, tx, loss_scale=ls)
     new, m = step(state, {"x": np.array([3.0, 4.0], np.float32)})
@@ -296,7 +298,7 @@ def test_float32_compute_without_loss_scale_equals_the_plain_step():
     batch = {"x": x, "y": np.arange(16, dtype=np.int32) % 3}
     loss_fn = lambda p, b: softmax_cross_entropy(mlp_apply(p, b["x"]), b["y"])
     tx = optax.adam(1e-2)
-    ours = make_train_step(loss_fn, tx, compute_dtype=jnp.float32)
+    ours = make_train_step(fg.mixed_precision(loss_fn, jnp.float32), tx)
     theirs = make_train_step(loss_fn, tx)
     s1, m1 = ours(init_train_state(params, tx), batch)
     s2, m2 = theirs(init_train_state(params, tx), batch)
@@ -316,7 +318,7 @@ def test_bfloat16_step_trains_float32_master_params(key):
     loss_fn = lambda p, b: softmax_cross_entropy(mlp_apply(p, b["x"]).astype(jnp.float32), b["y"])
     tx = optax.adam(3e-2)
     ls = P.dynamic_loss_scale()
-    step = make_train_step(loss_fn, tx, compute_dtype=jnp.bfloat16, loss_scale=ls)
+    step = make_train_step(fg.mixed_precision(loss_fn, jnp.bfloat16, loss_scale=ls), tx)
     state = init_train_state(params, tx, loss_scale=ls)
     losses = []
     for _ in range(10):
@@ -364,14 +366,22 @@ def test_all_finite():
 def test_errors_name_what_is_wrong():
     tx = optax.sgd(0.1)
     with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
-        make_train_step(_linear_loss, tx, compute_dtype=jnp.int32)
+        make_train_step(fg.mixed_precision(_linear_loss, jnp.int32), tx)
     ls = P.dynamic_loss_scale()
+    scaled = fg.mixed_precision(_linear_loss, jnp.bfloat16, loss_scale=ls)
     with pytest.raises(ValueError, match="clip_norm"):
-        make_train_step(_linear_loss, tx, compute_dtype=jnp.bfloat16, loss_scale=ls,
-                        clip_norm=0.0)
-    with pytest.raises(ValueError, match="loss_scale needs nonfinite='skip'"):
-        make_train_step(_linear_loss, tx, compute_dtype=jnp.bfloat16, loss_scale=ls,
-                        nonfinite="zero")
+        make_train_step(scaled, tx, clip_norm=0.0)
+    with pytest.raises(ValueError, match="nonfinite='zero' with funcgrad.mixed_precision's "
+                                         "loss scale"):
+        make_train_step(scaled, tx, nonfinite="zero")
+    # A loss scale where it changes nothing (float32 gradients do not flush to zero at 6e-8).
+    with pytest.raises(ValueError, match="loss scale with compute dtype float32 changes "
+                                         "nothing"):
+        fg.mixed_precision(_linear_loss, jnp.float32, loss_scale=ls)
+    with pytest.raises(ValueError, match="already has a precision"):
+        fg.mixed_precision(scaled, jnp.bfloat16)
+    with pytest.raises(TypeError, match="loss_scale must be a LossScale.*got function"):
+        fg.mixed_precision(_linear_loss, jnp.bfloat16, loss_scale=P.dynamic_loss_scale)
 
 
 @pytest.mark.float16
@@ -379,15 +389,15 @@ def test_float16_errors_name_what_is_wrong():
     tx = optax.sgd(0.1)
     params = {"w": jnp.ones((2,), jnp.float32)}
     batch = {"x": np.ones((2,), np.float32)}
-    half_step = make_train_step(_linear_loss, tx, compute_dtype=jnp.float16)
+    half_step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16), tx)
     with pytest.raises(TypeError, match=r"params\['w'\] is float16.*float32 master params"):
         half_step(init_train_state({"w": jnp.ones((2,), jnp.float16)}, tx), batch)
     ls = P.dynamic_loss_scale()
-    step = make_train_step(_linear_loss, tx, compute_dtype=jnp.float16, loss_scale=ls)
+    step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16, loss_scale=ls), tx)
     with pytest.raises(ValueError, match="no loss-scale state"):
         step(init_train_state(params, tx), batch)
-    vector_loss = make_train_step(lambda p, b: p["w"] * b["x"], tx, compute_dtype=jnp.float16,
-                                  loss_scale=ls)
+    vector_loss = make_train_step(
+        fg.mixed_precision(lambda p, b: p["w"] * b["x"], jnp.float16, loss_scale=ls), tx)
     with pytest.raises(ValueError, match="loss_fn must return a scalar"):
         vector_loss(init_train_state(params, tx, loss_scale=ls), batch)
 

@@ -78,7 +78,8 @@ def _reference(steps, batches, seed=0, lr=0.05):
 
 def _funcgrad_run(steps, batches, *, seed=0, state=None, step=None, lr=0.05):
     opt = optax.adam(lr)
-    step = step or fg.make_train_step(loss, opt, has_aux=True, has_state=True, takes_key=True)
+    step = step or fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True),
+                                      opt)
     if state is None:
         state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=seed)
     keeps = []
@@ -123,8 +124,8 @@ def test_accumulation_threads_the_state_and_draws_one_key_per_micro_batch():
     opt = optax.sgd(0.1)
     k = 2
     mbs = fg.stack_microbatches([_data(4, seed=i) for i in range(4)])  # 4 micro-batches of 4
-    step = fg.make_train_step(per_example_loss, opt, has_aux=True, has_state=True,
-                              takes_key=True, accumulate=k)
+    contract = fg.Loss(per_example_loss, has_aux=True, has_state=True, takes_key=True)
+    step = fg.make_train_step(fg.accumulate(contract, k), opt)
     state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=3)
     # The batch-normalising loss couples a micro-batch's examples, and funcgrad says so.
     with pytest.warns(fg.CoupledExamplesWarning, match=r"per_example_loss \(test_train_contract"):
@@ -157,7 +158,7 @@ def test_accumulation_threads_the_state_and_draws_one_key_per_micro_batch():
 
 def test_a_skipped_step_keeps_the_model_state_and_a_nonfinite_state_skips():
     opt = optax.sgd(0.1)
-    step = fg.make_train_step(loss, opt, has_aux=True, has_state=True, takes_key=True)
+    step = fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True), opt)
     state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0)
     bad = _data()
     bad["x"][0, 0] = np.nan
@@ -170,7 +171,7 @@ def test_a_skipped_step_keeps_the_model_state_and_a_nonfinite_state_skips():
         value = jnp.mean((batch["x"] @ params["w"]) ** 2)
         return value, {"mean": model_state["mean"] + jnp.inf, "count": model_state["count"]}
 
-    step = fg.make_train_step(inf_state_loss, opt, has_state=True)
+    step = fg.make_train_step(fg.Loss(inf_state_loss, has_state=True), opt)
     state = fg.init_train_state(_params(), opt, model_state=_model_state())
     new, metrics = step(state, _data())
     assert int(metrics["skipped"]) == 1 and np.isfinite(float(metrics["loss"]))
@@ -180,8 +181,9 @@ def test_a_skipped_step_keeps_the_model_state_and_a_nonfinite_state_skips():
 
 def test_mixed_precision_keeps_the_model_state_in_its_dtype():
     opt = optax.sgd(0.1)
-    step = fg.make_train_step(loss, opt, has_aux=True, has_state=True, takes_key=True,
-                              compute_dtype=jnp.bfloat16, loss_scale=fg.dynamic_loss_scale())
+    contract = fg.Loss(loss, has_aux=True, has_state=True, takes_key=True)
+    step = fg.make_train_step(
+        fg.mixed_precision(contract, jnp.bfloat16, loss_scale=fg.dynamic_loss_scale()), opt)
     state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0,
                                 loss_scale=fg.dynamic_loss_scale())
     new, metrics = step(state, _data())
@@ -197,8 +199,8 @@ def test_mixed_precision_keeps_the_model_state_in_its_dtype():
 def test_monitor_and_detect_anomaly_work_with_state_and_key():
     opt = optax.sgd(0.1)
     monitor = fg.grad_monitor()
-    step = fg.make_train_step(loss, opt, has_aux=True, has_state=True, takes_key=True,
-                              monitor=monitor, detect_anomaly=True)
+    step = fg.detect_anomaly(fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True,
+                                                        takes_key=True), opt, monitor=monitor))
     state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0,
                                 monitor=monitor)
     new, metrics = step(state, _data())
@@ -214,7 +216,7 @@ def test_monitor_and_detect_anomaly_work_with_state_and_key():
 
 def test_fit_evaluates_with_the_running_statistics():
     opt = optax.sgd(0.1)
-    step = fg.make_train_step(loss, opt, has_aux=True, has_state=True, takes_key=True)
+    step = fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True), opt)
     state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0)
     data = _data(16)
     seen = []
@@ -241,19 +243,19 @@ def test_contract_errors_are_clear():
     with pytest.raises(ValueError, match="declare has_state=True"):
         fg.make_train_step(returns_state, opt)(plain, batch)
     with pytest.raises(ValueError, match=r"model_state=\.\.\."):
-        fg.make_train_step(loss, opt, has_aux=True, has_state=True, takes_key=True)(
+        fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True), opt)(
             fg.init_train_state(_params(), opt, seed=0), batch)
     with pytest.raises(ValueError, match="not declared with has_state=True"):
         fg.make_train_step(lambda p, b: jnp.sum(b["x"] @ p["w"]), opt)(state, batch)
     with pytest.raises(ValueError, match="seed=0"):
-        fg.make_train_step(loss, opt, has_aux=True, has_state=True, takes_key=True)(
+        fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True), opt)(
             fg.init_train_state(_params(), opt, model_state=_model_state()), batch)
 
     def drops_count(params, batch, *, model_state):
         return jnp.sum(batch["x"] @ params["w"]), {"mean": model_state["mean"]}
 
     with pytest.raises(ValueError, match=r"model_state\['count'\]: missing"):
-        fg.make_train_step(drops_count, opt, has_state=True)(
+        fg.make_train_step(fg.Loss(drops_count, has_state=True), opt)(
             fg.init_train_state(_params(), opt, model_state=_model_state()), batch)
 
     def reshapes(params, batch, *, model_state):
@@ -261,24 +263,24 @@ def test_contract_errors_are_clear():
                 {**model_state, "mean": model_state["mean"][None]})
 
     with pytest.raises(ValueError, match=r"model_state\['mean'\]: \(5,\) float32 -> \(1, 5\)"):
-        fg.make_train_step(reshapes, opt, has_state=True)(
+        fg.make_train_step(fg.Loss(reshapes, has_state=True), opt)(
             fg.init_train_state(_params(), opt, model_state=_model_state()), batch)
 
     def string_aux(params, batch):
         return jnp.sum(batch["x"] @ params["w"]), {"note": "hello"}
 
     with pytest.raises(TypeError, match=r"aux\['note'\] is a str"):
-        fg.make_train_step(string_aux, opt, has_aux=True)(plain, batch)
+        fg.make_train_step(fg.Loss(string_aux, has_aux=True), opt)(plain, batch)
     with pytest.raises(ValueError, match=r"must return \(loss, aux\)"):
-        fg.make_train_step(lambda p, b: jnp.sum(b["x"] @ p["w"]), opt, has_aux=True)(plain,
-                                                                                      batch)
+        fg.make_train_step(fg.Loss(lambda p, b: jnp.sum(b["x"] @ p["w"]), has_aux=True),
+                           opt)(plain, batch)
     with pytest.raises(ValueError, match="not both"):
         fg.init_train_state(_params(), opt, seed=0, key=jax.random.key(0))
     with pytest.raises(TypeError, match="one PRNG key"):
         fg.init_train_state(_params(), opt, key=jnp.zeros((3,), jnp.float32))
-    with pytest.raises(ValueError, match="declared without has_state"):
-        fg.make_train_step(fg.Loss(lambda p, b, **kw: loss(p, b, **kw), has_aux=True), opt,
-                           has_state=True)
+    # The contract is declared once: a Loss is not wrapped in another.
+    with pytest.raises(TypeError, match="fn is already a funcgrad.Loss"):
+        fg.Loss(fg.Loss(lambda p, b, **kw: loss(p, b, **kw), has_aux=True), has_state=True)
 
 
 def test_loss_bind_feeds_the_analysis_tools():
@@ -305,17 +307,19 @@ def test_a_signature_that_contradicts_the_flags_is_named_at_make_time():
                                         "takes_key=True"):
         fg.make_train_step(keyed, opt)
     with pytest.raises(TypeError, match="has_state=True, but .*plain takes no model_state="):
-        fg.make_train_step(plain, opt, has_state=True)
+        fg.make_train_step(fg.Loss(plain, has_state=True), opt)
     with pytest.raises(TypeError, match="takes_key=True, but .*plain takes no key="):
-        fg.make_train_step(plain, opt, takes_key=True)
+        fg.make_train_step(fg.Loss(plain, takes_key=True), opt)
     # **kwargs accepts both; a defaulted parameter is optional
-    fg.make_train_step(lambda p, b, **kw: plain(p, b), opt, takes_key=True)
+    fg.make_train_step(fg.Loss(lambda p, b, **kw: plain(p, b), takes_key=True), opt)
     fg.make_train_step(lambda p, b, key=None: plain(p, b), opt)
 
 
 def test_an_accumulating_step_given_one_batch_says_it_takes_stacked_micro_batches():
     opt = optax.sgd(0.1)
-    step = fg.make_train_step(lambda p, b: jnp.sum(b["x"] @ p["w"], axis=1), opt, accumulate=2)
-    with pytest.raises(ValueError, match=r"made with accumulate=2: it takes micro-batches "
+    per_example = lambda p, b: jnp.sum(b["x"] @ p["w"], axis=1)
+    step = fg.make_train_step(fg.accumulate(per_example, 2), opt)
+    with pytest.raises(ValueError, match=r"accumulates \(funcgrad.accumulate\(loss, 2\)\): it "
+                                         r"takes micro-batches "
                                          r"stacked.*microbatches\['y'\] has shape \(8,\)"):
         step(fg.init_train_state(_params(), opt), _data())

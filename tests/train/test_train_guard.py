@@ -29,21 +29,26 @@ def _assert_unchanged(new, state):
         np.testing.assert_array_equal(a, b)
 
 
+def _scaled(loss):  # w = [1, 2], its gradient [2, 4] and the loss 5 are exact in bfloat16
+    return fg.mixed_precision(loss, jnp.bfloat16, loss_scale=fg.dynamic_loss_scale())
+
+
+# (the loss's pieces, the step's keywords)
 VARIANTS = {
-    "plain": {},
-    "zero": {"nonfinite": "zero"},
-    "raise": {"nonfinite": "raise"},
-    "clip": {"clip_norm": 1.0},
-    "loss_scale": {"loss_scale": fg.dynamic_loss_scale()},
-    "compute_dtype": {"compute_dtype": jnp.float32},
-    "monitor": {"monitor": fg.grad_monitor()},
-    "accumulate": {"accumulate": 2},
-    "accumulate+loss_scale": {"accumulate": 2, "loss_scale": fg.dynamic_loss_scale()},
+    "plain": (None, {}),
+    "zero": (None, {"nonfinite": "zero"}),
+    "raise": (None, {"nonfinite": "raise"}),
+    "clip": (None, {"clip_norm": 1.0}),
+    "loss_scale": (_scaled, {}),
+    "compute_dtype": (lambda loss: fg.mixed_precision(loss, jnp.bfloat16), {}),
+    "monitor": (None, {"monitor": fg.grad_monitor()}),
+    "accumulate": (lambda loss: fg.accumulate(loss, 2), {}),
+    "accumulate+loss_scale": (lambda loss: _scaled(fg.accumulate(loss, 2)), {}),
 }
 
 
-@pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
-def test_a_nonfinite_update_from_a_finite_gradient_is_skipped(kwargs):
+@pytest.mark.parametrize("pieces, kwargs", VARIANTS.values(), ids=VARIANTS.keys())
+def test_a_nonfinite_update_from_a_finite_gradient_is_skipped(pieces, kwargs):
     # Adam with eps=0: for the unused leaf u, g = 0, so m = v = 0 and the update
     # -lr * m_hat / (sqrt(v_hat) + eps) is 0/0 = NaN, although loss and gradient are finite:
     # loss = 1 + 4 = 5 and the global norm is ||2w|| = sqrt(4 + 16) = sqrt(20).
@@ -51,11 +56,12 @@ def test_a_nonfinite_update_from_a_finite_gradient_is_skipped(kwargs):
     tx = optax.adam(0.1, eps=0.0)
     updates, _ = tx.update({"w": 2 * params["w"], "u": jnp.zeros(1)}, tx.init(params), params)
     assert np.isnan(updates["u"]).all() and np.isfinite(updates["w"]).all()  # the premise
-    step = fg.make_train_step(unused_leaf_per_example if "accumulate" in kwargs
-                              else unused_leaf_loss, tx, **kwargs)
-    state = fg.init_train_state(params, tx, loss_scale=kwargs.get("loss_scale"),
-                                monitor=kwargs.get("monitor"))
-    if "accumulate" in kwargs:
+    loss = fg.as_loss(unused_leaf_loss) if pieces is None else pieces(unused_leaf_loss)
+    if loss.accumulation is not None:  # accumulation takes one loss per example
+        loss = pieces(unused_leaf_per_example)
+    step = fg.make_train_step(loss, tx, **kwargs)
+    state = step.init(params)
+    if step.accumulate:
         batch = {"x": jnp.ones((2, 3))}  # 2 micro-batches of 3 examples: one update
         new, metrics = step(state, batch)
         metrics = jax.tree.map(lambda a: a[0], {k: v for k, v in metrics.items()
@@ -67,7 +73,7 @@ def test_a_nonfinite_update_from_a_finite_gradient_is_skipped(kwargs):
     assert float(metrics["loss"]) == pytest.approx(5.0)
     assert float(metrics["grad_norm"]) == pytest.approx(math.sqrt(20.0))
     assert int(metrics["skipped"]) == 1 and fg.train.step_was_skipped(metrics)
-    if "loss_scale" in kwargs:  # not an overflow of the scaled gradient: the scale stays
+    if step.loss_scale is not None:  # not an overflow of the scaled gradient: the scale stays
         assert float(new.loss_scale.scale) == float(state.loss_scale.scale)
     # which leaf: params['u'] alone (w's update -lr * sign(g) is finite)
     text = step.explain_skipped_update(state, batch)
@@ -104,7 +110,7 @@ def test_fit_stops_and_names_the_leaf_and_the_fix():
     assert math.isfinite(report.loss) and math.isfinite(report.grad_norm)
     text = str(report)
     assert "params['u'] (float16): its update holds NaN/inf" in text
-    assert "compute_dtype=jnp.float16" in text and "eps=1e-4" in text
+    assert "funcgrad.mixed_precision(loss_fn, jnp.float16" in text and "eps=1e-4" in text
     assert any("params['u']" in str(w.message) for w in caught)
     for a, b in zip(jax.tree.leaves(result.state.params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)  # nothing was applied
@@ -211,7 +217,7 @@ def test_an_integer_leaf_is_named_with_the_fix():
 
 @pytest.mark.parametrize("kwargs", [{}, {"clip_norm": 1.0}, {"monitor": fg.grad_monitor()},
                                     {"nonfinite": "zero"}, {"through": "freeze"},
-                                    {"compute_dtype": jnp.bfloat16}],
+                                    {"bfloat16": True}],
                          ids=["plain", "clip", "monitor", "zero", "freeze", "bfloat16"])
 def test_a_frozen_integer_leaf_trains(kwargs):
     # SGD(0.1) on sum(w**2): w <- w - 0.1 * 2w = 0.8 w, i.e. (0.8, -1.6); the gradient norm
@@ -224,13 +230,14 @@ def test_a_frozen_integer_leaf_trains(kwargs):
         tx, trainable = fg.freeze(tx, mask), None
     else:
         trainable = mask
+    if kwargs.pop("bfloat16", False):
+        loss_fn = fg.mixed_precision(loss_fn, jnp.bfloat16)
     step = fg.make_train_step(loss_fn, tx, trainable=trainable, **kwargs)
-    new, metrics = step(fg.init_train_state(params, tx, trainable=trainable,
-                                            monitor=kwargs.get("monitor")), {})
+    new, metrics = step(step.init(params), {})
     norm = math.sqrt(20.0)
     assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-2)
     scale = 1.0 / norm if "clip_norm" in kwargs else 1.0
     np.testing.assert_allclose(new.params["w"], np.array([1.0, -2.0]) * (1 - 0.2 * scale),
-                               rtol=1e-2 if "compute_dtype" in kwargs else 1e-6)
+                               rtol=1e-2 if step.compute_dtype is not None else 1e-6)
     assert new.params["count"].dtype == jnp.int32 and int(new.params["count"]) == 7
     np.testing.assert_array_equal(new.params["index"], [1, 0])

@@ -108,7 +108,8 @@ def _why_large(ctx: Context, loss: float, expected: float, evidence: dict
                 "multiplied by a constant (a hand-made loss scale, a sum over micro-batches) "
                 "or large initial logits" + _named(place),
                 "If the loss is scaled on purpose (loss scaling), unscale the gradients before "
-                "clipping and the optimizer (make_train_step(loss_scale=) does); otherwise "
+                "clipping and the optimizer (funcgrad.mixed_precision(loss, dtype, "
+                "loss_scale=) does); otherwise "
                 "return the mean cross-entropy over logits, and check the init's scale.", place)
     return ("large, confident initial logits, or a loss multiplied by a constant (a "
             "hand-made loss scale, a sum)" + _named(place),

@@ -24,16 +24,13 @@ def check(ctx: Context) -> Finding:
     if not subject.accumulate:
         step, state = subject.make_step()
     else:  # the per-example loss, reduced as the full batch would be
-        from funcgrad.train.step import init_train_state, make_train_step
+        from funcgrad.train._keywords import step_from_keywords
 
-        kwargs = {k: v for k, v in subject.step_kwargs.items() if k != "accumulate"}
-        mean_loss = _mean_of(subject.loss)
-        step = make_train_step(mean_loss, subject.optimizer, **kwargs)
-        state = init_train_state(subject.params, subject.optimizer,
-                                 trainable=kwargs.get("trainable"),
-                                 loss_scale=kwargs.get("loss_scale"),
-                                 model_state=subject.model_state,
-                                 key=subject.key if subject.loss.takes_key else None)
+        kwargs = {k: v for k, v in subject.step_kwargs.items() if k not in ("accumulate",
+                                                                             "tail")}
+        step = step_from_keywords(_mean_of(subject.loss), subject.optimizer, **kwargs)
+        state = step.init(subject.params, model_state=subject.model_state,
+                          key=subject.key if subject.loss.takes_key else None)
     budget = ctx.options["overfit_steps"]
     target = ctx.options["overfit_ratio"]
     losses: list[float] = []

@@ -161,7 +161,8 @@ def _scale_and_clip(ctx: Context):
                 f"{reported:.4g}, the unscaled gradient's is {true_norm:.4g}: clipping and "
                 "the guard see a scaled gradient", evidence, {},
                 "Unscale the gradients (divide by the loss scale) before the norm and "
-                "clip_norm; funcgrad's make_train_step(loss_scale=, clip_norm=) does this.")
+                "clip_norm; funcgrad's make_train_step(fg.mixed_precision(loss, dtype, "
+                "loss_scale=), tx, clip_norm=) does this.")
     clip = kw.get("clip_norm")
     if clip is not None and "clip_coef" in evidence:
         want = min(1.0, clip / true_norm) if true_norm else 1.0

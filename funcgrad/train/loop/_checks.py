@@ -3,6 +3,7 @@ step's first call must return ``(TrainState, metrics)`` with a loss and a norm, 
 accumulating step's groups must fit the data. Each error names the argument and the fix."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -11,7 +12,37 @@ from typing import Any
 import jax
 import numpy as np
 
-from funcgrad.train.step import TrainState
+from funcgrad.train.state import TrainState
+from funcgrad.train.step import TrainStep
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ForeignStep:
+    """A step `fit` was given that is not a `TrainStep` (a hand-written ``(state, batch) ->
+    (state, metrics)`` function): the fields fit reads, none of a TrainStep's pieces. fit
+    calls it once per batch (no compiled chunks, no re-run to explain a skip)."""
+    fn: Callable
+    loss: Any = None
+    nonfinite: str | None = None
+    detect_anomaly: bool = False
+    accumulate: int | None = None
+    tail: str | None = None
+    unjitted: Callable | None = None
+    unguarded: Callable | None = None
+    mesh: Any = None
+    data_axis: str | None = None
+    shard_opt_state: bool = False
+
+    def __call__(self, state: Any, *args: Any) -> Any:
+        return self.fn(state, *args)
+
+    def explain_skipped_update(self, state: Any, *args: Any) -> str:
+        return ""
+
+
+def as_step(step: Any) -> TrainStep | ForeignStep:
+    """`step` itself when it is a `TrainStep`, else its `ForeignStep`."""
+    return step if isinstance(step, (TrainStep, ForeignStep)) else ForeignStep(step)
 
 
 def check_accumulation(n: int, batch_size: int, accumulate: int, tail: str | None) -> None:
@@ -37,7 +68,7 @@ def called(step: Callable, state: TrainState, args: tuple, *, first: bool):
     """``step(state, *args)``; on the first call of a fit, a wrong kind of `step` is named."""
     if not first:
         return step(state, *args)
-    ours = hasattr(step, "nonfinite")  # set by make_train_step
+    ours = isinstance(step, TrainStep)
     fix = ("fit calls step(state, batch) with the TrainState and expects (TrainState, metrics) "
            "back; build it with step = funcgrad.make_train_step(loss_fn, optimizer) (a loss "
            "function is not a step).")

@@ -30,7 +30,7 @@ from funcgrad.train.loop.placement import (
 )
 from funcgrad.train.loop.sources import split_for_accumulation, take_rows
 from funcgrad.train.microbatches import Microbatches, group_microbatches, stack_microbatches
-from funcgrad.train.step import TrainState
+from funcgrad.train.state import TrainState
 
 #: What an accumulating step's loader batches become in an error's words.
 GROUPS = ("group of micro-batches", "groups of micro-batches")
@@ -46,7 +46,7 @@ class _Run(Recorder, Dispatches):
         self.accumulate, self.chunk, self.skip_bad, self.seed = accumulate, chunk, skip_bad, seed
         self.runner = _runner(step, raw, skip_bad) if chunked else None
         # Unguarded chunks first (no per-step selects), re-run guarded when one had a bad step.
-        unguarded = getattr(step, "unguarded", None)
+        unguarded = step.unguarded
         self.fast = (_runner(step, unguarded, skip_bad, unguarded=True)
                      if chunked and optimistic and not skip_bad and unguarded is not None
                      else None)
@@ -58,7 +58,7 @@ class _Run(Recorder, Dispatches):
         # A loader on several processes: each yields its own rows of every global batch.
         self.step_mesh = mesh_of(step)
         self.per_process = per_process_loader(source, self.step_mesh)
-        self.data_axis = getattr(step, "data_axis", None) or "data"
+        self.data_axis = step.data_axis or "data"
         self.first_call, self.previous_report = True, None
         self.owned = False  # whether self.state's buffers are fit's own (may be donated)
         self.epochs = epochs
@@ -109,7 +109,7 @@ class _Run(Recorder, Dispatches):
         done = skip
         if self.runner is not None:
             dropped = 0
-            if k > 1 and tail and getattr(self.step, "tail", None) == "drop":
+            if k > 1 and tail and self.step.tail == "drop":
                 tail, dropped = 0, tail  # a partial group is dropped, not run
             length = self.chunk or max(1, min(full, MAX_CHUNK))
             shape = (full, size, tail, b)
@@ -307,18 +307,17 @@ class _Run(Recorder, Dispatches):
             self.verified = self.state
 
 
-def _runner(step: Callable, raw: Callable, skip_bad: bool,
+def _runner(step: Any, raw: Callable, skip_bad: bool,
             unguarded: bool = False) -> ChunkRunner:
     """The step's `ChunkRunner`, kept on the step so that later fits reuse its compiled
     chunks."""
     runners = step.__dict__.setdefault("_fit_runners", {})
     if (skip_bad, unguarded) not in runners:
         runners[skip_bad, unguarded] = ChunkRunner(
-            raw, accumulate=getattr(step, "accumulate", None), skip_bad=skip_bad,
+            raw, accumulate=step.accumulate, skip_bad=skip_bad,
             unguarded=unguarded, mesh=mesh_of(step),
-            data_axis=getattr(step, "data_axis", None) or "data",
-            state_shardings=(getattr(step, "state_shardings", None)
-                             if getattr(step, "shard_opt_state", False) else None))
+            data_axis=step.data_axis or "data",
+            state_shardings=step.state_shardings if step.shard_opt_state else None)
     return runners[skip_bad, unguarded]
 
 

@@ -22,13 +22,13 @@ import numpy as np
 
 from funcgrad._library_objects import check_params
 from funcgrad.train.loop import resume as _resume
-from funcgrad.train.loop._checks import check_accumulation, check_callables
+from funcgrad.train.loop._checks import as_step, check_accumulation, check_callables
 from funcgrad.train.loop._epochs import _Run
 from funcgrad.train.loop.evaluate import evaluated, evaluator_of
 from funcgrad.train.loop.history import FitResult, History, epoch_row, format_epoch
 from funcgrad.train.loop.placement import mesh_of, place_state
 from funcgrad.train.loop.sources import as_source
-from funcgrad.train.step import TrainState
+from funcgrad.train.state import TrainState
 
 PyTree = Any
 
@@ -50,7 +50,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     ``epoch -> iterable`` (epoch 0-based); each batch is passed to the step as it comes.
     A dict, tuple or array is a dataset; a list is a sequence of batches.
 
-    **Several processes.** With a data-parallel step (``make_train_step(..., mesh=mesh)``) in
+    **Several processes.** With a data-parallel step (``funcgrad.data_parallel(step, mesh)``) in
     a run of P processes (``jax.distributed``), array data is the whole dataset on every
     process (replicated; each batch's rows are split over the mesh's data axis inside the
     chunk), and a loader yields each process's **own rows**: process p's t-th batch holds the
@@ -184,12 +184,13 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                         f"params, optimizer), got {type(state).__name__}.")
     check_params("fit", state.params)  # an equinox / nnx object: the fix to train it
     source = as_source(data, y, batch_size=batch_size, epochs=epochs)
-    accumulate = getattr(step, "accumulate", None) or 1
-    tail_policy = getattr(step, "tail", None)
+    step = as_step(step)  # a TrainStep's fields, or a hand-written step's defaults
+    accumulate = step.accumulate or 1
+    tail_policy = step.tail
     if source.n is not None and batch_size is not None:  # array data (batch_size checked)
         check_accumulation(source.n, batch_size, accumulate, tail_policy)
     evaluator = evaluator_of(evaluate, step, batch_size)
-    raw = getattr(step, "unjitted", None)
+    raw = step.unjitted
     chunked = raw is not None and chunk != 1
     history = History()
     start_epoch, start_in_epoch, run_step, epoch_first = 1, 0, 0, 0
@@ -289,7 +290,7 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
     if (report is not None or interrupted) and checkpoint_dir is not None:
         _resume.save(checkpoint_dir, run.state, position, history)
     if report is not None:
-        if getattr(step, "nonfinite", None) == "raise":
+        if step.nonfinite == "raise":
             raise FloatingPointError(str(report))
         warnings.warn(str(report), RuntimeWarning, stacklevel=2)
     if interrupted and log is not None:

@@ -23,7 +23,7 @@ from funcgrad.train.loop._chunks import alert_flag
 from funcgrad.train.loop.history import NonFiniteReport
 from funcgrad.train.loop.sources import take_rows
 from funcgrad.train.monitor import UNKNOWN_AXIS_NOTE, MonitorMetrics, monitor_alerts
-from funcgrad.train.step import TrainState
+from funcgrad.train.state import TrainState
 
 PyTree = Any
 
@@ -99,10 +99,9 @@ class Recorder:
         loss, norm = float(ys["loss"][stop]), float(ys["grad_norm"][stop])
         batch_index, batches, examples, call = locate(stop)
         update = ""
-        if (math.isfinite(loss) and math.isfinite(norm)
-                and hasattr(self.step, "explain_skipped_update")):
+        if math.isfinite(loss) and math.isfinite(norm):
             update = self.step.explain_skipped_update(self.state, *call)  # which leaf, why
-        if anomaly is None and getattr(self.step, "detect_anomaly", False):
+        if anomaly is None and self.step.detect_anomaly:
             # The chunk ran the plain step: the located run is the step with its anomaly
             # detection, once, on this step's state and batch.
             anomaly = called(self.step, self.state, call, first=False)[1].get("anomaly")
@@ -209,8 +208,8 @@ def examples_not_finite(step, state: TrainState, tree: PyTree, examples: tuple[i
     batch of one, vmapped, at `state` (its model state; the key the step drew). Each
     description is a dict (see `NonFiniteReport.bad_examples`). ((), 0) when every example
     is finite alone, or when that evaluation fails (a loss that needs more than one example)."""
-    loss = getattr(step, "loss", None)
-    if loss is None or not hasattr(loss, "bind"):
+    loss = step.loss
+    if loss is None:
         return (), 0
     index = np.asarray(examples)
     batch = take_rows(tree, index)

@@ -2,7 +2,7 @@
 its numbers go into the epoch's row under `EVAL_PREFIX`."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -16,7 +16,7 @@ from funcgrad.train.data import rows
 EVAL_PREFIX = "eval/"
 
 
-def evaluator_of(evaluate: Any, step: Callable, batch_size: int | None):
+def evaluator_of(evaluate: Any, step: Any, batch_size: int | None):
     """``evaluator(state) -> {name: number}`` for `evaluate` (a function, or an evaluation
     split whose mean loss under the step's loss is "loss"), or None."""
     if evaluate is None:
@@ -24,7 +24,7 @@ def evaluator_of(evaluate: Any, step: Callable, batch_size: int | None):
     if callable(evaluate):
         return lambda state: (evaluate(state.params) if getattr(state, "model_state", None)
                               is None else evaluate(state.params, state.model_state))
-    loss = getattr(step, "loss", None)
+    loss = step.loss
     if loss is None or loss.has_state or loss.takes_key:
         raise TypeError(
             "fit: evaluate is an evaluation split, whose loss fit computes with the step's loss "

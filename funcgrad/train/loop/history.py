@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from funcgrad.train.step import TrainState
+from funcgrad.train.state import TrainState
 
 
 class NonFiniteReport(NamedTuple):
@@ -26,11 +26,12 @@ class NonFiniteReport(NamedTuple):
         ``TrainState.step``: the number of steps applied before it).
       epoch: epoch of that step, numbered from 1 as in `fit`'s log lines, rows and progress
         bar (its batch order is ``funcgrad.train.data.batches(..., epoch=epoch - 1)``).
-      batch: index of the (first) batch of that step within its epoch (0-based); a step made
-        with ``accumulate=K`` takes batches ``batch .. batch + batches - 1``.
+      batch: index of the (first) batch of that step within its epoch (0-based); a step whose
+        loss accumulates K micro-batches (`funcgrad.accumulate`) takes batches ``batch ..
+        batch + batches - 1``.
       loss: the loss of that step (a Python float; may be nan or inf).
       grad_norm: the pre-clip global gradient norm of that step (may be nan or inf).
-      anomaly: with a step made with ``detect_anomaly=True``, the `funcgrad.debug.anomaly.
+      anomaly: with a step wrapped by `funcgrad.detect_anomaly`, the `funcgrad.debug.anomaly.
         AnomalyReport` of that step's params and batch (primitive, pass and source line of
         the first non-finite value; with accumulation its context names the micro-batch);
         None otherwise.
@@ -149,7 +150,7 @@ class History:
         passed straight into optax, ``optax.sgd(schedule)``, is not readable: the step warns
         once and names the fix). Each epoch's
         row then has "learning_rate", the rate of its last update. A schedule counts optimizer
-        updates: with ``accumulate=K`` one per K batches, and a skipped step does not count.
+        updates: under `funcgrad.accumulate` one per K batches, and a skipped step does not count.
       skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale
         skipped; each epoch's row then also has "skipped" and "loss_scale".
       dropped_examples: examples left out by an accumulating step's ``tail="drop"`` policy.

@@ -5,7 +5,7 @@ the host and sent in one transfer per chunk (`stack_batches`), and the state a c
 is first made fit's own (`owned_copy`), so that no array the caller holds is invalidated.
 
 One device: everything lives on JAX's default device. A data-parallel step
-(``make_train_step(..., mesh=mesh)``): the state, the order's key and the dataset are
+(``funcgrad.data_parallel(step, mesh)``): the state, the order's key and the dataset are
 replicated over the mesh (`place_state`, `place_data`); inside each chunk every step's batch
 is gathered from the dataset and constrained to rows split over the mesh's data axis
 (`funcgrad.train.loop._chunks`), so each device gathers and differentiates only its own
@@ -33,8 +33,8 @@ PyTree = Any
 
 
 def mesh_of(step: Any) -> Any:
-    """The step's mesh (``make_train_step(..., mesh=)``), or None for a one-device step."""
-    return getattr(step, "mesh", None)
+    """The step's mesh (`funcgrad.data_parallel`), or None for a one-device step."""
+    return step.mesh
 
 
 def place_data(data: PyTree, mesh: Any = None) -> PyTree:
@@ -103,7 +103,7 @@ def place_state(tree: PyTree, mesh: Any = None, *, check: bool = True,
     ``shard_opt_state=True``, the optimizer state split over the data axis)."""
     if mesh is None:
         return tree
-    if step is not None and getattr(step, "shard_opt_state", False):
+    if step is not None and step.shard_opt_state:
         return step.place_state(tree, check=check)
     from funcgrad.parallel.placement import replicate
 
