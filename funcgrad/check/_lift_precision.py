@@ -23,8 +23,9 @@ def narrowest_float(jaxpr) -> str | None:
     """The narrowest real floating dtype produced by an equation of `jaxpr` on the
     differentiated path: it depends on the first input (theta, the differentiated vector)
     through floating values, and an output depends on it through floating values. A call
-    (jit, checkpoint, a custom rule's primal program) is followed inside with the same rule;
-    the nested jaxprs of other equations on the path (scan, cond, while) count whole.
+    (jit, checkpoint, a custom rule's primal program) and each branch of a cond are followed
+    inside with the same rule; the nested jaxprs of other equations on the path (scan, while)
+    count whole.
     Returned as a name; None if no equation is on that path.
 
     Left out, since they do not round the derivative being checked: work on constants (data
@@ -84,6 +85,10 @@ def _narrow(jaxpr, live_in: list, used_out: list, found: set) -> None:
         if called is not None and len(called[0].outvars) == len(eqn.outvars):
             sub = called[0]
             _narrow(sub, ins_live[len(ins_live) - len(sub.invars):], outs_used, found)
+            continue
+        if ji.kind(eqn) == "cond":  # each branch runs on the operands after the index
+            for branch, _ in ji.cond_branches(eqn):
+                _narrow(branch, ins_live[1:], outs_used, found)
             continue
         for v in eqn.outvars:
             _note(v, found)
