@@ -233,6 +233,8 @@ def _custom_vjp(eqn, ins, flags):
     def fn(*xs):
         return evaluate(call, call_consts, [*consts, *xs], rule_flags)
 
+    res_avals: list = []  # the residuals' own (unlifted) shapes and dtypes, set by fn_fwd
+
     def fn_fwd(*xs):
         jaxpr, fwd_consts = ji.attach_consts(*rule.fwd_jaxpr_thunk.call_wrapped(*floats))
         out = evaluate(jaxpr, fwd_consts, list(xs), rule_flags)
@@ -240,14 +242,24 @@ def _custom_vjp(eqn, ins, flags):
         # (indices into the equation's inputs, consts first).
         n_res, forwards = rule.residual_layout()
         pruned, everything = iter(out[:n_res]), [*consts, *xs]
+        own = iter(v.aval for v in jaxpr.outvars[:n_res])
+        res_avals[:] = [next(own) if f is None else eqn.invars[f].aval for f in forwards]
         return out[n_res:], [next(pruned) if f is None else everything[f] for f in forwards]
 
     def fn_bwd(res, cts):
-        # The user's bwd, traced at the float64 residuals and cotangents and evaluated
-        # lifted, so a cast to bfloat16 inside it is lifted as well.
+        # The user's bwd, traced at the float64 residuals and cotangents (its Python float
+        # literals kept in float64) and evaluated lifted, so a cast to bfloat16 inside it is
+        # lifted as well. A bwd that only takes its own dtypes (a jax.vjp closure among the
+        # residuals, as funcgrad's remat keeps: it checks the cotangent's dtype) is traced at
+        # those and evaluated lifted the same way.
         def flat_bwd(*args):
             return [_materialize(c) for c in rule.call_bwd(len(floats), *args)]
-        traced = jax.make_jaxpr(flat_bwd)(*res, *cts)
+        try:
+            traced = jax.make_jaxpr(flat_bwd)(*res, *cts)
+        except (TypeError, ValueError):
+            avals = [*res_avals, *(v.aval for v in eqn.outvars)]
+            traced = jax.make_jaxpr(flat_bwd)(*(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                                for a in avals))
         out = evaluate(traced.jaxpr, traced.consts, [*res, *cts], rule_flags)
         return tuple(o if f else None for o, f in zip(out, floats))
 

@@ -33,19 +33,17 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from funcgrad import _jax_internals as ji
-from funcgrad._jaxpr import arg_names, check_array_args, is_float
+from funcgrad._jaxpr import arg_names, check_array_args
 from funcgrad._library_objects import LeftOut, left_out_fields, split_equinox_args
 from funcgrad._paths import arg_leaf_paths, keystr
 from funcgrad._traced import traced_values
-from funcgrad.check import _directions, _full_pass, _lift, _noise, _rule_blame
+from funcgrad.check import _as_run, _directions, _full_pass, _noise, _rule_blame
 from funcgrad.check import _objective as obj
 from funcgrad.check._directional_mode import _random_tangents, _run_directional
 from funcgrad.check._lift_precision import lift_precision_of, narrowest_float
@@ -218,7 +216,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         allow_stop_gradient = bool(respect_stop_gradient)
     with traced_values("check_grads", fn, args, names, argnums_t):
         x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64  # the caller's mode
-        as_run = None if x64 else _as_run(fn, args, has_aux)
+        as_run = None if x64 else _as_run.as_run(fn, args, has_aux)
     with jax.enable_x64(True), traced_values("check_grads", fn, args, names, argnums_t):
         try:
             prob = _setup(fn, args, argnums_t, has_aux, order, names, seed)
@@ -238,7 +236,7 @@ def check_grads(fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_
         prob = lift_precision_of(prob, lift_precision, modes,
                                  _tolerances(prob["dtype_used"], eps, rtol, atol)[1:])
         if as_run is not None and refused is None:
-            prob = _as_the_user_runs_it(
+            prob = _as_run.as_the_user_runs_it(
                 prob, as_run, lift_precision, modes,
                 lambda dtype: _tolerances(dtype, eps, rtol, atol)[1:],
                 lambda program: _setup(program, args, argnums_t, has_aux, order, names, seed,
@@ -367,133 +365,6 @@ def _promote(x):
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         return x
     return np.asarray(x).astype(np.float64)
-
-
-class _AsRun(NamedTuple):
-    """fn as the caller runs it (the caller's x64 setting): its program, traced once, and its
-    checked output there (raveled, float64) with the narrowest float it computes in; `lifted`
-    evaluates that program's checked output in float64 (`funcgrad.check._lift`)."""
-    program: Callable
-    value: np.ndarray
-    dtype: str
-    lifted: Callable
-
-
-def _as_run(fn, args, has_aux) -> _AsRun:
-    """`_AsRun` of `fn` at `args`, traced and run outside check_grads' float64 scope. With x64
-    off (JAX's default) a Python float is float32 and ``jax.random.bernoulli(key, 0.5, s)``
-    draws 32 random bits per element; traced under x64 it draws 64 and keeps another mask:
-    another function. The program traced here keeps the caller's dtypes wherever it is run."""
-    with warnings.catch_warnings():  # a second run of fn: what it warns, the check's run warns
-        warnings.simplefilter("ignore")
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    jaxpr, consts = ji.closed_parts(closed)
-    body = ji.as_fun(jaxpr, consts)
-    out_tree = jax.tree.structure(out_shape)
-    in_dtypes = [v.aval.dtype for v in jaxpr.invars]
-
-    def program(*a):
-        # Each floating leaf in the dtype it had when traced: with x64 off a float64 NumPy
-        # leaf is float32 there, and the check hands the leaves over in float64.
-        leaves = [lax.convert_element_type(x, d) if is_float(d) and jnp.result_type(x) != d
-                  else x for x, d in zip(jax.tree.leaves(a), in_dtypes)]
-        return jax.tree.unflatten(out_tree, body(*leaves))
-    program.__name__ = getattr(fn, "__name__", "fn")
-    program.__qualname__ = getattr(fn, "__qualname__", program.__name__)
-
-    def checked(*a):
-        out = program(*a)
-        out = out[0] if has_aux and isinstance(out, (tuple, list)) else out
-        return [jnp.ravel(o) for o in jax.tree.leaves(out)]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            value = np.concatenate([np.asarray(o, np.float64) for o in jax.jit(checked)(*args)])
-    except (TypeError, ValueError):  # an output that cannot be checked: _setup says why
-        value = np.zeros(0)
-    floats = [str(v.aval.dtype) for e in jaxpr.eqns for v in e.outvars
-              if jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)]
-    floats += [str(jnp.result_type(o)) for o in jax.tree.leaves(out_shape)
-               if jnp.issubdtype(o.dtype, jnp.floating)]
-    dtype = min(floats, key=lambda d: jnp.finfo(d).bits) if floats else "float64"
-
-    def lifted(*a):  # called under x64: the same program, every float lifted to float64
-        outs = _lift.evaluate(jaxpr, consts, jax.tree.leaves(a), _lift.Flags(lift_precision=True))
-        out = jax.tree.unflatten(out_tree, outs)
-        out = out[0] if has_aux and isinstance(out, (tuple, list)) else out
-        return jnp.concatenate([jnp.ravel(o).astype(jnp.float64) for o in jax.tree.leaves(out)])
-    return _AsRun(program, value, dtype, lifted)
-
-
-def _primal(prob) -> np.ndarray:
-    """The checked output of the check's own program at its point (lifted or not), float64."""
-    spec, leaves = prob["spec"], prob["leaves"]
-    flags = _lift.Flags(lift_precision=spec.lift_precision)
-    value = _lift.transform(lambda t: obj.output_vector(spec, t, leaves), flags)
-    out = jax.jit(lambda t: value(t).astype(jnp.float64))(prob["theta"])
-    return np.asarray(out, np.float64)
-
-
-def _agree(got: np.ndarray, want: np.ndarray, dtype: str) -> tuple[bool, float]:
-    """Whether the check's program computes the user's value to `dtype`'s precision (relative
-    error of the output vector under sqrt(eps): float32 3.5e-4, bfloat16 0.088, float16
-    0.031); the relative error."""
-    if got.shape != want.shape or not want.size:
-        return got.shape == want.shape, 0.0
-    finite = np.isfinite(want)
-    if not np.array_equal(np.isfinite(got), finite):  # non-finite elsewhere: another function
-        return False, math.inf
-    got, want = got[finite], want[finite]  # (a non-finite output is reported by the check)
-    scale = float(np.linalg.norm(want))
-    err = float(np.linalg.norm(got - want))
-    rel = err / scale if scale > 0 else err
-    return rel <= math.sqrt(float(jnp.finfo(dtype).eps)) or err <= 1e-12, rel
-
-
-def _as_the_user_runs_it(prob, as_run, lift, modes, tolerances, rebuild):
-    """`prob` unchanged when the check's program computes fn's value as the caller runs it;
-    otherwise the check rebuilt on the program traced as the caller runs it (its random
-    draws, its dtypes), lifted to float64 when the lifted program still computes that value,
-    else checked as computed; a note says which and why."""
-    if not as_run.value.size:
-        return prob
-    # The check's float64 program against the user's program lifted to float64: the same
-    # arithmetic when fn does not depend on the float width (they differ by the user's
-    # float32 literals, ~1e-8), another function when it does (a mask drawn from 64 bits):
-    # compared in float64, so an ill-conditioned op's float32 rounding cannot trigger this.
-    try:
-        lifted_user = np.asarray(jax.jit(as_run.lifted)(*prob["args"]), np.float64)
-        lifted_check = _primal(dict(prob, spec=prob["spec"]._replace(lift_precision=True)))
-        same, rel = _agree(lifted_check, lifted_user, "float32")
-    except ji.JaxInternalsError:
-        raise
-    except Exception:  # noqa: BLE001 - a program that cannot be lifted: compare as computed
-        same, rel = _agree(_primal(prob), as_run.value, as_run.dtype)
-    if same:
-        return prob
-    why = (f"traced with float64 inputs (as the check computes), fn's value differs from "
-           f"that of fn's program as you run it, lifted to float64, by {rel:.3g} relative: "
-           f"fn depends on the float width (a random draw or a dtype default, e.g. "
-           "jax.random.bernoulli(key, 0.5, ...) draws another mask)")
-    rebuilt = lift_precision_of(rebuild(as_run.program), lift, modes,
-                                tolerances(as_run.dtype))
-    if rebuilt["lifted_from"]:
-        same, rel2 = _agree(_primal(rebuilt), as_run.value, as_run.dtype)
-        if same:
-            return dict(rebuilt, notes=[f"{why}; the check used fn's program as you run it, "
-                                        f"lifted to float64 (its value agrees to {rel2:.2g}).",
-                                        *rebuilt["notes"]])
-        why += (f"; lifted to float64 that program's value moves by {rel2:.3g} relative, so "
-                "it was checked as computed")
-        rebuilt = lift_precision_of(rebuild(as_run.program), False, modes,
-                                    tolerances(as_run.dtype))
-    low = rebuilt["dtype_used"]
-    rtol, atol = tolerances(low)
-    notes = [n for n in rebuilt["notes"] if not n.startswith("fn computes in")]
-    return dict(rebuilt, weaker=f"checked in {low}, not float64: {why}" if low != "float64"
-                else None, notes=[f"{why}; the check used fn's program as you run it, at "
-                                  f"{low}'s tolerances (errors below {atol:g} + "
-                                  f"{rtol:g}·|derivative| pass unseen).", *notes])
 
 
 def _setup(fn, args, argnums, has_aux, order, names, seed, force_cast=False):
