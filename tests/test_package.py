@@ -53,7 +53,6 @@ _PACKAGE = Path(fg.__file__).parent
 _ALLOWED_CYCLES = {
     frozenset({"funcgrad.train.data", "funcgrad.train.loop._chunks",
                "funcgrad.train.loop.sources"}),  # train/ is being reworked now
-    frozenset({"funcgrad.doctor._report", "funcgrad.doctor._html"}),
     frozenset({"funcgrad.cli", "funcgrad.cli.train"}),
 }
 
