@@ -66,8 +66,6 @@ _ALLOWED_LONG = {
     "debug/_nonfinite_eval.py": 545,
     "debug/anomaly.py": 617,
     "debug/diagnose.py": 525,
-    "memory/report.py": 661,
-    "memory/checkpointing.py": 515,
 }
 
 
