@@ -63,9 +63,6 @@ _ALLOWED_LONG = {
     "train/monitor.py": 665,
     "check/grads.py": 774,
     "check/custom.py": 516,
-    "debug/_nonfinite_eval.py": 545,
-    "debug/anomaly.py": 617,
-    "debug/diagnose.py": 525,
 }
 
 
