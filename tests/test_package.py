@@ -1,5 +1,6 @@
 """`import funcgrad` is lazy: each public name and old module path imports what it names when
-first used, and resolves to the same object as before."""
+first used, and resolves to the same object as before. And the house is in order: no two
+modules import each other (directly or round a longer cycle), and none is over 500 lines."""
 import ast
 import importlib
 import subprocess
