@@ -223,6 +223,9 @@ def _prefetch_modules() -> None:
 
     def load():
         import importlib
+
+        from funcgrad.train.checkpoint import silence_orbax_deprecations
+        silence_orbax_deprecations()  # not the user's to fix (funcgrad.train.checkpoint._orbax)
         for name in ("matplotlib.figure", "matplotlib.backends.backend_agg",
                      "matplotlib.ticker", "orbax.checkpoint"):
             try:

@@ -65,6 +65,22 @@ _FORWARD_HINTS |= {"exp2": _FORWARD_HINTS["exp"], "expm1": _FORWARD_HINTS["exp"]
                    "rsqrt": _FORWARD_HINTS["sqrt"]}
 
 
+def _masked_lse_hint(origin: _Origin) -> str:
+    """The backward pass of a logsumexp with a custom rule (jax >= 0.12.1) over rows that a
+    -inf mask covers entirely."""
+    a = np.asarray(origin.operands[0][1])
+    where = ("(every element of its operand is -inf)" if a.ndim < 2 else
+             "at row(s) " + str(np.argwhere(np.all(np.isneginf(a), axis=-1))[:5, 0].tolist())
+             + " of its operand, all -inf")
+    return ("logsumexp " + where + ": a row that a -inf mask covers entirely (a fully masked "
+            "row). Its derivative, the softmax of the row, is exp(-inf - (-inf)) = NaN there, "
+            "and the zero cotangent of the jnp.where that hides the row keeps it: 0 * NaN = "
+            "NaN. Fill the masked entries with a large negative finite number instead of -inf, "
+            "e.g. jnp.where(mask, s, jnp.finfo(s.dtype).min) (exp of it is 0 too, so other rows "
+            "do not change), or leave one element of every row unmasked; then drop the fully "
+            "masked rows from the loss with jnp.where.")
+
+
 def _masked_row_hint(origin: _Origin, backward: bool) -> str:
     """log of a sum of exp over rows that a -inf mask covers entirely (a logsumexp)."""
     operand = origin.operands[0][1]
@@ -157,6 +173,9 @@ def _hint(origin: _Origin, inputs: tuple[ValueStats, ...], produced: ValueStats,
         return _nan_source_hint(origin, name)
     if zero_log:
         return _masked_row_hint(origin, backward=True)
+    if (name == "logsumexp" and minus_inf_mask and bool(origin.operands)
+            and np.any(np.isneginf(np.asarray(origin.operands[0][1])))):
+        return _masked_lse_hint(origin)
     if any(not _finite(x) for x in origin.forward_out):
         first = ("for jnp.log(softmax(z)), use jax.nn.log_softmax(z). Otherwise, "
                  if name in ("log", "log1p") else "")

@@ -131,9 +131,17 @@ class _Step:
 
 
 def _label(eqn) -> str:
-    """``jit 'norm'``, ``custom_vjp_call 'my_fn'``: the primitive and the function's name."""
+    """``jit 'norm'``, ``custom_vjp_call 'my_fn'``: the primitive and the function's name.
+
+    A custom rule of JAX's own around a function it names ``_<name>_impl`` is named by the
+    user's word for it: ``jax.nn.logsumexp`` (a custom_jvp from jax 0.12.1 on, around
+    ``_logsumexp_impl``) is ``"logsumexp"``."""
     name = ji.name(eqn)
     fn = ji.function_name(eqn)
+    if fn and ji.kind(eqn) in ji.CUSTOM_KINDS:
+        public = re.fullmatch(r"_([A-Za-z]\w*?)_impl", fn)
+        if public:
+            return public.group(1)
     return f"{name} {fn!r}" if fn else name
 
 
