@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
     from funcgrad import memory as memory
     from funcgrad import parallel as parallel  # data parallelism: meshes, placement, collectives
-    from funcgrad._jax_internals import TESTED_JAX as TESTED_JAX
     from funcgrad._jax_internals import JaxInternalsError as JaxInternalsError
-    from funcgrad._jax_internals import JaxVersionWarning as JaxVersionWarning
+    from funcgrad._jax_version import TESTED_JAX as TESTED_JAX
+    from funcgrad._jax_version import JaxVersionWarning as JaxVersionWarning
     from funcgrad._traced import TracedValueError as TracedValueError
     from funcgrad.check._lift_precision import LiftError as LiftError
     from funcgrad.check.custom import CustomVJP as CustomVJP
@@ -158,8 +158,8 @@ def __dir__():
 
 __version__ = "0.1.0"
 
-# A JAX outside the tested range (funcgrad._jax_internals.TESTED_JAX) is named once, here.
-from funcgrad._jax_internals import warn_if_untested as _warn_if_untested  # noqa: E402
+# A JAX outside the tested range (funcgrad._jax_version.TESTED_JAX) is named once, here.
+from funcgrad._jax_version import warn_if_untested as _warn_if_untested  # noqa: E402
 
 _warn_if_untested()
 

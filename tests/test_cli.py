@@ -326,8 +326,8 @@ def test_ctrl_c_keeps_the_run_and_resume_finishes_it_as_one_run_would(tmp_path, 
     import os
     import signal
 
-    import funcgrad.cli as cli
-    real_mlp = cli._mlp
+    import funcgrad.cli._training as training  # where the command calls _mlp
+    real_mlp = training._mlp
     calls = []
 
     def mlp_with_ctrl_c(args, data, accumulate):
@@ -342,13 +342,13 @@ def test_ctrl_c_keeps_the_run_and_resume_finishes_it_as_one_run_would(tmp_path, 
 
     common = ["--batch-size", "128", "--hidden", "16", "--no-progress", "--no-monitor"]
     out = tmp_path / "run"
-    monkeypatch.setattr(cli, "_mlp", mlp_with_ctrl_c)
+    monkeypatch.setattr(training, "_mlp", mlp_with_ctrl_c)
     assert main(["train", "--epochs", "3", "--out", str(out), *common]) == 130
     assert "interrupted after step 24" in capsys.readouterr().err  # 12 steps an epoch
     metrics = json.loads((out / "metrics.json").read_text())
     assert len(metrics["epochs"]) == 2 and (out / "training.png").exists()
     assert sorted(os.listdir(out / "checkpoints")) == ["24"]
-    monkeypatch.setattr(cli, "_mlp", real_mlp)
+    monkeypatch.setattr(training, "_mlp", real_mlp)
     assert main(["train", "--epochs", "3", "--resume", str(out), *common]) == 0
     resumed = json.loads((out / "metrics.json").read_text())
     assert main(["train", "--epochs", "3", "--out", str(tmp_path / "straight"), *common]) == 0
@@ -547,14 +547,14 @@ def test_an_out_folder_with_an_earlier_run_is_refused_before_training(tmp_path, 
                                                                       monkeypatch):
     import os
 
-    import funcgrad.cli as cli
+    import funcgrad.cli.train as train_command  # where the command calls _train
     out = tmp_path / "run"
     assert main([*_SMALL, "--out", str(out)]) == 0  # batch 256: ceil(1437 / 256) = 6 steps
     (out / "notes.txt").write_text("the user's own file")
     before = {name: (out / name).read_bytes() for name in ("metrics.json", "training.png")}
     # The same command again: refused before training (a _train call would fail the test),
     # naming what is there and the three ways on; the folder is left as it was.
-    monkeypatch.setattr(cli, "_train", lambda *a: pytest.fail("trained"))
+    monkeypatch.setattr(train_command, "_train", lambda *a: pytest.fail("trained"))
     line = _exit_2([*_SMALL, "--out", str(out)], capsys)
     assert line == (f"funcgrad train: error: argument --out: {out} holds an earlier run "
                     f"(metrics.json, training.png, checkpoints/); continue it with --resume "

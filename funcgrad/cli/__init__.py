@@ -2,7 +2,7 @@
 MLP or a CNN on the digits set; ``funcgrad doctor`` (`funcgrad.cli.doctor`) runs the
 gradient-debugging checklist on a model file; ``funcgrad launch`` (`funcgrad.cli.launch`) runs a
 command as N processes of one ``jax.distributed`` run. The shared flag parsing is
-`funcgrad.cli._flags`.
+`funcgrad.cli._flags`; the train command's run is `funcgrad.cli._training`.
 """
 from __future__ import annotations
 
@@ -13,19 +13,16 @@ from collections.abc import Sequence
 from funcgrad.cli import doctor as _doctor_command
 from funcgrad.cli import launch as _launch_command
 from funcgrad.cli import train as _train_command
-from funcgrad.cli._flags import _Parser
 
 # The train command's pieces under their old names (``funcgrad.cli._plot``, ...): tests and
-# scripts use them, and `funcgrad.cli.train` calls _train, _mlp and _cnn through this package,
-# so patching them here patches the command.
+# scripts use them. The seams a test patches are where they are called: _train in
+# funcgrad.cli.train, _mlp and _cnn in funcgrad.cli._training.
+from funcgrad.cli._clock import _Clock as _Clock
+from funcgrad.cli._flags import _Parser
+from funcgrad.cli._plot import _MAX_SPANS as _MAX_SPANS
+from funcgrad.cli._plot import _alert_spans as _alert_spans
+from funcgrad.cli._plot import _plot as _plot
 from funcgrad.cli._run import _use_caches as _use_caches
-from funcgrad.cli.train import _MAX_SPANS as _MAX_SPANS
-from funcgrad.cli.train import _alert_spans as _alert_spans
-from funcgrad.cli.train import _Clock as _Clock
-from funcgrad.cli.train import _cnn as _cnn
-from funcgrad.cli.train import _mlp as _mlp
-from funcgrad.cli.train import _plot as _plot
-from funcgrad.cli.train import _train as _train
 
 #: The commands: name -> module with ``add_parser(subparsers)`` and ``run(parser, args, argv)``.
 _COMMANDS = {"train": _train_command, "doctor": _doctor_command, "launch": _launch_command}

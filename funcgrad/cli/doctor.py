@@ -14,7 +14,7 @@ from funcgrad.cli._flags import _Parser, _positive, _seed
 
 def _names(text: str) -> list[str]:
     """A comma-separated list of check names (validated against CHECKS)."""
-    from funcgrad.doctor._report import CHECKS
+    from funcgrad.doctor._finding import CHECKS
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     wrong = [n for n in names if n not in CHECKS]
@@ -29,8 +29,8 @@ def add_parser(sub: Any) -> _Parser:
     """Adds the ``doctor`` command and its flags to `sub` (the top-level subparsers)."""
     import textwrap
 
+    from funcgrad.doctor._finding import CHECKS
     from funcgrad.doctor._model_file import EXPECTED_FILE
-    from funcgrad.doctor._report import CHECKS
 
     d = sub.add_parser(
         "doctor", help="run the gradient-debugging checklist on a model file",

@@ -8,12 +8,12 @@ import sys as _sys
 import types as _types
 from typing import TYPE_CHECKING
 
+from funcgrad.doctor._finding import CHECKS as CHECKS
+from funcgrad.doctor._finding import Finding as Finding
 from funcgrad.doctor._model_file import EXPECTED_FILE as EXPECTED_FILE
 from funcgrad.doctor._model_file import ModelFileError as ModelFileError
 from funcgrad.doctor._model_file import load_model_file as load_model_file
-from funcgrad.doctor._report import CHECKS as CHECKS
 from funcgrad.doctor._report import DoctorReport as DoctorReport
-from funcgrad.doctor._report import Finding as Finding
 
 if TYPE_CHECKING:
     from funcgrad.doctor._doctor import doctor as doctor

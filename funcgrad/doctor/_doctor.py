@@ -12,8 +12,9 @@ from typing import Any
 import jax
 
 from funcgrad.doctor._context import DEFAULTS, Context
+from funcgrad.doctor._finding import CHECKS, Finding
 from funcgrad.doctor._model_file import ModelFileError, load_model_file
-from funcgrad.doctor._report import CHECKS, DoctorReport, Finding
+from funcgrad.doctor._report import DoctorReport
 from funcgrad.doctor._subject import Subject
 
 PyTree = Any

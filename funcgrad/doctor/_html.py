@@ -25,7 +25,7 @@ pre{background:#f6f8fa;padding:.5em;overflow-x:auto}img{max-width:100%}
 
 def render(report: Any) -> str:
     """The page for a `funcgrad.doctor.DoctorReport`, as a string."""
-    from funcgrad.doctor._report import VERDICTS
+    from funcgrad.doctor._finding import VERDICTS
 
     esc = html.escape
     order = sorted(report.findings, key=lambda f: VERDICTS.index(f.verdict))
@@ -82,7 +82,7 @@ def _code_line(line: str, source: str | None) -> str:
 def _evidence_text(evidence: dict) -> str:
     import json
 
-    from funcgrad.doctor._report import _strict_json
+    from funcgrad.doctor._finding import _strict_json
 
     text = json.dumps(_strict_json(evidence), indent=1)
     return text if len(text) < 20_000 else text[:20_000] + "\n... (cut; all of it in the JSON)"

@@ -27,6 +27,7 @@ The structure comes from `like`, so a restored state is the pytree the step was 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -63,13 +64,26 @@ class Restored(NamedTuple):
 
 
 def _orbax():
-    """``orbax.checkpoint``, or an ImportError that says how to install it."""
+    """``orbax.checkpoint``, or an ImportError that says how to install it.
+
+    orbax's own use of JAX APIs that JAX has deprecated (orbax-checkpoint 0.12.8 reads
+    ``jax.sharding.SingleDeviceSharding``, deprecated in jax 0.12.1, when it is imported and
+    when it saves) is not the user's to fix: its DeprecationWarnings are silenced here, on every
+    use (a filter for warnings raised from orbax's modules only, put first again each time so
+    that a caller's later filters, such as pytest's per-test ones, do not shadow it).
+    """
+    silence_orbax_deprecations()
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
         raise ImportError(f"funcgrad checkpoints are written with orbax-checkpoint, which could "
                           f"not be imported ({e}). Install it: {_INSTALL}") from e
     return ocp
+
+
+def silence_orbax_deprecations() -> None:
+    """Ignores DeprecationWarnings raised from orbax's modules (see `_orbax`)."""
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"orbax\.")
 
 
 def _is_key(leaf: Any) -> bool:

@@ -47,13 +47,22 @@ def _ce(logits, batch):
     return fg.softmax_cross_entropy(logits, batch["y"])
 
 
-def _assert_trees_equal(a, b):
+def _assert_trees_equal(a, b, rounding: bool = False):
+    """Equal leaf by leaf: bit for bit, or with `rounding` up to float32 rounding (relative
+    1e-6 of the leaf's largest value) for a jitted program against nnx's eager call: XLA may
+    fuse a multiply-add in one and not in the other (jax 0.12.1 moved this model's output by
+    1 ulp, and values near 0 by more ulps of their own)."""
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert x.dtype == y.dtype
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        if rounding and jnp.issubdtype(x.dtype, jnp.floating):
+            scale = float(np.max(np.abs(np.asarray(y)))) if np.size(y) else 0.0
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6,
+                                       atol=1e-6 * scale)
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _pure(model, *filters):
@@ -83,8 +92,8 @@ def test_apply_is_the_module_call_with_its_state_advancing():
     out, new_state = jax.jit(lambda p, s, x: m.apply(p, s, x, train=True))(
         m.params, m.model_state, batch["x"])
     ref = model(batch["x"])  # nnx's own call: updates model's statistics and rng count
-    _assert_trees_equal(out, ref)
-    _assert_trees_equal(new_state, _pure(model, nnx.Not(nnx.Param)))
+    _assert_trees_equal(out, ref, rounding=True)  # jitted against eager
+    _assert_trees_equal(new_state, _pure(model, nnx.Not(nnx.Param)), rounding=True)
     assert int(new_state["dropout"]["rngs"]["count"]) == 1
     # A second call from the new state is nnx's second call: a new dropout mask.
     out2, _ = m.apply(m.params, new_state, batch["x"], train=True)

@@ -53,11 +53,11 @@ def _watch(folder: str) -> list[str]:
 
 
 def _fail_at(epoch: int, process: int | None = None) -> None:
-    """The test accuracy of `funcgrad.cli._mlp`'s model raises at its `epoch`-th call (on
+    """The test accuracy of `funcgrad.cli._training._mlp`'s model raises at its `epoch`-th call (on
     every process, or on `process` alone)."""
-    from funcgrad import cli
+    from funcgrad.cli import _training  # where the command calls _mlp
 
-    make = cli._mlp
+    make = _training._mlp
 
     def _mlp(args, data, accumulate):
         model = make(args, data, accumulate)
@@ -74,7 +74,7 @@ def _fail_at(epoch: int, process: int | None = None) -> None:
 
         return model._replace(test_accuracy=test_accuracy)
 
-    cli._mlp = _mlp
+    _training._mlp = _mlp
 
 
 def main() -> None:

@@ -72,7 +72,9 @@ def _metrics(out: str) -> dict:
 def _checkpointed(out: str) -> dict[str, np.ndarray]:
     """The arrays of the run's latest checkpoint, by their TrainState path."""
     import jax
-    import orbax.checkpoint as ocp
+
+    from funcgrad.train.checkpoint import _orbax
+    ocp = _orbax()  # orbax, with its own deprecated uses of JAX silenced
 
     root = os.path.join(out, "checkpoints")
     folder = os.path.join(root, str(max(int(n) for n in os.listdir(root) if n.isdigit())))

@@ -194,7 +194,8 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_a_checkpoint_written_by_something_else_is_refused(tmp_path):
-    import orbax.checkpoint as ocp
+    from funcgrad.train.checkpoint import _orbax
+    ocp = _orbax()  # orbax, with its own deprecated uses of JAX silenced
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
     with ocp.CheckpointManager(tmp_path, options=options, item_names=("state", "meta")) as m:
         m.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(2)}),

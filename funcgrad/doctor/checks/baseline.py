@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad.doctor._context import Context
-from funcgrad.doctor._report import Finding
+from funcgrad.doctor._finding import Finding
 from funcgrad.doctor.checks import training
 from funcgrad.doctor.checks.data import label_leaf
 from funcgrad.doctor.checks.init_loss import classes_of

@@ -10,7 +10,7 @@ import numpy as np
 
 from funcgrad._paths import leaf_names
 from funcgrad.doctor._context import Context
-from funcgrad.doctor._report import Finding
+from funcgrad.doctor._finding import Finding
 
 NAME = "data"
 

@@ -3,7 +3,7 @@ checklist, B5.3 item 1), with the reason for each leaf that gets none."""
 from __future__ import annotations
 
 from funcgrad.doctor._context import Context
-from funcgrad.doctor._report import Finding
+from funcgrad.doctor._finding import Finding
 
 NAME = "grad_flow"
 

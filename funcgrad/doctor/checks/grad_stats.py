@@ -8,8 +8,8 @@ import jax
 import numpy as np
 
 from funcgrad.doctor._context import Context
+from funcgrad.doctor._finding import Finding
 from funcgrad.doctor._places import layer_of
-from funcgrad.doctor._report import Finding
 from funcgrad.doctor.checks.grad_flow import explanation
 
 NAME = "grad_stats"

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from funcgrad.doctor._context import Context
-from funcgrad.doctor._report import Finding
+from funcgrad.doctor._finding import Finding
 from funcgrad.doctor.checks.data import label_leaf
 
 NAME = "init_loss"

@@ -3,7 +3,7 @@ and temporary bytes and the estimated peak, on one batch of the run's shape."""
 from __future__ import annotations
 
 from funcgrad.doctor._context import Context
-from funcgrad.doctor._report import Finding
+from funcgrad.doctor._finding import Finding
 
 NAME = "memory"
 

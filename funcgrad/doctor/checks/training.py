@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad.doctor._context import Context
-from funcgrad.doctor._report import Finding
+from funcgrad.doctor._finding import Finding
 
 NAME = "training"
 

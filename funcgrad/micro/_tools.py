@@ -1,7 +1,7 @@
 """funcgrad.micro's tools: a finite-difference check of its gradients, and its graph as DOT.
 
-Kept apart so `funcgrad/micro.py` stays an engine readable in one sitting; both are re-exported
-there (``micro.check_grad``, ``micro.to_dot``).
+Kept apart so the engine (`funcgrad/micro/_engine.py`) stays readable in one sitting; both are
+re-exported by the package (``micro.check_grad``, ``micro.to_dot``).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import cast
 
 import numpy as np
 
-from funcgrad.micro import Tensor, _topological_order, no_grad
+from funcgrad.micro._engine import Tensor, _topological_order, no_grad
 
 
 def check_grad(fn: Callable[..., Tensor], *tensors: Tensor, eps: float = 1e-6,

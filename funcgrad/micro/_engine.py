@@ -1,15 +1,5 @@
-"""A tiny reverse-mode autodiff engine on NumPy arrays, written to be read in one sitting.
-
-Concept 24 (article B §3, B §1, A §1.1-1.3): the forward pass records a graph; each node keeps
-its parents, its operation's name and a backward rule closing over the residuals it needs;
-`Tensor.backward` walks the graph in reverse topological order (an explicit stack, so depth is
-not limited by Python's recursion limit), multiplies each cotangent by the local derivative and
-sums the cotangents of a value used more than once (fan-out). PyTorch's habits are kept on
-purpose: ``.grad`` accumulates across ``backward()`` calls (hence `Tensor.zero_grad`), only
-leaves keep ``.grad`` unless `Tensor.retain_grad` is called, `no_grad` and `Tensor.detach` cut
-the graph, and the saved residuals are freed after a backward pass unless ``retain_graph=True``.
-`funcgrad` itself is functional (``jax.grad``); this module is its glass box, checked against
-``jax.grad`` in ``tests/test_micro.py``.
+"""The engine of `funcgrad.micro`: `Tensor`, its backward pass, and the operations it records
+(the package's docstring describes the design).
 """
 from __future__ import annotations
 
@@ -396,7 +386,3 @@ def softmax_cross_entropy(logits, labels) -> Tensor:
         return (g * d / labels.shape[0],)
     return _node(-logp[rows, labels].mean(), (logits,), "softmax_cross_entropy", rule)
 
-
-# Re-exported; imported last, as they use Tensor and no_grad.
-from funcgrad._micro_tools import check_grad as check_grad  # noqa: E402
-from funcgrad._micro_tools import to_dot as to_dot  # noqa: E402
