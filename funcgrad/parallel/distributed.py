@@ -11,7 +11,8 @@ import os
 import socket
 import sys
 import time
-from typing import NamedTuple
+import warnings
+from typing import Any, NamedTuple
 
 #: The coordinator's ``host:port`` (process 0 serves it), set by ``funcgrad launch``.
 ENV_COORDINATOR = "FUNCGRAD_COORDINATOR"
@@ -194,10 +195,36 @@ def distributed_init(coordinator: str | None = None, num_processes: int | None =
                                    initialization_timeout=int(max(1, timeout)),
                                    heartbeat_timeout_seconds=heartbeat_timeout,
                                    shutdown_timeout_seconds=shutdown_timeout)
+    if jax.process_count() > 1:
+        _no_shared_compilation_cache_on_cpu()
     if exit_on_error and jax.process_count() > 1:
         _exit_on_uncaught_exception()
     return DistributedInfo(jax.process_index(), jax.process_count(),
                            tuple(jax.local_devices()), tuple(jax.devices()), coordinator)
+
+
+def _no_shared_compilation_cache_on_cpu() -> None:
+    """Turns JAX's persistent compilation cache off in a CPU run of several processes on
+    jax >= 0.12.1, with a warning: there, processes that compile their step through the cache
+    (JAX_COMPILATION_CACHE_DIR, or jax_compilation_cache_dir) deadlock in their first gloo
+    all-reduce. Seen here on 2 processes of a fit with the cache in a fresh folder: every run
+    hung, and every run without it finished (jax 0.12.0.1 and 0.10.2 did not hang)."""
+    import jax
+
+    from funcgrad._jax_internals import _parse, jax_version
+
+    if _parse(jax_version()) < (0, 12, 1) or jax.default_backend() != "cpu":
+        return
+    config: Any = jax.config  # its options are attributes mypy does not see
+    cache = config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not cache or not config.jax_enable_compilation_cache:
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    warnings.warn(
+        f"distributed_init: JAX's persistent compilation cache ({cache}) is turned off in "
+        f"this run: on the CPU with jax {jax.__version__}, processes that compile through it "
+        "deadlock in their first collective. The run compiles its programs itself instead "
+        "(slower to start, same numbers).", UserWarning, stacklevel=3)
 
 
 def _exit_on_uncaught_exception() -> None:

@@ -3,10 +3,11 @@ tests/parallel/_worker.py as two processes of one jax.distributed run (one CPU d
 gloo collectives). Each compares the mesh step with the one-device step on the same global
 batch, computed in the same process without any collective (the second method).
 
-Nothing here can hang: the launcher stops the run after 60 s (status 124, reported with the
-processes' output), the worker initializes with a 20 s join timeout, 30 s heartbeat and 10 s
-shutdown timeouts (a process left behind fails in seconds), and _run.launch kills the launcher
-after 90 s. Each run picks a free port (the OS binds port 0), so xdist workers do not clash.
+Nothing here can hang, and nothing fails for being slow: _run.launch stops a run whose
+processes stop computing (under 1 s of CPU in 120 s: a deadlock waits on a socket or a
+barrier) and reports their output; the worker initializes with a 120 s heartbeat and a 10 s
+shutdown timeout (a process left behind fails in seconds). Each run picks a free port (the
+OS binds port 0), so xdist workers do not clash.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _run import RUN_LIMIT, launch  # noqa: E402
+from _run import launch  # noqa: E402
 
 #: The issue's bound: |g_mesh - g_one| <= 1e-6 * max|g| (float32).
 TOL = 1e-6
@@ -48,7 +49,6 @@ def _check_rows(rows: list[dict], tol: float = TOL) -> None:
 
 def test_step_equals_one_device_step_and_communicates_once():
     results, seconds = launch("step")
-    assert seconds < RUN_LIMIT
     r = results[0]
     assert r["processes"] == 2 and r["devices"] == 2
     # Clipping (0.5 < every step's norm), the monitor, the guard (a NaN row on process 1).
@@ -211,8 +211,8 @@ def test_bad_input_fails_clearly_before_any_collective():
 
 def test_processes_running_different_step_counts_fail_instead_of_hanging():
     done, seconds = launch("uneven", failing=True)
-    assert done.returncode not in (0, 124), done.stdout[-2000:] + done.stderr[-3000:]
-    assert seconds < 45  # the 10 s shutdown barrier, not the 60 s limit
+    # It ends (a hang fails in _run's watchdog) with an error: the 10 s shutdown barrier.
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "[1] process 1 finished its steps" in done.stdout
     assert "[0] process 0 finished its steps" not in done.stdout
     assert "Shutdown barrier" in done.stderr or "barrier" in done.stderr.lower(), \
@@ -239,7 +239,6 @@ def test_fit_with_the_mesh_step_equals_one_device_fit():
     state replicated) and ends where one-device `fit` on the same global order ends: params
     within 1e-6·max|p|, the same per-step losses and norms, the same epoch rows."""
     results, seconds = launch("fit")
-    assert seconds < RUN_LIMIT
     for r in results:
         for name in ("optimistic", "guarded_per_epoch"):
             run = r[name]
@@ -269,7 +268,6 @@ def test_checkpoint_and_resume_of_a_mesh_run_is_bit_identical():
     """Both processes save the replicated state with orbax into one folder; 2 epochs, then a
     resumed run to 4, ends bit for bit where 4 epochs without stopping end."""
     results, seconds = launch("resume")
-    assert seconds < RUN_LIMIT
     for r in results:
         run = r["resume"]
         assert run["steps"] == [4 * 45, 4 * 45, 2 * 45], run
@@ -310,7 +308,6 @@ def test_fit_with_per_process_loaders_equals_one_device_fit():
     per chunk and ends where one-device fit on the global batches ends. An evaluation split
     on every process; 1 epoch checkpointed and resumed to 2 ends bit for bit the same."""
     results, seconds = launch("fit_loader")
-    assert seconds < RUN_LIMIT
     import funcgrad  # the copy under test: the checkout, or the installed package
 
     assert results[0]["funcgrad"] == funcgrad.__file__, results[0]["funcgrad"]
@@ -324,7 +321,6 @@ def test_fit_with_per_process_loaders_and_accumulation():
     digits in micro-batches of 16: 26 of 8 + 8 rows and a last of 2 + 2, so the last group
     is one micro-batch padded on each process), and an evaluation function."""
     results, seconds = launch("fit_loader_accumulate")
-    assert seconds < RUN_LIMIT
     _check_loader_run(results, "accumulate", 2 * 14)
 
 
@@ -334,7 +330,6 @@ def test_disagreeing_per_process_loaders_fail_at_once_on_every_process():
     step could wait for a batch that never comes); the processes stay in step after it. A NaN
     in one process's rows stops both at that step."""
     results, seconds = launch("fit_loader_bad")
-    assert seconds < RUN_LIMIT
     for r in results:
         e = r["errors"]
         assert e.keys() == {"fewer_batches", "dtype", "rows", "fewer_microbatches"}, e
@@ -349,7 +344,6 @@ def test_disagreeing_per_process_loaders_fail_at_once_on_every_process():
         assert "process 1: 1 batch (x (5, 16) float32" in e["rows"], e["rows"]
         assert "group of micro-batches (data/x (2, 4, 16)" in e["fewer_microbatches"]
         assert "(data/x (1, 4, 16)" in e["fewer_microbatches"]
-        assert max(r["error_seconds"].values()) < 15, r["error_seconds"]
         assert r["good_steps"] == 6
         assert r["nonfinite"] == {"step": 3, "batch": 3, "state_step": 3, "finite": True}
         # Adam with eps=0 and a leaf u the loss never uses: u's update is 0/0 at step 0
@@ -363,7 +357,6 @@ def test_disagreeing_per_process_loaders_fail_at_once_on_every_process():
 
 def test_fit_with_zero1_equals_one_device_fit_and_resumes_bit_for_bit():
     results, seconds = launch("fit_zero")
-    assert seconds < RUN_LIMIT
     for r in results:
         run = r["fit_zero"]
         assert run["param_err"] <= TOL * max(1.0, run["max_p"]), run
