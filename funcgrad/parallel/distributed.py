@@ -211,7 +211,7 @@ def _no_shared_compilation_cache_on_cpu() -> None:
     hung, and every run without it finished (jax 0.12.0.1 and 0.10.2 did not hang)."""
     import jax
 
-    from funcgrad._jax_internals import _parse, jax_version
+    from funcgrad._jax_version import _parse, jax_version
 
     if _parse(jax_version()) < (0, 12, 1) or jax.default_backend() != "cpu":
         return
