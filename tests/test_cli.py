@@ -59,6 +59,17 @@ def test_float16_with_dynamic_loss_scale(tmp_path, capsys):
     assert row["steps"] == 23 and 0.5 < row["eval/test_accuracy"] <= 1.0
 
 
+def test_a_loss_scale_without_a_half_dtype_is_a_usage_error(tmp_path, capsys):
+    # float32 gradients do not flush to zero where float16's do (6e-8): scaling changes
+    # nothing there, so the flag alone is refused before any training (fg.mixed_precision).
+    status = main(["train", "--loss-scale", "dynamic", "--epochs", "1", "--out",
+                   str(tmp_path / "run"), "--no-progress"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "argument --loss-scale" in err and "--dtype float16 (or bfloat16)" in err
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
 def test_accumulate_flag(tmp_path, capsys):
     out = tmp_path / "run"
     status = main(["train", "--accumulate", "4", "--epochs", "1", "--out", str(out),

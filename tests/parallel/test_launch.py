@@ -159,7 +159,8 @@ def test_distributed_init_unreachable_coordinator_fails_in_seconds():
         timeout=LIMIT)
     assert done.returncode == 0, done.stderr[-2000:]
     kind, seconds, message = done.stdout.split(" ", 2)
-    assert kind == "TimeoutError" and int(seconds) <= 5
+    # The 2 s asked for, plus start-up on a loaded machine: not JAX's own 300 s.
+    assert kind == "TimeoutError" and int(seconds) < 60
     assert f"no coordinator answered at 127.0.0.1:{port} within 2 s" in message
     assert "Process 0 serves it" in message
 
@@ -170,11 +171,11 @@ def test_distributed_init_port_in_use():
         held.listen()
         port = held.getsockname()[1]
         done = subprocess.run([sys.executable, "-c", textwrap.dedent(INIT.format(
-            args=f"'127.0.0.1:{port}', 2, 0, timeout=2"))], capture_output=True, text=True,
-            timeout=LIMIT)
+            args=f"'127.0.0.1:{port}', 2, 0, timeout=120"))], capture_output=True,
+            text=True, timeout=3 * LIMIT)
     assert done.returncode == 0, done.stderr[-2000:]
     kind, seconds, message = done.stdout.split(" ", 2)
-    assert kind == "OSError" and int(seconds) <= 3  # at once, not after JAX's timeout
+    assert kind == "OSError" and int(seconds) < 60  # at once, not after the 120 s timeout
     assert f"port {port} is in use" in message and "funcgrad launch --port" in message
 
 

@@ -80,8 +80,15 @@ def test_mesh_errors_name_the_fix():
         fg.data_parallel(fg.make_train_step(_loss, tx, jit=False), fg.data_mesh())
     with pytest.raises(ValueError, match="detect_anomaly"):
         fg.data_parallel(fg.detect_anomaly(fg.make_train_step(_loss, tx)), fg.data_mesh())
-    with pytest.raises(ValueError, match="shard_opt_state=True.*pass mesh="):
-        fg.make_train_step(_loss, tx)
+    with pytest.raises(TypeError, match=r"shard_opt_state= is no longer a keyword; wrap the "
+                                        r"step: funcgrad\.data_parallel\(step, mesh, "
+                                        r"shard_opt_state=True\)"):
+        fg.make_train_step(_loss, tx, shard_opt_state=True)
+    with pytest.raises(ValueError, match="already data-parallel"):
+        fg.data_parallel(fg.data_parallel(fg.make_train_step(_loss, tx), fg.data_mesh()),
+                         fg.data_mesh())
+    with pytest.raises(TypeError, match="expected a TrainStep"):
+        fg.data_parallel(_loss, fg.data_mesh())
 
 
 @pytest.mark.parametrize("shape, size, spec", [
@@ -244,7 +251,7 @@ SIMULATED = textwrap.dedent("""
     loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
     tx = optax.adam(1e-3)
     mesh = fg.data_mesh()
-    step = fg.make_train_step(loss, tx, clip_norm=1.0, mesh=mesh)
+    step = fg.data_parallel(fg.make_train_step(loss, tx, clip_norm=1.0), mesh)
     state = fg.init_train_state(params, tx)
     batch = {"x": jax.ShapeDtypeStruct((32, 64), np.float32),
              "y": jax.ShapeDtypeStruct((32,), np.int32)}
@@ -259,12 +266,14 @@ SIMULATED = textwrap.dedent("""
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
     per_example = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
         fg.mlp_apply(p, b["x"]), b["y"])
-    accumulating = fg.make_train_step(per_example, tx, accumulate=4, mesh=mesh)
+    accumulating = fg.data_parallel(fg.make_train_step(fg.accumulate(per_example, 4), tx),
+                                    mesh)
     stacked = {"x": jax.ShapeDtypeStruct((16, 8, 64), np.float32, sharding=rows),
                "y": jax.ShapeDtypeStruct((16, 8), np.int32, sharding=rows)}
     out["accumulating"] = fg.collectives(accumulating, state, stacked).to_dict()
     # ZeRO-1: the compiled step's argument bytes per device, with and without.
-    zero = fg.make_train_step(loss, tx, clip_norm=1.0, mesh=mesh, shard_opt_state=True)
+    zero = fg.data_parallel(fg.make_train_step(loss, tx, clip_norm=1.0), mesh,
+                            shard_opt_state=True)
     placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           jax.eval_shape(lambda s: s, state), zero.state_shardings(state))
     out["zero"] = fg.collectives(zero, placed, batch).to_dict()

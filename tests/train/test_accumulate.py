@@ -177,7 +177,7 @@ def test_temp_memory_does_not_grow_with_the_number_of_micro_batches():
     assert full16.temp_size_in_bytes > 2 * full4.temp_size_in_bytes
 
 
-# --- make_train_step(accumulate=K): tail policies, one optimizer run per update ---------------
+# --- make_train_step(fg.accumulate(loss, K)): tail policies, one optimizer run per update -----
 
 SIZES = [4, 4, 4, 4, 3]  # five micro-batches, the last one short; accumulate=2 leaves one over
 

@@ -1,8 +1,8 @@
 """Dynamic loss scaling: the scale's schedule, skipped steps, unscaling before clipping, and the
 state as a pytree. Every expected value is derived by hand in a comment (or by PyTorch).
 
-The train steps here are ``make_train_step(..., compute_dtype=..., loss_scale=ls)`` over
-``init_train_state(..., loss_scale=ls)``."""
+The train steps here are ``make_train_step(fg.mixed_precision(loss, dtype, loss_scale=ls), tx)``,
+their states from ``init_train_state(..., loss_scale=ls)`` (what ``step.init`` builds)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
