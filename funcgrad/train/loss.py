@@ -50,8 +50,8 @@ class Precision(NamedTuple):
     compute_dtype: Any
     loss_scale: Any = None  # a funcgrad.LossScale, or None
 
-    def __repr__(self) -> str:
-        scale = "" if self.loss_scale is None else f", loss_scale={self.loss_scale!r}"
+    def __repr__(self) -> str:  # a LossScale is two functions: named, not printed
+        scale = "" if self.loss_scale is None else ", loss_scale"
         return f"mixed_precision({jnp.dtype(self.compute_dtype).name}{scale})"
 
 
@@ -98,6 +98,11 @@ class Loss:
         if isinstance(fn, Loss):
             raise TypeError("Loss(fn): fn is already a funcgrad.Loss; use funcgrad.as_loss(fn) "
                             "to accept either.")
+        if getattr(fn, "_is_train_step", False):
+            raise TypeError("a TrainStep was given where a loss is expected: the loss pieces "
+                            "(funcgrad.Loss, mixed_precision, accumulate) and make_train_step "
+                            "take the loss function; apply them to it, then build the step "
+                            "(make_train_step(fg.mixed_precision(loss_fn, ...), optimizer)).")
         if not callable(fn):
             raise TypeError(f"Loss(fn): fn must be the loss function, got "
                             f"{type(fn).__name__}.")

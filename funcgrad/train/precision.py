@@ -344,7 +344,15 @@ def mixed_precision(loss_fn: Any, compute_dtype: Any, *,
     from funcgrad.train.loss import Precision, as_loss
 
     loss = as_loss(loss_fn)
+    if compute_dtype is None:
+        raise TypeError("mixed_precision: compute_dtype is None; pass jnp.bfloat16 or "
+                        "jnp.float16 (or leave the loss as it is for the params' own dtype).")
     dtype = _floating_dtype(compute_dtype, "mixed_precision")
+    if jnp.finfo(dtype).bits > 32:
+        raise ValueError(f"mixed_precision: compute dtype {dtype.name} is wider than the "
+                         "float32 params it would be cast from; mixed precision computes in "
+                         "jnp.bfloat16 or jnp.float16 (float64 checks are check_grads', "
+                         "scoped with jax.experimental.enable_x64).")
     if loss_scale is not None and not isinstance(loss_scale, LossScale):
         raise TypeError(f"mixed_precision: loss_scale must be a LossScale, e.g. "
                         f"loss_scale=funcgrad.dynamic_loss_scale() (called), got "

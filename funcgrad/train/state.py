@@ -64,7 +64,8 @@ def _check_kinds(monitor: Any, loss_scale: Any) -> None:
 def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
                      trainable: PyTree | None = None, loss_scale: LossScale | None = None,
                      monitor: GradMonitor | None = None, model_state: PyTree = None,
-                     seed: int | None = None, key: jax.Array | None = None) -> TrainState:
+                     seed: int | None = None, key: jax.Array | None = None,
+                     _where: str = "init_train_state") -> TrainState:
     """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
 
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
@@ -88,21 +89,21 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     compile float16 (an x86 CPU without F16C: `funcgrad._platform`).
     """
     _check_kinds(monitor, loss_scale)
-    check_optimizer("init_train_state", optimizer)
-    check_params("init_train_state", params)  # equinox / nnx objects: the fix, not optax's error
-    base_key = _base_key(seed, key)
+    check_optimizer(_where, optimizer)
+    check_params(_where, params)  # equinox / nnx objects: the fix, not optax's error
+    base_key = _base_key(seed, key, _where)
     half = first_half_leaf(params)
     if half is not None:
-        require_dtype_compiles(half[1], "init_train_state", f"params{half[0]}")
+        require_dtype_compiles(half[1], _where, f"params{half[0]}")
     if model_state is not None:
-        _check_model_state(model_state)
+        _check_model_state(model_state, _where)
     optimizer = make_optimizer(optimizer)
     if trainable is not None:
         optimizer = freeze(optimizer, trainable)
     mask = _trainable_of(optimizer)
     if mask is not None:  # the monitor skips layers frozen by trainable= or by fg.freeze
         mask = jax.tree.unflatten(jax.tree.structure(params),
-                                  _leaf_flags(mask, params, "init_train_state"))
+                                  _leaf_flags(mask, params, _where))
     return TrainState(params=params, opt_state=optimizer.init(params),
                       step=jnp.zeros((), jnp.int32),
                       loss_scale=None if loss_scale is None else loss_scale.init(),
@@ -110,13 +111,13 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
                       model_state=model_state, key=base_key)
 
 
-def _base_key(seed: Any, key: Any) -> jax.Array | None:
+def _base_key(seed: Any, key: Any, where: str = "init_train_state") -> jax.Array | None:
     """The state's base PRNG key from `seed` or `key` (at most one)."""
     if seed is not None and key is not None:
-        raise ValueError("init_train_state: give seed= or key=, not both.")
+        raise ValueError(f"{where}: give seed= or key=, not both.")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"init_train_state: seed must be an int, got {seed!r}; or pass "
+            raise TypeError(f"{where}: seed must be an int, got {seed!r}; or pass "
                             "key=jax.random.key(seed).")
         return jax.random.key(int(seed))
     if key is None:
@@ -125,16 +126,16 @@ def _base_key(seed: Any, key: Any) -> jax.Array | None:
     typed = jnp.issubdtype(dtype, jax.dtypes.prng_key)
     raw = dtype == jnp.uint32 and jnp.shape(key)[-1:] == (2,)
     if not (typed and jnp.shape(key) == ()) and not (raw and jnp.ndim(key) == 1):
-        raise TypeError(f"init_train_state: key must be one PRNG key (jax.random.key(0), or "
+        raise TypeError(f"{where}: key must be one PRNG key (jax.random.key(0), or "
                         f"a raw jax.random.PRNGKey(0)), got {dtype} of shape {jnp.shape(key)}.")
     return jnp.asarray(key)
 
 
-def _check_model_state(model_state: PyTree) -> None:
+def _check_model_state(model_state: PyTree, where: str = "init_train_state") -> None:
     """TypeError naming a model-state leaf that is not an array (it is a jit and scan carry)."""
     for path, leaf in zip(key_paths(model_state), jax.tree.leaves(model_state)):
         if not hasattr(leaf, "dtype") and not isinstance(leaf, (int, float, bool)):
-            raise TypeError(f"init_train_state: model_state{keystr(path)} is a "
+            raise TypeError(f"{where}: model_state{keystr(path)} is a "
                             f"{type(leaf).__name__}; the model state must be a pytree of "
                             "arrays (keep functions and settings out of it, in the loss).")
 
@@ -152,7 +153,7 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
                  loss_scale: LossScale | None = None, monitor: GradMonitor | None = None,
                  loss: Loss | None = None) -> None:
     if not isinstance(state, TrainState):
-        raise TypeError(f"the step takes a TrainState (from init_train_state), got "
+        raise TypeError(f"the step takes a TrainState (from step.init(params)), got "
                         f"{type(state).__name__}.")
     if loss is not None:
         if loss.has_state and state.model_state is None:

@@ -79,6 +79,9 @@ class TrainStep:
       detect_anomaly: whether a non-finite step is located (`funcgrad.detect_anomaly`).
       parallel: the data-parallel placement (`funcgrad.data_parallel`), or None.
     """
+    #: Tells the loss pieces that a TrainStep is not a loss (`funcgrad.train.loss`).
+    _is_train_step = True
+
     loss: Loss
     optimizer: optax.GradientTransformation
     trainable: PyTree = None
@@ -177,7 +180,7 @@ class TrainStep:
             seed = 0
         return init_train_state(params, self.optimizer, loss_scale=self.loss_scale,
                                 monitor=self.monitor, model_state=model_state, seed=seed,
-                                key=key)
+                                key=key, _where="TrainStep.init")
 
     def update(self, state: TrainState, batch: Batch, mask: jax.Array | None = None
                ) -> tuple[TrainState, dict[str, Any]]:
