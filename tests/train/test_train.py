@@ -278,7 +278,9 @@ def test_half_precision_params_without_compute_dtype_warn_once():
     params = {"w": jnp.ones(3, jnp.bfloat16)}
     step = fg.make_train_step(lambda p, b: jnp.sum(p["w"].astype(jnp.float32) ** 2), tx)
     state = fg.init_train_state(params, tx)
-    with pytest.warns(RuntimeWarning, match=r"params\['w'\] is bfloat16.*compute_dtype="):
+    with pytest.warns(RuntimeWarning, match=r"params\['w'\] is bfloat16.*train "
+                                             r"funcgrad\.mixed_precision\(loss_fn, "
+                                             r"jnp\.bfloat16\)"):
         state, _ = step(state, {})
     # Hand: w - 1e-4 * 2w = 0.9998; the bfloat16 numbers around it are 1 - 2**-8 = 0.99609
     # and 1, and 0.9998 is nearer 1: the update rounds away, as the warning says.
