@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     from funcgrad.train.loss import Loss as Loss
     from funcgrad.train.loss import LossOutput as LossOutput
     from funcgrad.train.loss import as_loss as as_loss
-    from funcgrad.train.masks import freeze as freeze
+    from funcgrad.train.masks import train_only as train_only
     from funcgrad.train.masks import requires_grad as requires_grad
     from funcgrad.train.masks import trainable_mask as trainable_mask
     from funcgrad.train.masks import value_and_grad_trainable as value_and_grad_trainable
@@ -93,7 +93,13 @@ if TYPE_CHECKING:
     from funcgrad.train.monitor import GradMonitor as GradMonitor
     from funcgrad.train.monitor import MonitorMetrics as MonitorMetrics
     from funcgrad.train.monitor import MonitorState as MonitorState
-    from funcgrad.train.monitor import grad_monitor as grad_monitor
+    from funcgrad.train.transforms import ClipState as ClipState
+    from funcgrad.train.transforms import MonitorTransformation as MonitorTransformation
+    from funcgrad.train.transforms import ZeroNonfiniteState as ZeroNonfiniteState
+    from funcgrad.train.transforms import clip_by_global_norm as clip_by_global_norm
+    from funcgrad.train.transforms import grad_monitor as grad_monitor
+    from funcgrad.train.transforms import recorded as recorded
+    from funcgrad.train.transforms import zero_nonfinite as zero_nonfinite
     from funcgrad.train.monitor import monitor_alerts as monitor_alerts
     from funcgrad.train.monitor import with_dead_relu as with_dead_relu
     from funcgrad.train.nn import MLPParams as MLPParams
@@ -141,7 +147,7 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str):
     import importlib
 
-    if name not in _LAZY and name in _MOVED:  # funcgrad.masks.freeze without an import
+    if name not in _LAZY and name in _MOVED:  # funcgrad.masks.train_only without an import
         return importlib.import_module(f"funcgrad.{name}")
     module = _LAZY.get(name)
     if module is None:
@@ -166,7 +172,7 @@ _warn_if_untested()
 from types import ModuleType as _ModuleType  # noqa: E402  (the type of every module)
 
 # Modules that moved into the subpackages (check, debug, train) keep their old dotted names:
-# ``funcgrad.masks.freeze`` and ``import funcgrad.monitor`` still work, each importing the
+# ``funcgrad.masks.train_only`` and ``import funcgrad.monitor`` still work, each importing the
 # module it names when first asked for, as the names above do.
 _MOVED = {
     "check_report": "check.report", "testing": "check.testing", "manual": "check.manual",

@@ -28,7 +28,7 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
     from funcgrad.train.coupling import CoupledExamplesWarning
     from funcgrad.train.data import load_digits
     from funcgrad.train.loop import fit
-    from funcgrad.train.monitor import grad_monitor
+    from funcgrad.train.transforms import grad_monitor
     from funcgrad.train.optimizers import make_optimizer
     from funcgrad.train.precision import dynamic_loss_scale
 
@@ -227,7 +227,14 @@ def _step(args: Any, loss: Any, tx: Any, compute_dtype: Any, loss_scale: Any,
         loss = mixed_precision(loss, compute_dtype, loss_scale=loss_scale)
     if accumulate is not None:
         loss = accumulating(loss, accumulate)
-    step = make_train_step(loss, tx, clip_norm=args.clip_norm, monitor=monitor)
+    import optax
+
+    from funcgrad.train.transforms import clip_by_global_norm
+
+    pieces = [monitor] if monitor is not None else []  # the monitor first: the raw gradient
+    if args.clip_norm:
+        pieces.append(clip_by_global_norm(args.clip_norm))
+    step = make_train_step(loss, optax.chain(*pieces, tx) if pieces else tx)
     if args.detect_anomaly:
         step = detect_anomaly(step)
     if mesh is not None:

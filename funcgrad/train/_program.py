@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from funcgrad._traced import naming_traced_values
 from funcgrad.train._anomaly import (
@@ -20,15 +21,12 @@ from funcgrad.train._anomaly import (
 from funcgrad.train._stages import (
     Update,
     chain,
-    clip_stage,
     differentiate,
     finish,
     guard_stage,
     loss_scale_stage,
-    monitor_stage,
     norm_stage,
     optimizer_stage,
-    zero_nonfinite_stage,
 )
 from funcgrad.train.accumulate import make_accumulating_step
 from funcgrad.train.loss import Loss
@@ -36,6 +34,7 @@ from funcgrad.train.masks import _leaf_flags, check_differentiable, value_and_gr
 from funcgrad.train.optimizers import applied_learning_rate, warn_unreported_schedule
 from funcgrad.train.precision import LossScaleState, first_half_leaf
 from funcgrad.train.state import TrainState, _check_state
+from funcgrad.train.transforms import MonitorState, check_records, recorded, records
 
 if TYPE_CHECKING:
     from funcgrad.train.step import TrainStep
@@ -57,7 +56,9 @@ def _build(spec: TrainStep) -> _Built:
     and unguarded variants `fit` runs, and the explanation of a skipped update."""
     loss, optimizer, trainable = spec.loss, spec.optimizer, spec.trainable
     compute_dtype, loss_scale = spec.compute_dtype, spec.loss_scale
-    accumulate, monitor, nonfinite = spec.accumulate, spec.monitor, spec.nonfinite
+    accumulate = spec.accumulate
+    # Extra arguments reach the chain's transformations (the loss as optax's ``value``).
+    optimizer = optax.with_extra_args_support(optimizer)
     mesh, data_axis = spec.mesh, spec.data_axis or "data"
     # The user's function, named in errors about traced values used as Python values.
     traced_named = naming_traced_values(loss.fn, "the train step", ("params", "batch"), (0,))
@@ -65,12 +66,13 @@ def _build(spec: TrainStep) -> _Built:
                  takes_key=loss.takes_key)
     value_and_grad = (functools.partial(value_and_grad_trainable, mask=trainable)
                       if trainable is not None else _value_and_grad_checked)
-    # Dead ReLUs come from interpreting the loss's jaxpr; the mixed-precision and accumulating
-    # paths differentiate their own wrappers of it, so there the monitor has norms only.
-    dead_relu = (monitor is not None and monitor.dead_relu and compute_dtype is None
-                 and loss_scale is None and accumulate is None)
+    # Dead ReLUs come from interpreting the loss's jaxpr; the accumulating path differentiates
+    # its own wrapper of it per micro-batch, so there the monitor has norms only and says so.
+    monitor_note = ("" if accumulate is None else
+                    "dead ReLUs are not measured under funcgrad.accumulate (each micro-batch "
+                    "is differentiated in its own scan step); train without it to see them")
     grads_of = differentiate(plain, value_and_grad=value_and_grad, compute_dtype=compute_dtype,
-                             scaled=loss_scale is not None, dead_relu=dead_relu)
+                             scaled=loss_scale is not None)
     gather_updates = spec.parallel.gather_updates() if spec.parallel is not None else None
 
     def apply_update(state: TrainState, loss_value: jax.Array, grads: PyTree, *,
@@ -85,21 +87,21 @@ def _build(spec: TrainStep) -> _Built:
         update = Update(state=state, loss=loss_value, grads=grads, model_state=model_state,
                         aux=aux, dead=dead, flags=flags)
         chain(
-            monitor_stage(monitor, stacked=accumulate is not None) if monitor else None,
-            zero_nonfinite_stage if nonfinite == "zero" else None,
+            optimizer_stage(optimizer, applied_learning_rate, gather_updates, monitor_note),
             norm_stage,
-            clip_stage(spec.clip_norm) if spec.clip_norm is not None else None,
-            optimizer_stage(optimizer, applied_learning_rate, gather_updates),
-            guard_stage(zero=nonfinite == "zero", locate=locate, optimistic=optimistic),
+            guard_stage(locate=locate, optimistic=optimistic),
             loss_scale_stage(loss_scale) if loss_scale is not None else None,
         )(update)
+        if update.monitor is not None and accumulate is None:  # its values leave the step
+            update.monitor = update.monitor._detached()  # once, in the new state
         # Under accumulation the aux is per micro-batch (make_accumulating_step adds it).
         return finish(update, has_aux=loss.has_aux and accumulate is None)
 
     said_unreported: list[bool] = []  # the unreadable-schedule warning, once per step
 
     def entry_checks(state: TrainState) -> None:
-        _check_state(state, optimizer, loss_scale, monitor, loss)
+        _check_state(state, optimizer, loss_scale, loss)
+        check_records(records(state.opt_state), loss_scale)
         if compute_dtype is None:
             _warn_half_params(state.params)
         if not said_unreported:
@@ -135,7 +137,8 @@ def _build(spec: TrainStep) -> _Built:
                      else jnp.ones((), jnp.float32) if loss_scale is None
                      else cast(LossScaleState, state.loss_scale).scale)
             loss_value, grads, model_state, aux, dead = grads_of(
-                state.params, batch, state.model_state if loss.has_state else None, key, scale)
+                state.params, batch, state.model_state if loss.has_state else None, key, scale,
+                dead_relu=_wants_dead_relu(state.opt_state))
             return apply(state, loss_value, grads, model_state=model_state, aux=aux, dead=dead)
         return step
 
@@ -143,7 +146,7 @@ def _build(spec: TrainStep) -> _Built:
     out: Any = step if not spec.jit else jax.jit(step)
     if spec.parallel is not None:  # the same step jitted with the state replicated, the rows
         out = spec.parallel.jit(step, accumulate)  # split (funcgrad.data_parallel)
-    if monitor is not None and accumulate is None:
+    if accumulate is None:
         out = _attach_monitor(out)
     if spec.detect_anomaly:
         out = (_detecting_anomalies(out, loss, trainable, compute_dtype) if accumulate is None
@@ -172,10 +175,17 @@ def _attach_monitor(step: Callable) -> Callable:
     """`step`, with metrics["monitor"] completed with the new state's monitor values."""
     def stepped(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         new_state, metrics = step(state, batch)
-        metrics["monitor"].values = new_state.monitor.values  # a fresh object every call
+        if "monitor" in metrics:  # a fresh object every call
+            metrics["monitor"].values = recorded(new_state.opt_state)["monitor_state"].values
         return new_state, metrics
 
     return functools.wraps(step)(stepped)
+
+
+def _wants_dead_relu(opt_state: Any) -> bool:
+    """Whether a `funcgrad.grad_monitor` in the chain records dead ReLUs (at trace time)."""
+    return any(isinstance(r, MonitorState) and r.monitor is not None and r.monitor.dead_relu
+               for r in records(opt_state))
 
 
 def _value_and_grad_checked(fn: Callable, **kwargs) -> Callable:

@@ -9,14 +9,14 @@ stage rather than branches through one function. In order:
    contract of `funcgrad.train.loss`, its gradient w.r.t. the trained leaves (all, or those of a
    ``trainable`` mask), in a compute dtype and at a loss scale when asked, plus the new model
    state, the aux and the dead ReLUs of a monitored step;
-2. `monitor_stage`: per-leaf and per-layer statistics of the raw gradient (and the global norm);
-3. `zero_nonfinite_stage`: ``nonfinite="zero"`` zeroes the gradient leaves holding NaN/inf;
-4. `norm_stage`: the global norm of the trained leaves' gradient;
-5. `clip_stage`: clipping by global norm;
-6. `optimizer_stage`: the optax update and the new params;
-7. `guard_stage`: the update is applied only if the loss, the norm, every trained leaf's new
+2. `optimizer_stage`: the optax update (the user's chain, where clipping, zeroing of
+   non-finite leaves and the gradient monitor are transformations: `funcgrad.train.transforms`)
+   and the new params; the chain's records become metrics;
+3. `norm_stage`: the global norm of the gradient (the pre-clip norm the chain recorded, else
+   that of the trained leaves);
+4. `guard_stage`: the update is applied only if the loss, the norm, every trained leaf's new
    value and the new model state are finite (a `jnp.where` per leaf, no host round trip);
-8. `loss_scale_stage`: the dynamic loss scale's update.
+5. `loss_scale_stage`: the dynamic loss scale's update.
 `finish` turns the record into ``(TrainState, metrics)``.
 """
 from __future__ import annotations
@@ -29,14 +29,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from funcgrad.train.clipping import (
-    all_finite,
-    clip_by_global_norm,
-    global_norm,
-    zero_nonfinite_leaves,
-)
+from funcgrad.train.clipping import all_finite, global_norm
 from funcgrad.train.loss import Loss
 from funcgrad.train.precision import scaled_value_and_grad
+from funcgrad.train.transforms import ZeroNonfiniteState, keep_records, recorded, records
 
 PyTree = Any
 
@@ -58,7 +54,7 @@ class Update:
     flags: Sequence[bool]
     metrics: dict = dataclasses.field(default_factory=dict)
     grad_norm: jax.Array | None = None
-    monitor_state: Any = None
+    monitor: Any = None
     grads_ok: jax.Array | None = None
     updates: PyTree = None
     new_params: PyTree = None
@@ -93,9 +89,9 @@ def chain(*stages: Stage | None) -> Callable[[Update], Update]:
 
 
 def differentiate(loss: Loss, *, value_and_grad: Callable, compute_dtype: Any = None,
-                  scaled: bool = False, dead_relu: bool = False) -> Callable:
-    """Returns ``f(params, batch, model_state, key, scale) -> (loss, grads, model_state, aux,
-    dead)``: the loss under its contract and its gradient w.r.t. `params`.
+                  scaled: bool = False) -> Callable:
+    """Returns ``f(params, batch, model_state, key, scale, dead_relu=False) -> (loss, grads,
+    model_state, aux, dead)``: the loss under its contract and its gradient w.r.t. `params`.
 
     `value_and_grad` is ``jax.value_and_grad`` or one with its signature (a trainable mask's).
     With `compute_dtype` or `scaled`, the pass runs in `compute_dtype` (float32 if None) at
@@ -109,7 +105,7 @@ def differentiate(loss: Loss, *, value_and_grad: Callable, compute_dtype: Any = 
 
     mixed = compute_dtype is not None or scaled
 
-    def grads_of(params, batch, model_state, key, scale):
+    def grads_of(params, batch, model_state, key, scale, dead_relu=False):
         def objective(p, b):
             out = loss(p, b, model_state=model_state, key=key)
             _check_scalar(out.loss)
@@ -147,62 +143,46 @@ def _check_scalar(loss: Any) -> None:
                          "accumulate=K) return the per-example losses instead).")
 
 
-def monitor_stage(monitor: Any, *, stacked: bool) -> Stage:
-    """The gradient monitor on the raw gradient; its fused sums give the global norm."""
-    def stage(u: Update) -> None:
-        floating = jax.tree.map(
-            lambda g: g if jnp.issubdtype(jnp.result_type(g), jnp.inexact)
-            else jnp.zeros(jnp.shape(g), jnp.float32), u.grads)
-        u.monitor_state, report = monitor.update(u.state.monitor, floating, loss=u.loss,
-                                                 dead_relu=u.dead)
-        u.grad_norm = report.grad_norm
-        # The packed values leave the step once, in the new state (see
-        # funcgrad.train.monitor.MonitorState); under the accumulating scan each update's metrics
-        # are stacked, so there they keep their values.
-        u.metrics["monitor"] = report if stacked else report._detached()
-    return stage
-
-
-def zero_nonfinite_stage(u: Update) -> None:
-    """``nonfinite="zero"``: the trained gradient leaves holding NaN/inf become zeros; the norm
-    reported and clipped against is then that of the gradient applied."""
-    trained, u.metrics["nonfinite_leaves"] = zero_nonfinite_leaves(u.trained())
-    u.with_trained(trained)
-    u.grad_norm = None
-
-
 def norm_stage(u: Update) -> None:
-    """The global norm of the trained leaves' gradient (unless the monitor computed it)."""
+    """The global norm of the gradient (after `optimizer_stage`): the pre-clip norm a
+    `funcgrad.clip_by_global_norm` in the chain recorded, else that of the trained leaves."""
     if u.grad_norm is None:
         u.grad_norm = global_norm(u.trained())
     u.metrics["grad_norm"] = u.grad_norm
 
 
-def clip_stage(clip_norm: float) -> Stage:
+def optimizer_stage(optimizer: optax.GradientTransformationExtraArgs,
+                    learning_rate_of: Callable, gather: Callable | None = None,
+                    monitor_note: str = "") -> Stage:
+    """The optax update (given the loss as optax's ``value`` extra argument) and the new
+    params; the records of funcgrad's transformations in the chain (`funcgrad.train.transforms`)
+    become metrics. `gather`: applied to the updates first (the optimizer state sharded
+    ZeRO-1 style gives sharded updates; `gather` replicates them, one all-gather, before
+    anything reads them: `funcgrad.parallel.zero`)."""
     def stage(u: Update) -> None:
-        trained, info = clip_by_global_norm(u.trained(), clip_norm, grad_norm=u.grad_norm)
-        u.with_trained(trained)
-        u.metrics["clip_coef"] = info.clip_coef
-    return stage
-
-
-def optimizer_stage(optimizer: optax.GradientTransformation,
-                    learning_rate_of: Callable, gather: Callable | None = None) -> Stage:
-    """The optax update and the new params. `gather`: applied to the updates first (the
-    optimizer state sharded ZeRO-1 style gives sharded updates; `gather` replicates them, one
-    all-gather, before anything reads them: `funcgrad.parallel.zero`)."""
-    def stage(u: Update) -> None:
-        u.updates, u.opt_state = optimizer.update(u.grads, u.state.opt_state, u.state.params)
+        u.updates, u.opt_state = optimizer.update(u.grads, u.state.opt_state, u.state.params,
+                                                  value=u.loss)
         if gather is not None:
             u.updates = gather(u.updates)
         if (rate := learning_rate_of(u.opt_state)) is not None:
             u.metrics["learning_rate"] = rate
         u.new_params = optax.apply_updates(u.state.params, u.updates)
+        got = recorded(u.opt_state)
+        if "grad_norm" in got:
+            u.grad_norm = got["grad_norm"]
+            u.metrics["clip_coef"] = got["clip_coef"]
+        if "nonfinite_leaves" in got:
+            u.metrics["nonfinite_leaves"] = got["nonfinite_leaves"]
+        if "monitor_state" in got:
+            mstate = got["monitor_state"]
+            wanted = mstate.monitor.dead_relu and u.dead is None
+            u.monitor = mstate.metrics(u.dead, dead_relu_note=monitor_note if wanted else "")
     return stage
 
 
-def guard_stage(*, zero: bool, locate: bool, optimistic: bool = False) -> Stage:
-    """Applies the update only when it is finite: loss, global norm (unless ``zero``), every
+def guard_stage(*, locate: bool, optimistic: bool = False) -> Stage:
+    """Applies the update only when it is finite: loss, global norm (unless the chain has a
+    `funcgrad.zero_nonfinite`, which zeroes the non-finite gradient leaves first), every
     trained leaf's new value and every floating leaf of the new model state. A skipped update
     leaves params, optimizer state and model state as they were.
 
@@ -213,6 +193,7 @@ def guard_stage(*, zero: bool, locate: bool, optimistic: bool = False) -> Stage:
     1.1M-parameter MLP, 1.55-1.78x at batch 32. A ``lax.cond`` measured 1.8x.
     """
     def stage(u: Update) -> None:
+        zero = any(isinstance(r, ZeroNonfiniteState) for r in records(u.state.opt_state))
         u.grads_ok = jnp.isfinite(u.loss) & (
             jnp.bool_(True) if zero
             else jnp.isfinite(cast(jax.Array, u.grad_norm)))  # set by norm_stage, run before
@@ -236,9 +217,10 @@ def guard_stage(*, zero: bool, locate: bool, optimistic: bool = False) -> Stage:
         new = (u.new_params, u.opt_state, u.model_state)
         if u.model_state is None:
             old, new = old[:2] + (None,), new[:2] + (None,)
-        if not optimistic:
-            u.new_params, u.opt_state, u.model_state = jax.tree.map(
-                lambda n, o: jnp.where(ok, n, o), new, old)
+        if not optimistic:  # the records of the chain keep their new values (keep_records)
+            u.new_params, u.model_state = jax.tree.map(
+                lambda n, o: jnp.where(ok, n, o), (new[0], new[2]), (old[0], old[2]))
+            u.opt_state = keep_records(new[1], old[1], ok)
         # "skipped" depends on the whole guard: the one output that tells a skip (a step
         # skipped for its update has a finite loss and norm).
         u.metrics["skipped"] = (~u.ok).astype(jnp.int32)
@@ -260,9 +242,10 @@ def finish(u: Update, *, has_aux: bool) -> tuple[Any, dict]:
     state = u.state._replace(
         params=u.new_params, opt_state=u.opt_state, step=u.state.step + 1,
         loss_scale=u.state.loss_scale if u.scale_state is None else u.scale_state,
-        monitor=u.state.monitor if u.monitor_state is None else u.monitor_state,
         model_state=u.model_state)
     metrics = {"loss": u.loss, **u.metrics}
+    if u.monitor is not None:
+        metrics["monitor"] = u.monitor
     if has_aux:
         metrics["aux"] = u.aux
     return state, metrics

@@ -146,8 +146,8 @@ def zero_nonfinite_leaves(tree: PyTree) -> tuple[PyTree, jax.Array]:
     return jax.tree.unflatten(treedef, kept), count
 
 
-def clip_by_global_norm(grads: PyTree, max_norm: float, *, zero_nonfinite: bool = False,
-                        grad_norm: jax.Array | None = None) -> tuple[PyTree, ClipInfo]:
+def clip_grads(grads: PyTree, max_norm: float, *, zero_nonfinite: bool = False,
+               grad_norm: jax.Array | None = None) -> tuple[PyTree, ClipInfo]:
     """Scales `grads` so that their global norm is at most `max_norm`, and says what it did.
 
     The scaling of ``optax.clip_by_global_norm(max_norm)`` and PyTorch's

@@ -8,7 +8,7 @@ for a whole subtree), ``True`` where a leaf is trainable. Three tools use it:
 * `value_and_grad_trainable` differentiates the trainable leaves only: frozen leaves reach `fn`
   as plain values, so JAX builds no tangent and keeps no residual for them, and their gradient
   is returned as exact zeros;
-* `freeze` wraps an optax optimizer so frozen leaves get exactly zero updates and no optimizer
+* `train_only` wraps an optax optimizer so frozen leaves get exactly zero updates and no optimizer
   state (``optax.partition``, also known as ``optax.multi_transform``, with
   ``optax.set_to_zero``): Adam's moments and AdamW's weight decay never touch them. The
   result carries its mask, so `funcgrad.train.step.make_train_step` treats it as ``trainable=``
@@ -248,8 +248,13 @@ def value_and_grad_trainable(fn: Callable, mask: PyTree, *,
     return value_and_grads
 
 
-def freeze(optimizer: optax.GradientTransformation, mask: PyTree) -> optax.GradientTransformation:
-    """Returns `optimizer` applied to the trainable leaves only; frozen leaves are left alone.
+def train_only(optimizer: optax.GradientTransformation,
+               trainable: PyTree) -> optax.GradientTransformation:
+    """Returns `optimizer` applied to the `trainable` leaves only; the others are left alone.
+
+    Every mask in funcgrad means the same: True = trained (`trainable_mask`, the step's
+    ``trainable=``). Note that ``optax.freeze(mask)`` reads its mask the other way round (True
+    = frozen); hence this name.
 
     Built on ``optax.partition`` (``optax.multi_transform``): trainable leaves go through
     `optimizer`, frozen ones through ``optax.set_to_zero()``. So for a frozen leaf the update is
@@ -258,15 +263,16 @@ def freeze(optimizer: optax.GradientTransformation, mask: PyTree) -> optax.Gradi
     shrinks it. ``optax.apply_updates`` then adds exact zeros, so a frozen leaf keeps its value
     bit for bit (IEEE addition of +0.0 changes nothing but the sign of a -0.0).
 
-    Given to `funcgrad.train.step.make_train_step`, a frozen optimizer acts as its
+    Given to `funcgrad.train.step.make_train_step`, it acts as the step's
     ``trainable=mask``: the frozen leaves are not differentiated, so the global norm (the
-    "grad_norm" metric), the clipping by `clip_norm`, the non-finite guard and the monitor
-    see only the gradient that is applied. A frozen leaf with a large gradient does not
-    shrink the clipped update of the others.
+    "grad_norm" metric), the non-finite guard and the transformations of the chain see only
+    the gradient that is applied. A frozen leaf with a large gradient does not shrink the
+    clipped update of the others.
 
     Args:
       optimizer: any optax ``GradientTransformation`` (e.g. ``optax.adam(1e-3)``).
-      mask: Python bools with the structure of the params or a prefix of it (`trainable_mask`).
+      trainable: Python bools (True = trained) with the structure of the params or a prefix
+        of it (`trainable_mask`).
     Returns:
       a `FrozenOptimizer`: an optax ``GradientTransformationExtraArgs`` with the mask as its
       ``trainable`` attribute; its ``init`` and ``update`` check `mask` against the params and
@@ -277,11 +283,12 @@ def freeze(optimizer: optax.GradientTransformation, mask: PyTree) -> optax.Gradi
       ValueError: at ``init``/``update``, if the mask's structure does not fit the params.
     """
     if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(f"freeze: optimizer must be an optax GradientTransformation such as "
-                        f"optax.adam(1e-3), got {type(optimizer).__name__}.")
+        raise TypeError(f"train_only: optimizer must be an optax GradientTransformation such "
+                        f"as optax.adam(1e-3), got {type(optimizer).__name__}.")
+    mask = trainable
 
     def labels(tree):
-        flags = _leaf_flags(mask, tree, "freeze")
+        flags = _leaf_flags(mask, tree, "train_only")
         return jax.tree.unflatten(jax.tree.structure(tree),
                                   ["trainable" if f else "frozen" for f in flags])
 
@@ -293,7 +300,7 @@ def freeze(optimizer: optax.GradientTransformation, mask: PyTree) -> optax.Gradi
 
 
 class FrozenOptimizer(optax.GradientTransformationExtraArgs):
-    """The optax transformation `freeze` returns; it also carries its mask as ``trainable``.
+    """The optax transformation `train_only` returns; it also carries its mask as ``trainable``.
 
     An ``optax.GradientTransformationExtraArgs`` (``init``, ``update``) like any other; the
     mask lets `funcgrad.train.step.make_train_step` see the freeze and treat it as its own
@@ -305,7 +312,7 @@ class FrozenOptimizer(optax.GradientTransformationExtraArgs):
 
 
 def frozen_masks(optimizer: Any) -> tuple[PyTree, ...]:
-    """The masks of the `freeze` calls wrapped around `optimizer`, outermost first; () if it is
+    """The masks of the `train_only` calls wrapped around `optimizer`, outermost first; () if it is
     not a `FrozenOptimizer` (a freeze hidden inside ``optax.chain`` is not seen)."""
     return getattr(optimizer, "_masks", ()) if isinstance(optimizer, FrozenOptimizer) else ()
 

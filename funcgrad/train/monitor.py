@@ -1,6 +1,6 @@
 """A gradient monitor: per-step gradient statistics and alerts, computed inside the jitted step.
 
-Every step, `GradMonitor.update` turns the gradients into one `MonitorMetrics`: the global norm,
+Every step, `GradMonitor.measure` turns the gradients into one `MonitorMetrics`: the global norm,
 the L2 norm, mean and standard deviation of every leaf, the norm of every layer (the leaves that
 share a parent container, e.g. ``params[0]``) and, with `with_dead_relu`, the share of each
 ReLU's units that are dead for the whole batch, plus the counters of a baseline and of
@@ -138,13 +138,24 @@ class MonitorState:
     steps, where a streak stops growing), ``clear_steps`` (per layer, consecutive steps up to
     the last one that it was *not* below the floor and the ratio; -1 when not watched).
     """
-    __slots__ = ("values", "layers")
+    __slots__ = ("values", "layers", "monitor", "names")
 
-    def __init__(self, values: jax.Array, layers: int):
-        self.values, self.layers = values, layers
+    def __init__(self, values: jax.Array, layers: int, monitor: GradMonitor | None = None,
+                 names: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())):
+        self.values, self.layers, self.monitor, self.names = values, layers, monitor, names
 
     def __repr__(self) -> str:
         return f"MonitorState(values={self.values!r}, layers={self.layers})"
+
+    def metrics(self, dead_relu: DeadReLU | None = None, *, has_loss: bool = True,
+                dead_relu_note: str = "") -> MonitorMetrics:
+        """The `MonitorMetrics` of the update that made this state (its values are this
+        state's), with the dead units of `dead_relu` (from `with_dead_relu`), if any;
+        `dead_relu_note` says why a monitor asked for them and has none."""
+        m = cast("GradMonitor", self.monitor)
+        return MonitorMetrics(self.values, tuple(dead_relu.dead) if dead_relu is not None
+                              else (), m._layout(self.names[0], self.names[1], dead_relu,
+                                                 has_loss, dead_relu_note))
 
     step = property(lambda self: _count_of(self.values))
     baseline_steps = property(
@@ -157,7 +168,8 @@ class MonitorState:
         ..., self.values.shape[-1] - self.layers:].astype(np.int32))
 
 
-jax.tree_util.register_dataclass(MonitorState, data_fields=["values"], meta_fields=["layers"])
+jax.tree_util.register_dataclass(MonitorState, data_fields=["values"],
+                                 meta_fields=["layers", "monitor", "names"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +179,9 @@ class MonitorLayout:
     Attributes:
       leaf_names: ``params[0]['w']``, ...; layer_names: ``params[0]``, ...; relu_names:
         ``relu 0 at nn.py:96:16 (mlp_apply)``, ...; then the `GradMonitor` settings, and
-        has_loss: whether `GradMonitor.update` was given a loss (a non-finite one raises the
-        nonfinite flag).
+        has_loss: whether `GradMonitor.measure` was given a loss (a non-finite one raises the
+        nonfinite flag); dead_relu_note: why a monitor that records dead ReLUs has none here
+        ("" when it has them, or was not asked to).
     """
     leaf_names: tuple[str, ...]
     layer_names: tuple[str, ...]
@@ -180,6 +193,7 @@ class MonitorLayout:
     dead_threshold: float
     has_loss: bool = True
     vanish_ratio: float = 0.01
+    dead_relu_note: str = ""
 
 
 class MonitorMetrics:
@@ -416,7 +430,8 @@ def _vector(*scalars: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class GradMonitor:
-    """The monitor's settings and its ``(init, update)`` pair of pure functions.
+    """The monitor's settings and its ``(init, measure)`` pair of pure functions (in an
+    optimizer's ``optax.chain``: `funcgrad.grad_monitor`).
 
     Attributes:
       warmup: steps whose finite global norms make the baseline (their mean; a norm that
@@ -488,9 +503,18 @@ class GradMonitor:
         values = np.full(slots.size, np.nan, _values_dtype(jax.tree.leaves(params)))
         values[[_COUNT, _BASELINE_STEPS, _BASELINE_TOTAL]] = 0  # count 0: all bits 0
         values[slots.below_floor:] = np.tile(np.where(watched, 0, -1), 2)  # and clear
-        return MonitorState(jnp.asarray(values), len(layer_names))
+        return MonitorState(jnp.asarray(values), len(layer_names), self,
+                            (leaf_names, layer_names))
 
-    def update(self, state: MonitorState, grads: PyTree, *,
+    def _layout(self, leaf_names: tuple[str, ...], layer_names: tuple[str, ...],
+                dead_relu: DeadReLU | None, has_loss: bool, note: str = "") -> MonitorLayout:
+        return MonitorLayout(
+            leaf_names, layer_names, dead_relu.names if dead_relu is not None else (),
+            self.warmup, float(self.explode_factor), float(self.vanish_floor),
+            self.vanish_steps, float(self.dead_threshold), has_loss,
+            float(self.vanish_ratio), note)
+
+    def measure(self, state: MonitorState, grads: PyTree, *,
                loss: jax.typing.ArrayLike | None = None,
                dead_relu: DeadReLU | None = None) -> tuple[MonitorState, MonitorMetrics]:
         """Statistics of one step's gradients; pure, meant to run inside ``jit``.
@@ -554,12 +578,9 @@ class GradMonitor:
         # of computing it beside it: see MonitorState.
         values = jax.lax.optimization_barrier(values)
         dead = tuple(dead_relu.dead) if dead_relu is not None else ()
-        metrics = MonitorMetrics(values, dead, MonitorLayout(
-            leaf_names, layer_names, dead_relu.names if dead_relu is not None else (),
-            self.warmup, float(self.explode_factor), float(self.vanish_floor),
-            self.vanish_steps, float(self.dead_threshold), has_loss,
-            float(self.vanish_ratio)))
-        return MonitorState(values, state.layers), metrics
+        metrics = MonitorMetrics(values, dead, self._layout(leaf_names, layer_names, dead_relu,
+                                                            has_loss))
+        return MonitorState(values, state.layers, self, state.names), metrics
 
 
 def _real(x) -> bool:
@@ -568,21 +589,6 @@ def _real(x) -> bool:
 
 def _count(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and bool(x >= 1)
-
-
-def grad_monitor(*, warmup: int = 10, explode_factor: float = 10.0, vanish_floor: float = 1e-6,
-                 vanish_steps: int = 10, dead_relu: bool = True,
-                 dead_threshold: float = 0.9, vanish_ratio: float = 0.01) -> GradMonitor:
-    """Returns a `GradMonitor` (see its attributes); ValueError names a setting out of range.
-
-    Example:
-      >>> monitor = grad_monitor(warmup=5)
-      >>> state = monitor.init(params)
-      >>> state, metrics = jax.jit(monitor.update)(state, grads)   # inside your train step
-      >>> for alert in monitor_alerts(metrics): print(alert)
-    """
-    return GradMonitor(warmup, explode_factor, vanish_floor, vanish_steps, dead_relu,
-                       dead_threshold, vanish_ratio)
 
 
 # --- alerts, on the host ------------------------------------------------------------------

@@ -12,8 +12,7 @@ from funcgrad._library_objects import check_optimizer, check_params
 from funcgrad._paths import key_paths, keystr
 from funcgrad._platform import require_dtype_compiles
 from funcgrad.train.loss import Loss
-from funcgrad.train.masks import _AllOf, _leaf_flags, freeze, frozen_masks
-from funcgrad.train.monitor import GradMonitor, MonitorState
+from funcgrad.train.masks import _AllOf, frozen_masks, train_only
 from funcgrad.train.optimizers import make_optimizer
 from funcgrad.train.precision import LossScale, LossScaleState, first_half_leaf
 
@@ -29,9 +28,6 @@ class TrainState(NamedTuple):
         step leaves params and optimizer state, hence e.g. Adam's own count, unchanged).
       loss_scale: the `funcgrad.train.precision.LossScaleState` of a step that scales the loss
         (``init_train_state(..., loss_scale=...)``), else None.
-      monitor: the `funcgrad.train.monitor.MonitorState` (gradient-norm baseline, vanishing
-        streaks) of a step made with ``monitor=`` (``init_train_state(..., monitor=...)``),
-        else None.
       model_state: the model's non-differentiated state (BatchNorm running statistics,
         counters), passed to a loss declared with ``has_state=True`` and replaced by the
         state it returns (`funcgrad.train.loss`); None without.
@@ -43,18 +39,14 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
     step: jax.Array
     loss_scale: LossScaleState | None = None
-    monitor: MonitorState | None = None
     model_state: PyTree = None
     key: jax.Array | None = None
 
 
 
 
-def _check_kinds(monitor: Any, loss_scale: Any) -> None:
-    """TypeError for a `monitor` or `loss_scale` of the wrong kind (True, an uncalled factory)."""
-    if monitor is not None and not isinstance(monitor, GradMonitor):
-        raise TypeError(f"monitor must be a GradMonitor, e.g. monitor=funcgrad.grad_monitor() "
-                        f"(called), got {type(monitor).__name__}.")
+def _check_kinds(loss_scale: Any) -> None:
+    """TypeError for a `loss_scale` of the wrong kind (True, an uncalled factory)."""
     if loss_scale is not None and not isinstance(loss_scale, LossScale):
         raise TypeError(f"loss_scale must be a LossScale, e.g. "
                         f"loss_scale=funcgrad.dynamic_loss_scale() (called), got "
@@ -63,24 +55,23 @@ def _check_kinds(monitor: Any, loss_scale: Any) -> None:
 
 def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
                      trainable: PyTree | None = None, loss_scale: LossScale | None = None,
-                     monitor: GradMonitor | None = None, model_state: PyTree = None,
+                     model_state: PyTree = None,
                      seed: int | None = None, key: jax.Array | None = None,
                      _where: str = "init_train_state") -> TrainState:
     """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
 
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
     With `trainable` (a mask from `funcgrad.train.masks.trainable_mask`) the optimizer is wrapped in
-    ``funcgrad.train.masks.freeze(optimizer, trainable)``, as `make_train_step` does with the same
-    mask: frozen leaves keep no optimizer state (an optimizer from ``funcgrad.freeze`` is
+    ``funcgrad.train.masks.train_only(optimizer, trainable)``, as `make_train_step` does with the same
+    mask: frozen leaves keep no optimizer state (an optimizer from ``funcgrad.train_only`` is
     already wrapped: give the step the same one). `loss_scale` (e.g.
     ``funcgrad.dynamic_loss_scale()``) adds its initial state; give `make_train_step` the same.
-    `monitor` (``funcgrad.grad_monitor()``) adds the monitor's state (layers whose leaves are
-    all frozen by `trainable` are not checked for vanishing); give `make_train_step` the same.
+    A `funcgrad.grad_monitor` in the optimizer's chain sees the trained leaves only.
     `model_state` (a pytree of arrays: BatchNorm's running statistics) is the initial model
     state for a loss declared with ``has_state=True``; `seed` (an int) or `key` (a PRNG key,
     typed ``jax.random.key(0)`` or raw ``jax.random.PRNGKey(0)``) is the base key of a loss
     declared with ``takes_key=True`` (`funcgrad.train.loss`; step s draws ``fold_in(key, s)``).
-    Raises TypeError for a `monitor` or `loss_scale` of the wrong kind (``monitor=True``), a
+    Raises TypeError for a `loss_scale` of the wrong kind, a
     `key` that is not a PRNG key or a `seed` that is not an int; ValueError if both `seed` and
     `key` are given. Raises TypeError for an ``nnx.Optimizer``, and for params that are an
     equinox module, an nnx Module, an nnx State with Variables other than ``nnx.Param``
@@ -88,7 +79,7 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
     it (`funcgrad._library_objects`). Raises RuntimeError for float16 params where XLA cannot
     compile float16 (an x86 CPU without F16C: `funcgrad._platform`).
     """
-    _check_kinds(monitor, loss_scale)
+    _check_kinds(loss_scale)
     check_optimizer(_where, optimizer)
     check_params(_where, params)  # equinox / nnx objects: the fix, not optax's error
     base_key = _base_key(seed, key, _where)
@@ -99,15 +90,10 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
         _check_model_state(model_state, _where)
     optimizer = make_optimizer(optimizer)
     if trainable is not None:
-        optimizer = freeze(optimizer, trainable)
-    mask = _trainable_of(optimizer)
-    if mask is not None:  # the monitor skips layers frozen by trainable= or by fg.freeze
-        mask = jax.tree.unflatten(jax.tree.structure(params),
-                                  _leaf_flags(mask, params, _where))
+        optimizer = train_only(optimizer, trainable)
     return TrainState(params=params, opt_state=optimizer.init(params),
                       step=jnp.zeros((), jnp.int32),
                       loss_scale=None if loss_scale is None else loss_scale.init(),
-                      monitor=None if monitor is None else monitor.init(params, trainable=mask),
                       model_state=model_state, key=base_key)
 
 
@@ -141,7 +127,7 @@ def _check_model_state(model_state: PyTree, where: str = "init_train_state") -> 
 
 
 def _trainable_of(optimizer: optax.GradientTransformation) -> PyTree | None:
-    """The trainable mask of an optimizer wrapped by `funcgrad.train.masks.freeze` (all its masks
+    """The trainable mask of an optimizer wrapped by `funcgrad.train.masks.train_only` (all its masks
     together when nested), or None."""
     masks = frozen_masks(optimizer)
     return None if not masks else masks[0] if len(masks) == 1 else _AllOf(masks)
@@ -150,8 +136,7 @@ def _trainable_of(optimizer: optax.GradientTransformation) -> PyTree | None:
 
 
 def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
-                 loss_scale: LossScale | None = None, monitor: GradMonitor | None = None,
-                 loss: Loss | None = None) -> None:
+                 loss_scale: LossScale | None = None, loss: Loss | None = None) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"the step takes a TrainState (from step.init(params)), got "
                         f"{type(state).__name__}.")
@@ -174,29 +159,21 @@ def _check_state(state: TrainState, optimizer: optax.GradientTransformation,
         raise ValueError("this step scales the loss but the TrainState has no loss-scale state. "
                          "Create it with step.init(params): the step makes the state its "
                          "pieces need (funcgrad.mixed_precision's loss scale).")
-    if monitor is not None and state.monitor is None:
-        raise ValueError("this step has a gradient monitor but the TrainState has no monitor "
-                         "state. Create it with step.init(params): the step makes the state "
-                         "its monitor needs.")
-    # The other way round the step would carry the state along unchanged: a monitor that
-    # never updates, a loss scale that never moves. Almost surely two different steps mixed.
+    # The other way round the step would carry the state along unchanged: a loss scale
+    # that never moves. Almost surely two different steps mixed.
     if loss_scale is None and state.loss_scale is not None:
         raise ValueError("the TrainState has a loss-scale state but this step scales no loss: "
                          "it would never update. Create the state with this step's "
                          "step.init(params).")
-    if monitor is None and state.monitor is not None:
-        raise ValueError("the TrainState has a gradient-monitor state but this step has no "
-                         "monitor: it would never update. Create the state with this step's "
-                         "step.init(params).")
-    shapes = lambda tree: jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), tree)
+    shapes = lambda tree: [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(tree)]
     expected = jax.eval_shape(optimizer.init, state.params)
     got = state.opt_state
     if jax.tree.structure(expected) != jax.tree.structure(got) or shapes(expected) != shapes(got):
         frozen = lambda tree: "MaskedNode" in repr(jax.tree.structure(tree))
-        cause = ("The step freezes leaves (trainable= or funcgrad.freeze) but the state was "
+        cause = ("The step freezes leaves (trainable= or funcgrad.train_only) but the state was "
                  "created without the same mask: create it with this step's "
                  "step.init(params). " if frozen(expected) and not frozen(got) else
-                 "The state was created with a trainable= mask (or funcgrad.freeze) that "
+                 "The state was created with a trainable= mask (or funcgrad.train_only) that "
                  "this step does not have: pass the same trainable= to make_train_step. "
                  if frozen(got) and not frozen(expected) else "")
         short = lambda tree: (text if len(text := str(jax.tree.structure(tree))) <= 300

@@ -6,6 +6,7 @@ hands them to an optax optimizer, so nothing accumulates between steps unless yo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,27 +18,21 @@ import optax
 from funcgrad._library_objects import check_optimizer
 from funcgrad.train._program import _build, _Built
 from funcgrad.train.loss import Loss, as_loss
-from funcgrad.train.masks import (
-    freeze,
-)
-from funcgrad.train.monitor import GradMonitor
+from funcgrad.train.masks import train_only
+from funcgrad.train.monitor import GradMonitor, MonitorState
+from funcgrad.train.transforms import ClipState, check_records
 from funcgrad.train.optimizers import (
     make_optimizer,
 )
 from funcgrad.train.precision import LossScale
-from funcgrad.train.state import (
-    TrainState,
-    _check_kinds,
-    _trainable_of,
-    init_train_state,
-)
+from funcgrad.train.state import TrainState, _trainable_of, init_train_state
 
 PyTree = Any
 Batch = Mapping[str, Any]
 LossFn = Callable[[PyTree, Batch], jax.Array]
 
 #: What a train step does when the loss or the global gradient norm is NaN or inf.
-NONFINITE_POLICIES = ("skip", "zero", "raise")
+NONFINITE_POLICIES = ("skip", "raise")
 
 
 #: make_train_step's former keywords and the piece that replaced each.
@@ -55,6 +50,11 @@ _MOVED_KEYWORDS = {
     "data_axis": "wrap the step: funcgrad.data_parallel(step, mesh, data_axis='data')",
     "shard_opt_state": "wrap the step: funcgrad.data_parallel(step, mesh, "
                        "shard_opt_state=True)",
+    "clip_norm": "chain it before the optimizer: optax.chain(funcgrad.clip_by_global_norm("
+                 "1.0), optax.adam(1e-3)) (metrics['clip_coef'] and the pre-clip "
+                 "metrics['grad_norm'] come from its state)",
+    "monitor": "chain it first in the optimizer: optax.chain(funcgrad.grad_monitor(), "
+               "optax.adam(1e-3)) (metrics['monitor'] comes from its state)",
 }
 
 
@@ -68,13 +68,11 @@ class TrainStep:
 
     Attributes:
       loss: the `funcgrad.Loss` (with its ``precision`` and ``accumulation`` pieces).
-      optimizer: the optax transformation applied (wrapped by `funcgrad.freeze` for
+      optimizer: the optax transformation applied (wrapped by `funcgrad.train_only` for
         `trainable`).
       trainable: the trainable mask (`funcgrad.trainable_mask`; from `trainable` and every
-        `funcgrad.freeze` of the optimizer), or None when every leaf trains.
-      nonfinite: "skip", "zero" or "raise" (`make_train_step`).
-      clip_norm: the maximum global norm of the applied gradient, or None.
-      monitor: the `funcgrad.GradMonitor`, or None.
+        `funcgrad.train_only` of the optimizer), or None when every leaf trains.
+      nonfinite: "skip" or "raise" (`make_train_step`).
       jit: whether calls run the jitted step.
       detect_anomaly: whether a non-finite step is located (`funcgrad.detect_anomaly`).
       parallel: the data-parallel placement (`funcgrad.data_parallel`), or None.
@@ -86,15 +84,34 @@ class TrainStep:
     optimizer: optax.GradientTransformation
     trainable: PyTree = None
     nonfinite: str = "skip"
-    clip_norm: float | None = None
-    monitor: GradMonitor | None = None
     jit: bool = True
     detect_anomaly: bool = False
     parallel: Any = None
     _built: _Built = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.nonfinite not in NONFINITE_POLICIES:  # dataclasses.replace comes here too
+            raise ValueError(f"TrainStep: nonfinite must be one of {NONFINITE_POLICIES}, got "
+                             f"{self.nonfinite!r}."
+                             + (" Zeroing the non-finite gradient leaves is a piece of the "
+                                "optimizer now: optax.chain(funcgrad.zero_nonfinite(), "
+                                "optax.adam(1e-3))." if self.nonfinite == "zero" else ""))
         object.__setattr__(self, "_built", _build(self))
+
+    @property
+    def monitor(self) -> GradMonitor | None:
+        """The settings of the `funcgrad.grad_monitor` in the optimizer's chain, or None (found
+        in the state the optimizer makes for a one-leaf params; None where that cannot be
+        made, e.g. inside a `funcgrad.train_only` of other params)."""
+        node = next((r for r in _records_of(self.optimizer) if isinstance(r, MonitorState)),
+                    None)
+        return None if node is None else node.monitor
+
+    @property
+    def clips(self) -> bool:
+        """Whether the optimizer's chain has a `funcgrad.clip_by_global_norm` (as `monitor`
+        finds it)."""
+        return any(isinstance(r, ClipState) for r in _records_of(self.optimizer))
 
     # What the loss's pieces say (None without them).
     @property
@@ -179,8 +196,8 @@ class TrainStep:
         if loss.takes_key and seed is None and key is None:
             seed = 0
         return init_train_state(params, self.optimizer, loss_scale=self.loss_scale,
-                                monitor=self.monitor, model_state=model_state, seed=seed,
-                                key=key, _where="TrainStep.init")
+                                model_state=model_state, seed=seed, key=key,
+                                _where="TrainStep.init")
 
     def update(self, state: TrainState, batch: Batch, mask: jax.Array | None = None
                ) -> tuple[TrainState, dict[str, Any]]:
@@ -214,69 +231,92 @@ class TrainStep:
         return None if self.parallel is None else self.parallel.state_shardings(state)
 
     def __repr__(self) -> str:
-        pieces = [repr(self.loss)]
+        pieces = [repr(self.loss), _optimizer_name(self.optimizer)]
         pieces += [f"{name}={getattr(self, name)!r}" for name in
-                   ("nonfinite", "clip_norm", "monitor", "jit", "detect_anomaly", "parallel")
+                   ("nonfinite", "jit", "detect_anomaly", "parallel")
                    if getattr(self, name) != _DEFAULTS[name]]
         return f"TrainStep({', '.join(pieces)})"
 
 
-_DEFAULTS = {"nonfinite": "skip", "clip_norm": None, "monitor": None, "jit": True,
-             "detect_anomaly": False, "parallel": None}
+_DEFAULTS = {"nonfinite": "skip", "jit": True, "detect_anomaly": False, "parallel": None}
+
+
+def _optimizer_name(optimizer: Any) -> str:
+    """A short name for the step's repr: the optax function that made `optimizer`."""
+    update = getattr(optimizer, "update", None)
+    name = getattr(update, "__qualname__", "") or type(optimizer).__name__
+    return "optimizer=" + name.split(".<locals>")[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _records_cached(optimizer: Any) -> tuple:
+    from funcgrad.train.transforms import records
+
+    try:
+        state = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((1,), np.float32)})
+    except Exception:  # noqa: BLE001 - a chain that needs the real params: unknown here
+        return ()
+    return tuple(records(state))
+
+
+def _records_of(optimizer: Any) -> tuple:
+    """The records (`funcgrad.train.transforms.records`) of `optimizer`'s state for a
+    one-leaf params, () where that cannot be made."""
+    try:
+        return _records_cached(optimizer)
+    except TypeError:  # an optimizer that cannot be hashed
+        return ()
 
 
 def make_train_step(loss: LossFn | Loss, optimizer: str | optax.GradientTransformation, *,
                     trainable: PyTree | None = None, nonfinite: str = "skip",
-                    clip_norm: float | None = None, monitor: GradMonitor | None = None,
                     jit: bool = True, **moved: Any) -> TrainStep:
     """Returns the `TrainStep` that trains `loss` with `optimizer`: ``step.init(params)``
     makes its state, ``step(state, batch) -> (state, metrics)`` (``step.update``) runs it,
     jitted.
 
-    The step computes ``value_and_grad`` of the loss over the trained leaves, the global norm
-    of that gradient, clips it if asked, applies the optimizer's update and never applies a
-    non-finite one: with ``nonfinite="skip"`` a step whose loss or gradient norm is NaN/inf, or
-    whose update would make a trained leaf or the model state NaN/inf, leaves params,
-    optimizer state and model state as they were (``state.step`` still counts it) and reports
+    The step computes ``value_and_grad`` of the loss over the trained leaves, applies the
+    optimizer's update (the loss goes to the chain as optax's ``value`` extra argument) and
+    never applies a non-finite one: a step whose loss or gradient norm is NaN/inf, or whose
+    update would make a trained leaf or the model state NaN/inf, leaves params, optimizer
+    state and model state as they were (``state.step`` still counts it) and reports
     ``metrics["skipped"] = 1``; ``step.explain_skipped_update(state, batch)`` then names the
     leaves. The guard is one fused reduction and a ``jnp.where`` per leaf, no host round trip.
     The training guide (docs/guide/train.md) gives the whole behaviour; what each piece adds is
     in its own docstring.
 
     Pieces: the loss's contract (`funcgrad.Loss`: aux, model state, key), its precision
-    (`funcgrad.mixed_precision`) and accumulation (`funcgrad.accumulate`); the step's wrappers
+    (`funcgrad.mixed_precision`) and accumulation (`funcgrad.accumulate`); in the optimizer's
+    ``optax.chain``, `funcgrad.clip_by_global_norm`, `funcgrad.zero_nonfinite` and
+    `funcgrad.grad_monitor`, whose records the step reports; the step's wrappers
     `funcgrad.detect_anomaly` and `funcgrad.data_parallel`.
 
     Args:
       loss: ``loss(params, batch) -> scalar``, a pure function, or a `funcgrad.Loss`.
       optimizer: an optax transformation, or a name for `funcgrad.make_optimizer`.
-      trainable: a mask (`funcgrad.trainable_mask`; True = trained, optax's polarity):
-        frozen leaves are not differentiated (exact zero gradient, left out of the norm, the
-        clipping and the guard) and get exactly zero updates. Integer and bool leaves must
-        be frozen.
-      nonfinite: "skip" (above), "zero" (zero the gradient leaves holding NaN/inf and apply
-        the rest; "nonfinite_leaves" counts them) or "raise" (skip, and `funcgrad.fit` raises
+      trainable: a mask (`funcgrad.trainable_mask`; True = trained, as everywhere in
+        funcgrad): frozen leaves are not differentiated (exact zero gradient, left out of the
+        norm and the guard) and get exactly zero updates. Integer and bool leaves must be
+        frozen.
+      nonfinite: "skip" (above) or "raise" (skip, and `funcgrad.fit` raises
         ``FloatingPointError``).
-      clip_norm: the maximum global norm of the applied gradient (> 0), or None;
-        "clip_coef" reports the coefficient applied.
-      monitor: a `funcgrad.GradMonitor` (``funcgrad.grad_monitor()``): per-leaf and per-layer
-        gradient statistics in ``metrics["monitor"]``.
       jit: False returns the step un-jitted (for debugging with prints).
     Returns:
-      a `TrainStep`. Its metrics are device arrays: "loss" and "grad_norm" (pre-clip global
-      norm), "skipped" (int32, 1 when the update was not applied), plus "clip_coef",
-      "nonfinite_leaves", "loss_scale" and "skipped_total", "learning_rate" (an optimizer
-      that keeps its rate: ``optax.inject_hyperparams``), "aux" and "monitor" as the pieces
-      add them.
+      a `TrainStep`. Its metrics are device arrays: "loss" and "grad_norm" (the global norm
+      of the gradient; the pre-clip norm with `funcgrad.clip_by_global_norm`), "skipped"
+      (int32, 1 when the update was not applied), plus "clip_coef", "nonfinite_leaves",
+      "monitor", "loss_scale" and "skipped_total", "learning_rate" (an optimizer that keeps
+      its rate: ``optax.inject_hyperparams``) and "aux" as the pieces add them.
     Raises:
-      TypeError: for a keyword that became a piece (the message names it), a `monitor` that
-        is not a GradMonitor; at the first call, a trained integer leaf or a traced value
-        used as a Python value in the loss (`funcgrad.TracedValueError`, at the loss's line).
-      ValueError: for a non-positive `clip_norm`, an unknown `nonfinite`, ``nonfinite="zero"``
-        with a loss scale; at the first call, a loss that is not a scalar (per example under
-        `funcgrad.accumulate`) or a state made by another step.
+      TypeError: for a keyword that became a piece (the message names it); at the first
+        call, a trained integer leaf or a traced value used as a Python value in the loss
+        (`funcgrad.TracedValueError`, at the loss's line).
+      ValueError: for an unknown `nonfinite`; at ``init`` or the first call,
+        `funcgrad.zero_nonfinite` in the chain with a loss scale, a loss that is not a
+        scalar (per example under `funcgrad.accumulate`) or a state made by another step.
     Example:
-      >>> step = fg.make_train_step(loss_fn, optax.adam(1e-3), clip_norm=1.0)
+      >>> tx = optax.chain(fg.clip_by_global_norm(1.0), optax.adam(1e-3))
+      >>> step = fg.make_train_step(loss_fn, tx)
       >>> state = step.init(params)
       >>> state, metrics = step(state, batch)
     """
@@ -288,26 +328,22 @@ def make_train_step(loss: LossFn | Loss, optimizer: str | optax.GradientTransfor
         raise TypeError(f"make_train_step() got an unexpected keyword argument {name!r}.")
     check_optimizer("make_train_step", optimizer)
     optimizer = make_optimizer(optimizer)
-    if clip_norm is not None and not (isinstance(clip_norm, (int, float, np.number))
-                                      and math.isfinite(clip_norm) and clip_norm > 0):
-        raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
+    if nonfinite == "zero":
+        raise ValueError("make_train_step: nonfinite='zero' is a piece of the optimizer now: "
+                         "optax.chain(funcgrad.zero_nonfinite(), optax.adam(1e-3)) (its "
+                         "state counts the leaves it zeroed: metrics['nonfinite_leaves']).")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}.")
-    _check_kinds(monitor, None)
     loss = as_loss(loss)
-    if loss.precision is not None and loss.precision.loss_scale is not None \
-            and nonfinite == "zero":
-        raise ValueError("make_train_step: nonfinite='zero' with funcgrad.mixed_precision's "
-                         "loss scale: a step whose scaled gradients overflowed must be skipped "
-                         "whole, not applied with its non-finite leaves zeroed. Use "
-                         "nonfinite='skip' (or 'raise').")
     if trainable is not None:
-        optimizer = freeze(optimizer, trainable)
-    # trainable= and an optimizer from fg.freeze are one thing: the frozen leaves are not
-    # differentiated, so the norm, the clipping, the guard and the monitor see only the
-    # gradient that is applied (frozen leaves add exact zeros and are left out of them).
-    return TrainStep(loss=loss, optimizer=optimizer, trainable=_trainable_of(optimizer),
-                     nonfinite=nonfinite, clip_norm=clip_norm, monitor=monitor, jit=bool(jit))
+        optimizer = train_only(optimizer, trainable)
+    # trainable= and an optimizer from fg.train_only are one thing: the frozen leaves are not
+    # differentiated, so the norm, the guard and the chain see only the gradient that is
+    # applied (frozen leaves add exact zeros and are left out of them).
+    step = TrainStep(loss=loss, optimizer=optimizer, trainable=_trainable_of(optimizer),
+                     nonfinite=nonfinite, jit=bool(jit))
+    check_records(_records_of(optimizer), step.loss_scale)  # the rest at init and first call
+    return step
 
 
 def detect_anomaly(step: TrainStep) -> TrainStep:

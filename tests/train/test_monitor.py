@@ -14,7 +14,6 @@ from funcgrad.train.monitor import (
     GradMonitor,
     MonitorMetrics,
     MonitorState,
-    grad_monitor,
     monitor_alerts,
     with_dead_relu,
 )
@@ -33,7 +32,7 @@ def _run(monitor, grads_seq, *, losses=None, trainable=None):
     """Feeds a scripted sequence of gradient pytrees through the jitted update; returns the
     metrics of every step (on host) and the final state."""
     state = monitor.init(grads_seq[0], trainable=trainable)
-    update = jax.jit(lambda s, g, loss: monitor.update(s, g, loss=loss))
+    update = jax.jit(lambda s, g, loss: monitor.measure(s, g, loss=loss))
     out = []
     for i, grads in enumerate(grads_seq):
         loss = jnp.float32(1.0 if losses is None else losses[i])
@@ -62,8 +61,8 @@ def test_leaf_and_layer_statistics_equal_numpy_on_the_gradients(matrix_limit, mo
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
     batch = _digits_batch()
     grads = jax.grad(_mlp_loss)(params, batch)
-    monitor = grad_monitor()
-    _, m = jax.jit(monitor.update)(monitor.init(params), grads)
+    monitor = GradMonitor()
+    _, m = jax.jit(monitor.measure)(monitor.init(params), grads)
     m = jax.device_get(m)
     leaves = [np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)]
     assert m.leaf_names == ("params[0]['b']", "params[0]['w']", "params[1]['b']",
@@ -93,8 +92,8 @@ def test_statistics_of_a_hand_sized_tree(strict_dtypes):
     # std 1. Sizes not multiples of the 512-element rows test the zero padding. Exact in
     # float32: every sum is of small integers.
     grads = {"b": jnp.array([-1.0, 1.0, -1.0, 1.0]), "w": jnp.array([3.0, 4.0])}
-    monitor = grad_monitor()
-    _, m = jax.jit(monitor.update)(monitor.init(grads), grads)
+    monitor = GradMonitor()
+    _, m = jax.jit(monitor.measure)(monitor.init(grads), grads)
     assert m.leaf_names == ("params['b']", "params['w']") and m.layer_names == ("params",)
     assert m.leaf_norm.tolist() == [2.0, 5.0]
     assert m.leaf_mean.tolist() == [0.0, 3.5]
@@ -109,8 +108,8 @@ def test_half_precision_is_summed_in_float32():
     # 70000 elements of 1.0 in float16: the sum of squares, 70000, is above float16's largest
     # finite value 65504, so a float16 sum would be inf; in float32 it is exact.
     grads = {"w": jnp.ones((70000,), jnp.float16)}
-    monitor = grad_monitor()
-    _, m = jax.jit(monitor.update)(monitor.init(grads), grads)
+    monitor = GradMonitor()
+    _, m = jax.jit(monitor.measure)(monitor.init(grads), grads)
     assert m.values.dtype == jnp.float32
     assert float(m.grad_norm) == pytest.approx(70000 ** 0.5, rel=1e-6)
     assert not bool(m.nonfinite)
@@ -145,8 +144,8 @@ def test_dead_fraction_of_a_hand_built_layer():
     assert dead.dead[1].tolist() == [True] * 5 + [False] * 3
     assert dead.fraction.tolist() == [0.375, 0.625]
     # Through the monitor: the fractions land in the metrics under the same names.
-    monitor = grad_monitor()
-    _, m = jax.jit(monitor.update)(monitor.init(params), jax.grad(_relu_net)(params, x),
+    monitor = GradMonitor()
+    _, m = jax.jit(monitor.measure)(monitor.init(params), jax.grad(_relu_net)(params, x),
                                    dead_relu=dead)
     assert m.relu_names == dead.names and m.dead_fraction.tolist() == [0.375, 0.625]
 
@@ -207,7 +206,7 @@ def test_explosion_fires_above_k_times_baseline():
     # 1: 3 < 10, no alert, and it joins the baseline, now ready: (1 + 3) / 2 = 2, threshold
     # 10 * 2 = 20. Step 2: 30 > 20 alert; step 3: 19 no; step 4: 21 alert; step 5: 20 is not
     # above 20, no alert.
-    monitor = grad_monitor(warmup=2, explode_factor=10.0)
+    monitor = GradMonitor(warmup=2, explode_factor=10.0)
     metrics, state = _run(monitor, _norms([1, 3, 30, 19, 21, 20]))
     assert _alerts(metrics) == [(2, "explosion", "global"), (4, "explosion", "global")]
     assert [float(m.baseline) for m in metrics[1:]] == [1.0] + [2.0] * 4
@@ -225,7 +224,7 @@ def test_an_explosion_from_the_second_step_is_reported_and_kept_out_of_the_basel
     # Step 0: 2, baseline nan, joins it. Steps 1, 2 (50, 60) exceed 10 x 2 = 20: alerts, and
     # they stay out of the baseline. Step 3: 3 < 20, joins: (2 + 3) / 2 = 2.5. Step 4: 2 <
     # 25, joins: the baseline is ready with 3 norms, total 2 + 3 + 2 = 7.
-    monitor = grad_monitor(warmup=3, explode_factor=10.0)
+    monitor = GradMonitor(warmup=3, explode_factor=10.0)
     metrics, state = _run(monitor, _norms([2, 50, 60, 3, 2]))
     assert _alerts(metrics) == [(1, "explosion", "global"), (2, "explosion", "global")]
     assert [float(m.baseline) for m in metrics[1:]] == [2.0, 2.0, 2.0, 2.5]
@@ -236,7 +235,7 @@ def test_a_nonfinite_step_raises_an_alert_and_stays_out_of_the_baseline():
     # Step 0 is nan: nonfinite alert, and it does not count toward the baseline, so the
     # baseline is the mean of steps 1-2 = (1 + 3) / 2 = 2; step 3 (30 > 20) explodes.
     # Step 4 has a finite gradient but an inf loss: nonfinite too.
-    monitor = grad_monitor(warmup=2, explode_factor=10.0)
+    monitor = GradMonitor(warmup=2, explode_factor=10.0)
     metrics, _ = _run(monitor, _norms([np.nan, 1, 3, 30, 2]),
                       losses=[1.0, 1.0, 1.0, 1.0, np.inf])
     assert _alerts(metrics) == [(0, "nonfinite", "global"), (3, "explosion", "global"),
@@ -246,7 +245,7 @@ def test_a_nonfinite_step_raises_an_alert_and_stays_out_of_the_baseline():
     assert text.startswith("step 0: nonfinite at global: value nan") and "loss 1" in text
     # An inf inside one leaf of a larger tree: the global norm is inf, the alert fires.
     bad = {"a": jnp.array([1.0, jnp.inf]), "b": jnp.ones(3)}
-    m, _ = _run(grad_monitor(), [bad])
+    m, _ = _run(GradMonitor(), [bad])
     assert _alerts(m) == [(0, "nonfinite", "global")] and np.isinf(float(m[0].grad_norm))
 
 
@@ -264,7 +263,7 @@ def test_vanishing_fires_once_per_streak_and_a_streak_survives_short_gaps():
     # second alert at step 11 would not be one per streak.
     first = [1e-4, 1e-4, 1, 1e-4, 1e-4, 1e-4, 1e-4, 1e-3, 1, 1e-4, 1, 1, 1, 1e-4, 1e-4, 1e-4]
     seq = [[{"w": jnp.array([a], jnp.float32)}, {"w": jnp.array([1.0])}] for a in first]
-    monitor = grad_monitor(vanish_floor=1e-3, vanish_steps=3)
+    monitor = GradMonitor(vanish_floor=1e-3, vanish_steps=3)
     metrics, state = _run(monitor, seq)
     assert [int(m.below_floor[0]) for m in metrics] == [1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0,
                                                          1, 2, 3]
@@ -284,13 +283,13 @@ def test_a_layer_small_only_because_every_layer_is_small_is_not_vanishing():
     # together, raises nothing. With params[1] at 0.1 instead, params[0] is 1e-4 / ~0.1 =
     # ~1e-3 of the global norm: attenuated, vanishing from step 2 (3 steps).
     both = [[{"w": jnp.array([1e-4])}, {"w": jnp.array([1e-4])}]] * 4
-    assert _alerts(_run(grad_monitor(vanish_floor=1e-3, vanish_steps=3), both)[0]) == []
+    assert _alerts(_run(GradMonitor(vanish_floor=1e-3, vanish_steps=3), both)[0]) == []
     attenuated = [[{"w": jnp.array([1e-4])}, {"w": jnp.array([0.1])}]] * 4
-    assert _alerts(_run(grad_monitor(vanish_floor=1e-3, vanish_steps=3), attenuated)[0]) == [
+    assert _alerts(_run(GradMonitor(vanish_floor=1e-3, vanish_steps=3), attenuated)[0]) == [
         (2, "vanishing", "params[0]")]
     # vanish_ratio=1 leaves the absolute floor: both layers at 1e-4 are each below their
     # global norm 1.41e-4, so both streaks reach 3 on step 2.
-    ratio_one = grad_monitor(vanish_floor=1e-3, vanish_steps=3, vanish_ratio=1.0)
+    ratio_one = GradMonitor(vanish_floor=1e-3, vanish_steps=3, vanish_ratio=1.0)
     assert _alerts(_run(ratio_one, both)[0]) == [(2, "vanishing", "params[0]"),
                                                   (2, "vanishing", "params[1]")]
 
@@ -300,7 +299,7 @@ def test_a_frozen_layer_is_not_reported_as_vanishing():
     # its streak reads -1. Layer 1 trainable with gradient 0 for 2 steps while layer 2 trains
     # (norm 1): alert on step 1.
     seq = [[{"w": jnp.zeros(2)}, {"w": jnp.zeros(2)}, {"w": jnp.ones(1)}]] * 3
-    monitor = grad_monitor(vanish_floor=1e-6, vanish_steps=2)
+    monitor = GradMonitor(vanish_floor=1e-6, vanish_steps=2)
     metrics, _ = _run(monitor, seq, trainable=[False, True, True])
     assert _alerts(metrics) == [(1, "vanishing", "params[1]")]
     assert [m.below_floor.tolist() for m in metrics] == [[-1, 1, 0], [-1, 2, 0], [-1, 3, 0]]
@@ -336,13 +335,13 @@ def test_the_monitor_runs_inside_a_jitted_step_and_under_scan():
     # state advances, and the same run under lax.scan (the whole loop compiled) agrees.
     params = fg.mlp_init(jax.random.key(0), (64, 16, 10))
     batch = _digits_batch()
-    monitor = grad_monitor(warmup=2)
+    monitor = GradMonitor(warmup=2)
 
     def step(carry, _):
         params, mstate = carry
         (loss, dead), grads = jax.value_and_grad(with_dead_relu(_mlp_loss), has_aux=True)(
             params, batch)
-        mstate, m = monitor.update(mstate, grads, loss=loss, dead_relu=dead)
+        mstate, m = monitor.measure(mstate, grads, loss=loss, dead_relu=dead)
         params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
         return (params, mstate), m
 
@@ -366,12 +365,12 @@ def test_the_monitor_runs_inside_a_jitted_step_and_under_scan():
 def test_the_update_count_is_exact_beyond_float32_integers():
     # The count rides in the packed float vector as the bits of an int32: 2**24 + 1 is not a
     # float32 number, yet it must come back and advance exactly.
-    monitor = grad_monitor()
+    monitor = GradMonitor()
     grads = {"w": jnp.array([3.0, 4.0])}
     state = monitor.init(grads)
     values = np.array(state.values)
     values[:1] = np.array([2**24 + 1], np.int32).view(np.float32)
-    state, m = jax.jit(monitor.update)(MonitorState(jnp.asarray(values), state.layers), grads)
+    state, m = jax.jit(monitor.measure)(MonitorState(jnp.asarray(values), state.layers), grads)
     assert int(m.step) == 2**24 + 1 and int(state.step) == 2**24 + 2
     assert float(m.grad_norm) == 5.0
 
@@ -385,36 +384,32 @@ def test_the_update_count_is_exact_beyond_float32_integers():
     ({"dead_threshold": 0.0}, "dead_threshold")], ids=lambda v: str(v))
 def test_settings_out_of_range_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        grad_monitor(**kwargs)
+        GradMonitor(**kwargs)
 
 
 def test_state_for_other_params_and_integer_gradients_are_refused():
-    monitor = grad_monitor()
+    monitor = GradMonitor()
     state = monitor.init([{"w": jnp.ones(2)}])
     with pytest.raises(ValueError, match="made for 1 layers, but the gradients have 2"):
-        monitor.update(state, [{"w": jnp.ones(2)}, {"w": jnp.ones(2)}])
+        monitor.measure(state, [{"w": jnp.ones(2)}, {"w": jnp.ones(2)}])
     with pytest.raises(TypeError, match=r"params\[0\]\['w'\] has dtype int32"):
-        monitor.update(state, [{"w": jnp.ones(2, jnp.int32)}])
+        monitor.measure(state, [{"w": jnp.ones(2, jnp.int32)}])
     with pytest.raises(TypeError, match="callable"):
         with_dead_relu(3)
 
 
 def test_types_are_pytrees_and_public():
-    assert isinstance(grad_monitor(), GradMonitor)
-    assert isinstance(grad_monitor().init({"w": jnp.ones(1)}), MonitorState)
+    tx = fg.grad_monitor(warmup=3)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert tx.monitor == GradMonitor(warmup=3)
+    assert isinstance(tx.init({"w": jnp.ones(1)}), MonitorState)
     leaves, tree = jax.tree.flatten(DeadReLU((jnp.ones(2, bool),), ("relu 0 at ?",)))
     assert len(leaves) == 1 and jax.tree.unflatten(tree, leaves).names == ("relu 0 at ?",)
     assert Alert(1, "explosion", "global", 2.0, 1.0, "x").kind in monitor_module.ALERT_KINDS
 
 
-# --- make_train_step(monitor=) and fit (live once funcgrad.train.step takes monitor=) ------
+# --- fg.grad_monitor() in the optimizer's chain, and fit ---------------------------------
 
-_INTEGRATED = "monitor" in __import__("inspect").signature(fg.make_train_step).parameters
-needs_train_step = pytest.mark.skipif(not _INTEGRATED,
-                                      reason="funcgrad.train.step has no monitor= yet")
-
-
-@needs_train_step
 def test_make_train_step_returns_the_monitor_metrics_and_the_same_global_norm():
     # The step's "grad_norm" now comes from the monitor's sums: it must still equal the global
     # norm of jax.grad's gradients (second method: funcgrad.global_norm, a separate reduction;
@@ -422,23 +417,22 @@ def test_make_train_step_returns_the_monitor_metrics_and_the_same_global_norm():
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     batch = _digits_batch()
     tx = fg.make_optimizer("adam", 1e-3)
-    monitor = grad_monitor(warmup=3)
-    step = fg.make_train_step(_mlp_loss, tx, monitor=monitor)
-    state = fg.init_train_state(params, tx, monitor=monitor)
+    monitor = fg.grad_monitor(warmup=3)
+    step = fg.make_train_step(_mlp_loss, optax.chain(monitor, tx))
+    state = step.init(params)
     new_state, metrics = step(state, batch)
     expected = fg.global_norm(jax.grad(_mlp_loss)(params, batch))
     assert float(metrics["grad_norm"]) == pytest.approx(float(expected), rel=1e-6)
     m = metrics["monitor"]
     assert float(m.grad_norm) == float(metrics["grad_norm"]) and int(m.step) == 0
     # The jitted step returns the packed values once, in the state (see MonitorState).
-    assert m.values is new_state.monitor.values
+    assert m.values is fg.recorded(new_state.opt_state)["monitor_state"].values
     assert m.relu_names[0].startswith("relu 0 at nn.py:") and m.dead_fraction.shape == (1,)
-    assert int(new_state.monitor.step) == 1
-    with pytest.raises(ValueError, match="no monitor state"):
-        step(fg.init_train_state(params, tx), batch)
+    assert int(fg.recorded(new_state.opt_state)["monitor_state"].step) == 1
+    with pytest.raises(ValueError, match="not made by this optimizer"):
+        step(fg.make_train_step(_mlp_loss, tx).init(params), batch)
 
 
-@needs_train_step
 def test_fit_logs_the_alerts_of_a_net_whose_relus_are_all_dead():
     # Hidden biases -1000: every unit's pre-activation is below 0 for every example (inputs are
     # standardised, |x.w| is far below 1000), so the dead fraction is 1 from step 0 (one
@@ -448,10 +442,10 @@ def test_fit_logs_the_alerts_of_a_net_whose_relus_are_all_dead():
     params[0]["b"] = jnp.full((16,), -1000.0)
     data = fg.load_digits(seed=0)
     tx = fg.make_optimizer("sgd", 0.1)
-    monitor = grad_monitor(vanish_steps=3)
+    monitor = fg.grad_monitor(vanish_steps=3)
     lines = []
-    result = fg.fit(fg.make_train_step(_mlp_loss, tx, monitor=monitor),
-                    fg.init_train_state(params, tx, monitor=monitor), data.x_train[:128],
+    step = fg.make_train_step(_mlp_loss, optax.chain(monitor, tx))
+    result = fg.fit(step, step.init(params), data.x_train[:128],
                     data.y_train[:128], epochs=1, batch_size=32, progress=False,
                     log=lines.append)
     alerts = [(a.step, a.kind, a.where) for a in result.history.alerts]
@@ -467,36 +461,39 @@ def test_fit_logs_the_alerts_of_a_net_whose_relus_are_all_dead():
     assert [a["kind"] for a in d["alerts"]] == ["dead_relu", "vanishing"]
 
 
-@needs_train_step
 def test_a_frozen_layer_is_not_vanishing_and_accumulation_reports_per_update():
-    # Layer 0 frozen: its gradient is exactly 0 every step by design; init_train_state passes
-    # the mask to the monitor, so no vanishing alert (vanish_steps 2 would fire on step 1).
+    # Layer 0 frozen: its gradient is exactly 0 every step by design. The monitor is in the
+    # step's chain, which trainable= wraps in fg.train_only: it sees the trained leaves only,
+    # so layer 0 is not among its layers and raises no vanishing alert (as one of its layers,
+    # vanish_steps 2 would fire on step 1).
     # With accumulate=2 each call is one update: fit sees one MonitorMetrics per call, 4 calls
     # for 256 examples in batches of 32; the monitor's step counts updates: 0, 1, 2, 3.
     params = fg.mlp_init(jax.random.key(0), (64, 16, 10))
     mask = fg.trainable_mask(params, freeze="0/*")
     data = fg.load_digits(seed=0)
     tx = fg.make_optimizer("sgd", 0.1)
-    monitor = grad_monitor(vanish_steps=2)
 
     def per_example_loss(params, batch):
         return optax.softmax_cross_entropy_with_integer_labels(
             fg.mlp_apply(params, batch["x"]), batch["y"])
 
-    step = fg.make_train_step(fg.accumulate(per_example_loss, 2), tx, trainable=mask,
-                              monitor=monitor)
-    state = fg.init_train_state(params, tx, trainable=mask, monitor=monitor)
-    assert state.monitor.below_floor.tolist() == [-1, 0]
-    result = fg.fit(step, state, data.x_train[:256], data.y_train[:256], epochs=1,
-                    batch_size=32, progress=False)
+    step = fg.make_train_step(fg.accumulate(per_example_loss, 2),
+                              optax.chain(fg.grad_monitor(vanish_steps=2), tx), trainable=mask)
+    recorded = lambda state: fg.recorded(state.opt_state)["monitor_state"]
+    assert recorded(step.init(params)).names[1] == ("params[1]",)
+    result = fg.fit(step, step.init(params), data.x_train[:256], data.y_train[:256],
+                    epochs=1, batch_size=32, progress=False)
     assert result.history.alerts == []
-    assert [row[0] for row in result.history.step_layer_norm] == [0.0] * 4
-    assert int(result.state.monitor.step) == 4
+    assert result.history.layer_names == ("params[1]",)
+    assert int(recorded(result.state).step) == 4
+    # Dead ReLUs are not measured under accumulation, and the metrics say so.
+    _, metrics = step(step.init(params), fg.stack_microbatches([_digits_batch(), _digits_batch()]))
+    assert "funcgrad.accumulate" in metrics["monitor"].dead_relu_note
 
 
 def test_params_without_leaves_get_a_clear_error():
     with pytest.raises(ValueError, match="params has no array leaves"):
-        grad_monitor().init({})
+        fg.grad_monitor().init({})
 
 
 def _streak_alerts(layer_norms, floor, steps):
@@ -509,7 +506,6 @@ def _streak_alerts(layer_norms, floor, steps):
     return out
 
 
-@needs_train_step
 def test_a_converged_model_raises_no_vanishing_alert():
     # 32 digits learnt to a loss far below 1e-4 by a 64-32-10 ReLU MLP (full batch, Adam 3e-2,
     # 300 steps). The gradient shrinks with the loss in every layer together. The floor is
@@ -520,9 +516,9 @@ def test_a_converged_model_raises_no_vanishing_alert():
     data = fg.load_digits(seed=0)
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 3e-2)
-    monitor = grad_monitor(vanish_floor=1e-4, vanish_steps=10)
-    result = fg.fit(fg.make_train_step(_mlp_loss, tx, monitor=monitor),
-                    fg.init_train_state(params, tx, monitor=monitor), data.x_train[:32],
+    monitor = fg.grad_monitor(vanish_floor=1e-4, vanish_steps=10)
+    step = fg.make_train_step(_mlp_loss, optax.chain(monitor, tx))
+    result = fg.fit(step, step.init(params), data.x_train[:32],
                     data.y_train[:32], epochs=300, batch_size=32, progress=False)
     h = result.history
     assert h.step_loss[-1] < 1e-4 < 2.0 < h.step_loss[0]          # converged
@@ -533,7 +529,6 @@ def test_a_converged_model_raises_no_vanishing_alert():
     assert [a for a in h.alerts if a.kind == "vanishing"] == []
 
 
-@needs_train_step
 def test_a_deep_sigmoid_net_still_raises_vanishing_alerts():
     # 12 sigmoid layers of 32 (examples/17_monitor.py): sigmoid' <= 1/4, so the cotangent
     # shrinks layer by layer; the first layers get < 1e-6, a ~1e-7 share of the global norm,
@@ -553,9 +548,9 @@ def test_a_deep_sigmoid_net_still_raises_vanishing_alerts():
     first, total = float(fg.global_norm(grads[0])), float(fg.global_norm(grads))
     assert first < 1e-6 and first < 0.01 * total
     tx = fg.make_optimizer("sgd", 0.1)
-    monitor = grad_monitor(vanish_steps=5)
-    result = fg.fit(fg.make_train_step(loss_fn, tx, monitor=monitor),
-                    fg.init_train_state(params, tx, monitor=monitor), data.x_train[:256],
+    monitor = fg.grad_monitor(vanish_steps=5)
+    step = fg.make_train_step(loss_fn, optax.chain(monitor, tx))
+    result = fg.fit(step, step.init(params), data.x_train[:256],
                     data.y_train[:256], epochs=30, batch_size=256, progress=False)
     vanishing = [(a.step, a.where) for a in result.history.alerts if a.kind == "vanishing"]
     assert (4, "params[0]") in vanishing                 # the 5th step completes the streak

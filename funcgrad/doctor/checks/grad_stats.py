@@ -25,12 +25,12 @@ DEAD_FRACTION = 0.5
 
 
 def check(ctx: Context) -> Finding:
-    from funcgrad.train.monitor import grad_monitor
+    from funcgrad.train.monitor import GradMonitor
 
     loss = ctx.subject.scalar_loss()
     grads = jax.jit(jax.grad(loss))(ctx.subject.params, ctx.batch)
-    monitor = grad_monitor()
-    _, m = monitor.update(monitor.init(ctx.subject.params), grads)
+    monitor = GradMonitor()
+    _, m = monitor.measure(monitor.init(ctx.subject.params), grads)
     m = jax.device_get(m)
     trained = dict(zip(ctx.paths, ctx.trained))
     leaves = {name: {"norm": float(n), "mean": float(mu), "std": float(sd)}

@@ -27,7 +27,7 @@ def run(ctx: Context) -> dict:
     and dead fractions, the final state, and the first non-finite step."""
     if "run" in ctx.shared:
         return ctx.shared["run"]
-    from funcgrad.train.monitor import grad_monitor
+    from funcgrad.train.transforms import grad_monitor
 
     subject = ctx.subject
     step, state = subject.make_step(monitor=grad_monitor())

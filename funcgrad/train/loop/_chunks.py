@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcgrad.train.loop.sources import split_for_accumulation
+from funcgrad.train.transforms import recorded
 
 PyTree = Any
 
@@ -182,8 +183,8 @@ class ChunkRunner:
         if "monitor" in metrics:
             m = metrics["monitor"]
             self.monitor_layout = m.layout
-            out["monitor_values"] = (new_state.monitor.values if m.values is None
-                                     else m.values)
+            out["monitor_values"] = (recorded(new_state.opt_state)["monitor_state"].values
+                                     if m.values is None else m.values)
             out["monitor_dead"] = tuple(m.dead)
             # The flags the host would derive (global and per layer), and each ReLU site's dead
             # fraction, computed here: the host reads them instead of a dozen NumPy calls a
@@ -229,7 +230,8 @@ class ChunkRunner:
                 new_state = new_state._replace(
                     step=keep(state.step, new_state.step),
                     loss_scale=keep(state.loss_scale, new_state.loss_scale),
-                    monitor=keep(state.monitor, new_state.monitor))
+                    # the chain's records (the monitor) that the step's guard kept
+                    opt_state=keep(state.opt_state, new_state.opt_state))
             rows = jax.tree.map(lambda r, v: r.at[i].set(v), rows, out)
             return i + 1, new_state, halted, rows
 
