@@ -117,7 +117,6 @@ if TYPE_CHECKING:
     from funcgrad.train.precision import mixed_precision as mixed_precision
     from funcgrad.train.precision import scaled_value_and_grad as scaled_value_and_grad
     from funcgrad.train.state import TrainState as TrainState
-    from funcgrad.train.state import init_train_state as init_train_state
     from funcgrad.train.step import TrainStep as TrainStep
     from funcgrad.train.step import detect_anomaly as detect_anomaly
     from funcgrad.train.step import make_train_step as make_train_step

@@ -9,7 +9,7 @@ One rule per kind of object, shared by all tools:
   arrays are passed (and differentiated, as ``eqx.filter_grad`` does), everything else is
   closed over, and leaves are named by the module's own paths (``params.layers[2].weight``).
   `trainable_mask` and the monitor's ``init`` take the same floating leaves. The train state
-  (`init_train_state`, and through it `make_train_step` and `fit`) refuses it with the
+  (`TrainStep.init`, and through it the step and `fit`) refuses it with the
   ``eqx.partition`` / ``eqx.combine`` fix: the state is a jitted, checkpointed pytree of arrays
   and the step is built before it sees the model, so it has no place to keep the rest.
 * A **Python float field** of an equinox module (``self.scale = 0.5``) looks like a weight,
@@ -256,9 +256,10 @@ def check_optimizer(where: str, optimizer: Any) -> None:
         "transformation the nnx.Optimizer wraps"
         + (f" (its .tx here: {type(tx).__name__})" if tx is not None else "")
         + ", e.g. optax.adam(1e-3), with the model's params: model = "
-        "funcgrad.interop.from_nnx(module); state = model.init_train_state(optax.adam(1e-3)) "
+        "funcgrad.interop.from_nnx(module); step = funcgrad.make_train_step(model.loss(objective), "
+        "optax.adam(1e-3)); state = model.init_state(step) "
         "(or graphdef, params, rest = nnx.split(module, nnx.Param, ...); "
-        "init_train_state(params, optax.adam(1e-3))).")
+        "step.init(params)).")
 
 
 def check_params(where: str, params: PyTree) -> None:
@@ -272,7 +273,7 @@ def check_params(where: str, params: PyTree) -> None:
             "model_state = nnx.split(module, nnx.Param, ...), pass params (and model_state= "
             "with a loss that returns the new model state), and nnx.merge(graphdef, params, "
             "model_state) after training; or use model = funcgrad.interop.from_nnx(module), "
-            "whose model.init_train_state(optimizer) does this.")
+            "whose model.init_state(step) does this.")
     bad = _first_not_partitioned(params) if holds_equinox_module(params) else None
     if bad is not None:  # eqx.partition(params, eqx.is_inexact_array) leaves it out
         floats = [(path, value) for _, path, value in static_floats(params)]
@@ -291,7 +292,7 @@ def check_params(where: str, params: PyTree) -> None:
             f"{where}: params is an equinox module ({type(params).__name__}); {head} and close "
             "over the rest: params, static = eqx.partition(model, eqx.is_inexact_array); "
             "loss_fn = lambda params, batch: loss(eqx.combine(params, static), batch); state = "
-            "init_train_state(params, optimizer); after training, model = "
+            "step.init(params); after training, model = "
             "eqx.combine(state.params, static). Or use "
             "funcgrad.interop.from_equinox(model), which also carries eqx.nn.State and keys.")
     collections = _linen_collections(params)
@@ -301,7 +302,7 @@ def check_params(where: str, params: PyTree) -> None:
             f"'params' and {', '.join(repr(c) for c in collections)}). The optimizer would "
             f"treat {collections[0]!r} as weights: BatchNorm's running statistics would get "
             "zero gradients and never move. Pass variables['params'] as params and the other "
-            "collections as model_state= (init_train_state(variables['params'], optimizer, "
+            "collections as model_state= (step.init(variables['params'], "
             "model_state={k: v for k, v in variables.items() if k != 'params'})) with a loss "
             "that applies the module with mutable=[...] and returns the new model state; or "
             "use model = funcgrad.interop.from_linen(module, variables).")

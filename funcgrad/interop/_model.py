@@ -2,7 +2,7 @@
 
 The three adapters (`funcgrad.interop.from_linen`, `from_nnx`, `from_equinox`) differ only in
 how they split the library's object and call it; everything a user does with the result
-(`Model.apply`, `Model.loss`, `Model.rebuild`, `Model.init_train_state`) is defined once here.
+(`Model.apply`, `Model.loss`, `Model.rebuild`, `Model.init_state`) is defined once here.
 """
 from __future__ import annotations
 
@@ -275,19 +275,27 @@ class Model:
         _check_like(model_state, self.model_state, "model_state", f"{self.library} model's")
         return self._rebuild(params, model_state)
 
-    def init_train_state(self, optimizer: Any, *, seed: int | None = 0, **kwargs: Any):
-        """``funcgrad.init_train_state(self.params, optimizer, model_state=self.model_state,
-        seed=seed, **kwargs)``: the train state at step 0 for a loss from `Model.loss`.
+    def init_state(self, step: Any, *, seed: int | None = 0):
+        """``step.init(self.params, model_state=self.model_state, seed=seed)``: the train
+        state at step 0 of a `funcgrad.TrainStep` made from `Model.loss`.
 
         `seed` makes the state's base key (the key of step s is ``fold_in(key, s)``); nnx
         models draw from their own ``Rngs`` and get no key.
-        """
-        from funcgrad.train.state import init_train_state
 
-        if not self._takes_key:
-            seed = None
-        return init_train_state(self.params, optimizer, model_state=self.model_state,
-                                seed=seed, **kwargs)
+        Raises:
+          TypeError: if `step` is not a `funcgrad.TrainStep` (an optax optimizer: make the
+            step first, ``funcgrad.make_train_step(model.loss(objective), optimizer)``).
+        Example:
+          >>> step = fg.make_train_step(model.loss(cross_entropy, train=True), optax.adam(1e-3))
+          >>> state = model.init_state(step)
+        """
+        if not getattr(step, "_is_train_step", False):
+            raise TypeError(f"init_state takes the funcgrad.TrainStep to train with, got "
+                            f"{type(step).__name__}: make it first, step = funcgrad."
+                            "make_train_step(model.loss(objective, train=True), optimizer).")
+        takes_key = step.loss.takes_key
+        return step.init(self.params, model_state=self.model_state,
+                         **({"seed": seed} if takes_key and seed is not None else {}))
 
 
 def _floating(x: Any) -> bool:

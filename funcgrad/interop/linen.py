@@ -139,7 +139,7 @@ def _rng_message(error: Exception, key: Any, rngs: tuple[str, ...]) -> str:
         return (f"the linen module needs a PRNG key: {text}. Pass key= to m.apply (e.g. "
                 "key=jax.random.key(0)), or apply it in evaluation mode (train=False); "
                 "a loss from m.loss gets the train step's key when it takes one "
-                "(m.init_train_state(optimizer, seed=0) gives the state its key).")
+                "(m.init_state(step, seed=0) gives the state its key).")
     return (f"the linen module draws from an rng stream the adapter does not give it: {text}. "
             f"The adapter gives {list(rngs)}: pass from_linen(module, variables, "
             "rngs=(...every stream the module uses...)).")

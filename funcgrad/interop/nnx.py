@@ -24,7 +24,7 @@ _OPTIMIZER = (
     "    m = funcgrad.interop.from_nnx(model)\n"
     "    step = funcgrad.make_train_step(m.loss(objective), optax.adam(1e-3))"
     "  # not nnx.Optimizer\n"
-    "    state = m.init_train_state(optax.adam(1e-3))")
+    "    state = m.init_state(step)")
 
 
 def from_nnx(model: Any) -> Model:

@@ -154,7 +154,7 @@ def replicate(tree: PyTree, mesh: Mesh, *, check: bool = True) -> PyTree:
             raise ValueError(f"replicate: {root}{keystr(path)} is sharded as {leaf.sharding}; "
                              "the data-parallel step keeps the state replicated on every "
                              "device. Gather it first (jax.experimental.multihost_utils."
-                             "process_allgather) or rebuild it with init_train_state.")
+                             "process_allgather) or rebuild it with step.init(params).")
     if check and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -168,8 +168,8 @@ def replicate(tree: PyTree, mesh: Mesh, *, check: bool = True) -> PyTree:
                 f"replicate: the processes hold different values for {root}{keystr(paths[i])} "
                 f"(and {differ.size - 1} more leaves): process 0 differs from processes "
                 f"{which}. A replicated state must be the same on every process: build it "
-                "from the same seed on each (init_train_state(fg.mlp_init(jax.random.key(0), "
-                "...), ...)), or broadcast process 0's with jax.experimental.multihost_utils."
+                "from the same seed on each (step.init(fg.mlp_init(jax.random.key(0), "
+                "...))), or broadcast process 0's with jax.experimental.multihost_utils."
                 "broadcast_one_to_all.")
     placed = []
     for leaf in leaves:

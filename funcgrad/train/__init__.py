@@ -4,7 +4,6 @@ from funcgrad.train.optimizers import OPTIMIZERS as OPTIMIZERS
 from funcgrad.train.optimizers import applied_learning_rate as applied_learning_rate
 from funcgrad.train.optimizers import make_optimizer as make_optimizer
 from funcgrad.train.state import TrainState as TrainState
-from funcgrad.train.state import init_train_state as init_train_state
 from funcgrad.train.step import NONFINITE_POLICIES as NONFINITE_POLICIES
 from funcgrad.train.step import TrainStep as TrainStep
 from funcgrad.train.step import make_train_step as make_train_step

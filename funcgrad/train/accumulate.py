@@ -460,7 +460,7 @@ def _update_key(state) -> jax.Array:
     """The key of the update about to run: ``fold_in(state.key, state.step)``."""
     if getattr(state, "key", None) is None:
         raise ValueError("the loss takes a PRNG key, but the train state has none. Create it "
-                         "with init_train_state(params, optimizer, seed=0) (or "
+                         "with step.init(params) (seed=0 by default; or "
                          "key=jax.random.key(0)).")
     return jax.random.fold_in(state.key, state.step)
 

@@ -109,7 +109,7 @@ def _fields(state: TrainState) -> dict[str, int]:
 
 def _check_train_state(where: str, state: Any, arg: str) -> None:
     if not isinstance(state, TrainState):
-        raise TypeError(f"{where}: {arg} must be a funcgrad TrainState (from init_train_state or "
+        raise TypeError(f"{where}: {arg} must be a funcgrad TrainState (from step.init(params) or "
                         f"returned by the train step), got {type(state).__name__}.")
 
 
@@ -298,7 +298,7 @@ def restore_checkpoint(directory: str | os.PathLike, like: TrainState, *,
     Args:
       directory: the folder given to `save_checkpoint`.
       like: a `TrainState` of the same structure, dtypes and shapes as the one saved, e.g.
-        ``init_train_state(params, optimizer, ...)`` built as the saving run built its state;
+        ``step.init(params, ...)`` built as the saving run built its state;
         its values are not used, only its structure, its leaves' placement (a restored
         jax.Array gets the sharding of like's leaf) and its leaves without data (None,
         ``optax.MaskedNode``, arrays of size 0). Typed and raw PRNG keys come back as saved.

@@ -151,16 +151,16 @@ class Loss:
         if self.has_state:
             if model_state is None:
                 raise ValueError(f"{self!r} declares model state, but none was given. In a "
-                                 "train step, create the state with init_train_state(params, "
-                                 "optimizer, model_state=...); for check_grads and the other "
+                                 "train step, create the state with step.init(params, "
+                                 "model_state=...); for check_grads and the other "
                                  "analysis tools pass loss.bind(model_state, key); or declare "
                                  "has_state=False.")
             kwargs["model_state"] = model_state
         if self.takes_key:
             if key is None:
                 raise ValueError(f"{self!r} takes a PRNG key, but none was given. In a train "
-                                 "step, create the state with init_train_state(params, "
-                                 "optimizer, seed=0) (or key=jax.random.key(0)); for the "
+                                 "step, create the state with step.init(params) (seed=0 "
+                                 "by default, or key=jax.random.key(0)); for the "
                                  "analysis tools pass loss.bind(model_state, key=jax.random."
                                  "key(0)).")
             kwargs["key"] = key

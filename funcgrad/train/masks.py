@@ -204,8 +204,7 @@ def check_differentiable(params: PyTree, where: str, flags: Sequence[bool] | Non
                 "make it floating point (e.g. jnp.array(0.0) rather than jnp.array(0), or "
                 ".astype(jnp.float32)); if it is not trained (a step counter, an index table), "
                 f"freeze it: trainable = trainable_mask(params, freeze={slash_path(kp)!r}), given "
-                "to make_train_step(..., trainable=trainable) and init_train_state(..., "
-                "trainable=trainable), or keep it out of params.")
+                "to make_train_step(..., trainable=trainable), or keep it out of params.")
 
 
 def value_and_grad_trainable(fn: Callable, mask: PyTree, *,

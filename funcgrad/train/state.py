@@ -27,11 +27,11 @@ class TrainState(NamedTuple):
       step: shape (), int32; number of step calls so far, skipped steps included (a skipped
         step leaves params and optimizer state, hence e.g. Adam's own count, unchanged).
       loss_scale: the `funcgrad.train.precision.LossScaleState` of a step that scales the loss
-        (``init_train_state(..., loss_scale=...)``), else None.
+        (``step.init(params)`` for a loss under `funcgrad.mixed_precision` with a loss scale), else None.
       model_state: the model's non-differentiated state (BatchNorm running statistics,
         counters), passed to a loss declared with ``has_state=True`` and replaced by the
         state it returns (`funcgrad.train.loss`); None without.
-      key: the run's base PRNG key (``init_train_state(..., seed=)``); the step draws
+      key: the run's base PRNG key (``step.init(params, seed=)``); the step draws
         ``jax.random.fold_in(key, step)`` for a loss declared with ``takes_key=True``, so
         every step has a fresh key and a rerun or resume draws the same ones. None without.
     """
@@ -53,11 +53,11 @@ def _check_kinds(loss_scale: Any) -> None:
                         f"{type(loss_scale).__name__}.")
 
 
-def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
+def _initial_state(params: PyTree, optimizer: str | optax.GradientTransformation, *,
                      trainable: PyTree | None = None, loss_scale: LossScale | None = None,
                      model_state: PyTree = None,
                      seed: int | None = None, key: jax.Array | None = None,
-                     _where: str = "init_train_state") -> TrainState:
+                     _where: str = "TrainState.init") -> TrainState:
     """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
 
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
@@ -97,7 +97,7 @@ def init_train_state(params: PyTree, optimizer: str | optax.GradientTransformati
                       model_state=model_state, key=base_key)
 
 
-def _base_key(seed: Any, key: Any, where: str = "init_train_state") -> jax.Array | None:
+def _base_key(seed: Any, key: Any, where: str = "TrainState.init") -> jax.Array | None:
     """The state's base PRNG key from `seed` or `key` (at most one)."""
     if seed is not None and key is not None:
         raise ValueError(f"{where}: give seed= or key=, not both.")
@@ -117,7 +117,7 @@ def _base_key(seed: Any, key: Any, where: str = "init_train_state") -> jax.Array
     return jnp.asarray(key)
 
 
-def _check_model_state(model_state: PyTree, where: str = "init_train_state") -> None:
+def _check_model_state(model_state: PyTree, where: str = "TrainState.init") -> None:
     """TypeError naming a model-state leaf that is not an array (it is a jit and scan carry)."""
     for path, leaf in zip(key_paths(model_state), jax.tree.leaves(model_state)):
         if not hasattr(leaf, "dtype") and not isinstance(leaf, (int, float, bool)):

@@ -25,7 +25,7 @@ from funcgrad.train.optimizers import (
     make_optimizer,
 )
 from funcgrad.train.precision import LossScale
-from funcgrad.train.state import TrainState, _trainable_of, init_train_state
+from funcgrad.train.state import TrainState, _initial_state, _trainable_of
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -195,7 +195,7 @@ class TrainStep:
                              "takes_key=True), or drop it.")
         if loss.takes_key and seed is None and key is None:
             seed = 0
-        return init_train_state(params, self.optimizer, loss_scale=self.loss_scale,
+        return _initial_state(params, self.optimizer, loss_scale=self.loss_scale,
                                 model_state=model_state, seed=seed, key=key,
                                 _where="TrainStep.init")
 

@@ -180,8 +180,8 @@ def fit(step: Callable, state: TrainState, data: Any, y: PyTree = None, *, epoch
                      or isinstance(evaluate, str) else None, log)
     if not isinstance(state, TrainState):
         check_params("fit", state)  # an equinox / nnx object given as the state: the fix
-        raise TypeError(f"fit: state must be a TrainState, from funcgrad.init_train_state("
-                        f"params, optimizer), got {type(state).__name__}.")
+        raise TypeError(f"fit: state must be a TrainState, from step.init(params), got "
+                        f"{type(state).__name__}.")
     check_params("fit", state.params)  # an equinox / nnx object: the fix to train it
     source = as_source(data, y, batch_size=batch_size, epochs=epochs)
     step = as_step(step)  # a TrainStep's fields, or a hand-written step's defaults
