@@ -84,8 +84,8 @@ if TYPE_CHECKING:
     from funcgrad.train.loss import Loss as Loss
     from funcgrad.train.loss import LossOutput as LossOutput
     from funcgrad.train.loss import as_loss as as_loss
-    from funcgrad.train.masks import train_only as train_only
     from funcgrad.train.masks import requires_grad as requires_grad
+    from funcgrad.train.masks import train_only as train_only
     from funcgrad.train.masks import trainable_mask as trainable_mask
     from funcgrad.train.masks import value_and_grad_trainable as value_and_grad_trainable
     from funcgrad.train.microbatches import accumulate as accumulate
@@ -93,13 +93,6 @@ if TYPE_CHECKING:
     from funcgrad.train.monitor import GradMonitor as GradMonitor
     from funcgrad.train.monitor import MonitorMetrics as MonitorMetrics
     from funcgrad.train.monitor import MonitorState as MonitorState
-    from funcgrad.train.transforms import ClipState as ClipState
-    from funcgrad.train.transforms import MonitorTransformation as MonitorTransformation
-    from funcgrad.train.transforms import ZeroNonfiniteState as ZeroNonfiniteState
-    from funcgrad.train.transforms import clip_by_global_norm as clip_by_global_norm
-    from funcgrad.train.transforms import grad_monitor as grad_monitor
-    from funcgrad.train.transforms import recorded as recorded
-    from funcgrad.train.transforms import zero_nonfinite as zero_nonfinite
     from funcgrad.train.monitor import monitor_alerts as monitor_alerts
     from funcgrad.train.monitor import with_dead_relu as with_dead_relu
     from funcgrad.train.nn import MLPParams as MLPParams
@@ -120,6 +113,13 @@ if TYPE_CHECKING:
     from funcgrad.train.step import TrainStep as TrainStep
     from funcgrad.train.step import detect_anomaly as detect_anomaly
     from funcgrad.train.step import make_train_step as make_train_step
+    from funcgrad.train.transforms import ClipState as ClipState
+    from funcgrad.train.transforms import MonitorTransformation as MonitorTransformation
+    from funcgrad.train.transforms import ZeroNonfiniteState as ZeroNonfiniteState
+    from funcgrad.train.transforms import clip_by_global_norm as clip_by_global_norm
+    from funcgrad.train.transforms import grad_monitor as grad_monitor
+    from funcgrad.train.transforms import recorded as recorded
+    from funcgrad.train.transforms import zero_nonfinite as zero_nonfinite
 
 
 def _lazy_names() -> dict[str, str]:

@@ -287,7 +287,7 @@ def _depends(fun, args, nondiff_argnums, leaves) -> list[bool]:
     tangent depends on a tangent of that leaf alone, read from the jaxpr of ``jax.jvp``
     (JAX drops symbolic-zero tangents at stop_gradient, round, comparisons, ...). False for
     every leaf when `fun` cannot be traced under jvp: no verdict, no warning."""
-    from funcgrad.debug.diagnose import _DIFF, _flow, _Path  # the shared dependence analysis
+    from funcgrad._flow import DIFF, Path, flow  # the shared dependence analysis
 
     diff = [i for i in range(len(args)) if i not in nondiff_argnums]
     avals = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype),
@@ -322,9 +322,9 @@ def _depends(fun, args, nondiff_argnums, leaves) -> list[bool]:
     n_seed = len(seed_avals)
     n_all = len(closed.jaxpr.invars)
     in_deps: list[dict] = ([{} for _ in range(n_all - n_seed)]
-                           + [{n: _Path(_DIFF, "")} for n in range(n_seed)])
+                           + [{n: Path(DIFF, "")} for n in range(n_seed)])
     reached = set()
-    for deps in _flow(closed.jaxpr, in_deps):
+    for deps in flow(closed.jaxpr, in_deps):
         reached |= set(deps)
     return [n in reached for n in range(n_seed)]
 

@@ -28,9 +28,9 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
     from funcgrad.train.coupling import CoupledExamplesWarning
     from funcgrad.train.data import load_digits
     from funcgrad.train.loop import fit
-    from funcgrad.train.transforms import grad_monitor
     from funcgrad.train.optimizers import make_optimizer
     from funcgrad.train.precision import dynamic_loss_scale
+    from funcgrad.train.transforms import grad_monitor
 
     clock = _Clock()
     mesh, main = _distributed() if args.distributed else (None, True)

@@ -9,6 +9,12 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
+from funcgrad._drawing import BLUE as _BLUE
+from funcgrad._drawing import GREEN as _GREEN
+from funcgrad._drawing import GREY as _GREY
+from funcgrad._drawing import ORANGE as _ORANGE
+from funcgrad._drawing import byte_text as _bytes
+from funcgrad._drawing import type_text as _type
 from funcgrad._jaxpr import is_float
 
 if TYPE_CHECKING:
@@ -132,7 +138,6 @@ def _node_rows(graph: Graph, depth: int | None, indent: str) -> list[str]:
     return rows
 
 
-_BLUE, _GREEN, _ORANGE, _GREY = "#dbeafe", "#dcfce7", "#ea580c", "#9ca3af"
 
 
 def _draw(dot, graph: Graph, depth: int | None, saved: dict[str, int]) -> None:
@@ -200,21 +205,6 @@ def _draw(dot, graph: Graph, depth: int | None, saved: dict[str, int]) -> None:
             attrs.update(color=_GREY, fontcolor=_GREY)
         for c in v.consumers:
             dot.edge(tail, out_ids.get(c, c), **attrs)
-
-
-def _type(shape: tuple[int, ...], dtype: str) -> str:
-    short = dtype
-    for long, abbr in (("bfloat", "bf"), ("float", "f"), ("complex", "c"), ("uint", "u"),
-                       ("int", "i")):
-        short = short.replace(long, abbr)
-    return f"{short}[{','.join(map(str, shape))}]"
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def _count(items, one: str, many: str | None = None) -> str:

@@ -486,12 +486,12 @@ def _remat_view(fn, args, nums, names, rows, compiled_bytes) -> dict | None:
 
 
 def _type(shape, dtype: str) -> str:
-    from funcgrad.debug._graph_draw import _type as draw_type
+    from funcgrad._drawing import type_text as draw_type
     return draw_type(tuple(shape), dtype)
 
 
 def _bytes(n: int, signed: bool = False) -> str:
-    from funcgrad.debug._graph_draw import _bytes as draw_bytes  # fg.trace's units
+    from funcgrad._drawing import byte_text as draw_bytes  # fg.trace's units
     sign = ("+" if n >= 0 else "-") if signed else ("-" if n < 0 else "")
     return sign + draw_bytes(abs(n))
 

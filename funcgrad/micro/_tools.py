@@ -63,7 +63,10 @@ def to_dot(root: Tensor, *, rankdir: str = "BT") -> str:
     """
     import graphviz
 
-    from funcgrad.debug._graph_draw import _BLUE, _GREEN, _ORANGE, _type
+    from funcgrad._drawing import BLUE as _BLUE
+    from funcgrad._drawing import GREEN as _GREEN
+    from funcgrad._drawing import ORANGE as _ORANGE
+    from funcgrad._drawing import type_text as _type
     order = _topological_order(root) if root.requires_grad else [root]
     ids = {id(node): f"n{i}" for i, node in enumerate(order)}  # stable names, inputs first
     uses: dict[int, int] = {}

@@ -10,8 +10,8 @@ from typing import Any
 import optax
 
 from funcgrad.train.loss import Loss, as_loss
-from funcgrad.train.optimizers import make_optimizer
 from funcgrad.train.microbatches import accumulate as accumulate_piece
+from funcgrad.train.optimizers import make_optimizer
 from funcgrad.train.precision import mixed_precision
 from funcgrad.train.step import TrainStep, detect_anomaly, make_train_step
 from funcgrad.train.transforms import clip_by_global_norm, zero_nonfinite

@@ -26,8 +26,8 @@ class TrainState(NamedTuple):
       opt_state: the optax optimizer state for `params`.
       step: shape (), int32; number of step calls so far, skipped steps included (a skipped
         step leaves params and optimizer state, hence e.g. Adam's own count, unchanged).
-      loss_scale: the `funcgrad.train.precision.LossScaleState` of a step that scales the loss
-        (``step.init(params)`` for a loss under `funcgrad.mixed_precision` with a loss scale), else None.
+      loss_scale: the `funcgrad.train.precision.LossScaleState` of a step whose loss has a loss
+        scale (`funcgrad.mixed_precision`), else None.
       model_state: the model's non-differentiated state (BatchNorm running statistics,
         counters), passed to a loss declared with ``has_state=True`` and replaced by the
         state it returns (`funcgrad.train.loss`); None without.
@@ -61,8 +61,8 @@ def _initial_state(params: PyTree, optimizer: str | optax.GradientTransformation
     """Returns the `TrainState` at step 0: `params`, ``optimizer.init(params)`` and step 0.
 
     `optimizer` is an optax transformation or a name for `make_optimizer` (default settings).
-    With `trainable` (a mask from `funcgrad.train.masks.trainable_mask`) the optimizer is wrapped in
-    ``funcgrad.train.masks.train_only(optimizer, trainable)``, as `make_train_step` does with the same
+    With `trainable` (a mask from `funcgrad.trainable_mask`) the optimizer is wrapped in
+    ``funcgrad.train_only(optimizer, trainable)``, as `make_train_step` does with the same
     mask: frozen leaves keep no optimizer state (an optimizer from ``funcgrad.train_only`` is
     already wrapped: give the step the same one). `loss_scale` (e.g.
     ``funcgrad.dynamic_loss_scale()``) adds its initial state; give `make_train_step` the same.
@@ -127,7 +127,7 @@ def _check_model_state(model_state: PyTree, where: str = "TrainState.init") -> N
 
 
 def _trainable_of(optimizer: optax.GradientTransformation) -> PyTree | None:
-    """The trainable mask of an optimizer wrapped by `funcgrad.train.masks.train_only` (all its masks
+    """The trainable mask of an optimizer wrapped by `funcgrad.train_only` (all its masks
     together when nested), or None."""
     masks = frozen_masks(optimizer)
     return None if not masks else masks[0] if len(masks) == 1 else _AllOf(masks)

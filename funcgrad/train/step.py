@@ -20,12 +20,12 @@ from funcgrad.train._program import _build, _Built
 from funcgrad.train.loss import Loss, as_loss
 from funcgrad.train.masks import train_only
 from funcgrad.train.monitor import GradMonitor, MonitorState
-from funcgrad.train.transforms import ClipState, check_records
 from funcgrad.train.optimizers import (
     make_optimizer,
 )
 from funcgrad.train.precision import LossScale
 from funcgrad.train.state import TrainState, _initial_state, _trainable_of
+from funcgrad.train.transforms import ClipState, check_records
 
 PyTree = Any
 Batch = Mapping[str, Any]
