@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from funcgrad._jax_version import TESTED_JAX as TESTED_JAX
     from funcgrad._jax_version import JaxVersionWarning as JaxVersionWarning
     from funcgrad._traced import TracedValueError as TracedValueError
-    from funcgrad.check._lift_precision import LiftError as LiftError
+    from funcgrad.check import LiftError as LiftError
     from funcgrad.check.custom import CustomVJP as CustomVJP
     from funcgrad.check.custom import DroppedCotangentWarning as DroppedCotangentWarning
     from funcgrad.check.custom import custom_vjp as custom_vjp

@@ -212,7 +212,7 @@ def left_out_fields(fn: Callable, args: tuple,
 
 def warn_left_out(where: str, fields: list[LeftOut]) -> None:
     """One `funcgrad.interop.StaticFieldWarning` per field, at the user's line."""
-    from funcgrad.interop._warnings import StaticFieldWarning
+    from funcgrad._adapter_warnings import StaticFieldWarning
 
     for field in fields:
         warn(f"{where} left out {field.name} ({field.reason}).", StaticFieldWarning)

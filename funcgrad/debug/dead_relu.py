@@ -23,7 +23,8 @@ import numpy as np
 from funcgrad import _jax_internals as ji
 from funcgrad._jaxpr import arg_names, interpret, source_line
 from funcgrad._traced import traced_values
-from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE, ReluAxes
+from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE as UNKNOWN_AXIS_NOTE
+from funcgrad.debug._relu_axes import ReluAxes
 
 
 @dataclasses.dataclass(frozen=True)

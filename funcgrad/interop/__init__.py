@@ -10,10 +10,10 @@ Warnings: `StaticFieldWarning` (an equinox field equinox treats as static, which
 `EvalModeWarning` (an evaluation call that changed the model state), `MomentumWarning` (a
 BatchNorm momentum in PyTorch's meaning).
 """
+from funcgrad._adapter_warnings import EvalModeWarning as EvalModeWarning
+from funcgrad._adapter_warnings import MomentumWarning as MomentumWarning
+from funcgrad._adapter_warnings import StaticFieldWarning as StaticFieldWarning
 from funcgrad.interop._model import Model as Model
-from funcgrad.interop._warnings import EvalModeWarning as EvalModeWarning
-from funcgrad.interop._warnings import MomentumWarning as MomentumWarning
-from funcgrad.interop._warnings import StaticFieldWarning as StaticFieldWarning
 from funcgrad.interop.equinox import from_equinox as from_equinox
 from funcgrad.interop.linen import from_linen as from_linen
 from funcgrad.interop.nnx import from_nnx as from_nnx

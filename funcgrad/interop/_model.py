@@ -151,8 +151,8 @@ class Model:
         Eagerly the values are compared; under a trace (jit, grad) the new leaf being the
         very tracer passed in says the library left it alone (nnx, equinox and linen return
         an untouched leaf as it was given), so a written leaf is reported at trace time."""
+        from funcgrad._adapter_warnings import EvalModeWarning
         from funcgrad._user_line import warn
-        from funcgrad.interop._warnings import EvalModeWarning
 
         traced = False
         changed = []

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from funcgrad._adapter_warnings import MomentumWarning, StaticFieldWarning
 from funcgrad._library_objects import static_field_message, static_floats
 from funcgrad._paths import keystr
 from funcgrad._user_line import warn
@@ -20,7 +21,6 @@ from funcgrad.interop._model import (
     _wrong_module,
     momentum_note,
 )
-from funcgrad.interop._warnings import MomentumWarning, StaticFieldWarning
 
 
 def from_equinox(model: Any, state: Any = None, *,

@@ -9,9 +9,9 @@ from typing import Any
 
 import jax
 
+from funcgrad._adapter_warnings import MomentumWarning
 from funcgrad._user_line import warn
 from funcgrad.interop._model import MOMENTUM_NOTE_BELOW, Model, _wrong_module, momentum_note
-from funcgrad.interop._warnings import MomentumWarning
 
 _NEEDS_VARIABLES = (
     "from_linen needs the module and its variables, as module.init returns them:\n"

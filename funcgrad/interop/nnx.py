@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from funcgrad._adapter_warnings import MomentumWarning
 from funcgrad._user_line import warn
 from funcgrad.interop._model import (
     MOMENTUM_NOTE_BELOW,
@@ -16,7 +17,6 @@ from funcgrad.interop._model import (
     _wrong_module,
     momentum_note,
 )
-from funcgrad.interop._warnings import MomentumWarning
 
 _OPTIMIZER = (
     "from_nnx got an nnx.Optimizer; funcgrad keeps the optimizer state itself. Pass the model "

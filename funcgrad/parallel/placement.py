@@ -315,7 +315,7 @@ def _layout(tree: PyTree) -> str:
 TEXT_BYTES = 512
 
 
-def _crc(text: str) -> int:
+def crc_int31(text: str) -> int:
     """A CRC32 of `text` that fits an int32 (what `gather_from_processes` sends)."""
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
@@ -387,7 +387,7 @@ def process_batch(local: PyTree, mesh: Mesh, axis: str = DATA_AXIS, *,
     count = jax.process_count()
     if check and count > 1:
         layout = _layout(local)
-        every, _ = gather_from_processes([b, _crc(layout)])
+        every, _ = gather_from_processes([b, crc_int31(layout)])
         if (every != every[0]).any():
             counts = {p: int(every[p, 0]) for p in range(count)}
             same = bool((every[:, 1] == every[0, 1]).all())

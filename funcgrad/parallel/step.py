@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from funcgrad._paths import key_paths, keystr
 from funcgrad.parallel.placement import check_mesh, divisibility_error
-from funcgrad.train.step import TrainStep, _check_step
+from funcgrad.train.step import TrainStep, require_train_step
 
 
 class DataParallel:
@@ -97,7 +97,7 @@ def data_parallel(step: TrainStep, mesh: Any, *, data_axis: str = "data",
       >>> step = fg.data_parallel(fg.make_train_step(loss_fn, optax.adam(1e-3)),
       ...                         fg.data_mesh())
     """
-    _check_step("data_parallel", step)
+    require_train_step("data_parallel", step)
     check_mesh(mesh, data_axis, "data_parallel")
     if step.parallel is not None:
         raise ValueError(f"data_parallel: the step is already data-parallel ({step.parallel!r});"

@@ -56,7 +56,7 @@ import numpy as np
 
 from funcgrad._library_objects import equinox_floating
 from funcgrad._paths import key_paths, keystr
-from funcgrad.debug._relu_axes import UNKNOWN_AXIS_NOTE
+from funcgrad.debug.dead_relu import UNKNOWN_AXIS_NOTE
 from funcgrad.debug.dead_relu import DeadReLU as DeadReLU
 from funcgrad.debug.dead_relu import with_dead_relu as with_dead_relu
 

@@ -362,7 +362,7 @@ def detect_anomaly(step: TrainStep) -> TrainStep:
       TypeError: if `step` is not a `TrainStep`.
       ValueError: for a data-parallel step (locate on the one-device step, same global batch).
     """
-    _check_step("detect_anomaly", step)
+    require_train_step("detect_anomaly", step)
     if step.parallel is not None:
         raise ValueError("detect_anomaly: not with funcgrad.data_parallel yet: it re-runs the "
                          "loss eagerly on the host's copy of the batch. Apply detect_anomaly "
@@ -370,7 +370,7 @@ def detect_anomaly(step: TrainStep) -> TrainStep:
     return dataclasses.replace(step, detect_anomaly=True)
 
 
-def _check_step(where: str, step: Any) -> None:
+def require_train_step(where: str, step: Any) -> None:
     if not isinstance(step, TrainStep):
         raise TypeError(f"{where}: expected a TrainStep from funcgrad.make_train_step(loss, "
                         f"optimizer), got {type(step).__name__}.")

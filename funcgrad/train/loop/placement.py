@@ -146,11 +146,11 @@ def local_batches_agree(batches: Sequence[PyTree], last: bool, *, epoch: int, st
       ValueError: the processes disagree; on every process, the same message, with each
         process's count, layout and what follows, and the fix.
     """
-    from funcgrad.parallel.placement import _crc, gather_from_processes
+    from funcgrad.parallel.placement import crc_int31, gather_from_processes
 
     layout = _layout(batches[0]) if batches else ""
     after = _layout(following) if following is not None else ""
-    every, texts = gather_from_processes([len(batches), int(last), _crc(layout)],
+    every, texts = gather_from_processes([len(batches), int(last), crc_int31(layout)],
                                          f"{layout}\n{after}")
     if (every == every[0]).all():
         return
