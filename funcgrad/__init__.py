@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from funcgrad.train.accumulate import group_microbatches as group_microbatches
     from funcgrad.train.accumulate import make_accumulating_step as make_accumulating_step
     from funcgrad.train.accumulate import stack_microbatches as stack_microbatches
+    from funcgrad.train.alerts import Alert as Alert
+    from funcgrad.train.alerts import monitor_alerts as monitor_alerts
     from funcgrad.train.checkpoint import Restored as Restored
     from funcgrad.train.checkpoint import latest_checkpoint_step as latest_checkpoint_step
     from funcgrad.train.checkpoint import restore_checkpoint as restore_checkpoint
@@ -89,11 +91,9 @@ if TYPE_CHECKING:
     from funcgrad.train.masks import trainable_mask as trainable_mask
     from funcgrad.train.masks import value_and_grad_trainable as value_and_grad_trainable
     from funcgrad.train.microbatches import accumulate as accumulate
-    from funcgrad.train.monitor import Alert as Alert
     from funcgrad.train.monitor import GradMonitor as GradMonitor
     from funcgrad.train.monitor import MonitorMetrics as MonitorMetrics
     from funcgrad.train.monitor import MonitorState as MonitorState
-    from funcgrad.train.monitor import monitor_alerts as monitor_alerts
     from funcgrad.train.monitor import with_dead_relu as with_dead_relu
     from funcgrad.train.nn import MLPParams as MLPParams
     from funcgrad.train.nn import accuracy as accuracy

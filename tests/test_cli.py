@@ -283,7 +283,7 @@ def test_the_plot_merges_thousands_of_alerts_into_a_few_bands(tmp_path, monkeypa
 
     from funcgrad.cli import _plot
     from funcgrad.train.fit import History
-    from funcgrad.train.monitor import Alert
+    from funcgrad.train.alerts import Alert
 
     alerts = ([Alert(5 * i, "vanishing", "params[0]", 1e-7, 1e-6) for i in range(2000)]
               + [Alert(s, "explosion", "global", 1e3, 10.0)

@@ -36,10 +36,11 @@ it pops above it for a step.
 
 The statistics are ``jnp`` code: no host round-trip inside ``jit``, so they compile into the
 step (``benchmarks/monitor.py`` measures what they add), and everything in it that depends on
-the gradient norm is one packed vector. The baseline and the vanishing streaks
-persist in a `MonitorState` the caller carries, e.g. in the train state. On the host,
-`monitor_alerts` turns one step's metrics into `Alert` objects whose ``str`` is a readable
-line; the names (leaf paths, layers, ReLU sites) travel as static pytree metadata of
+the gradient norm is one packed vector (`funcgrad.train._monitor_sums`). The baseline and the
+vanishing streaks persist in a `MonitorState`: in the optimizer's state when the monitor is a
+transformation of its chain (`funcgrad.grad_monitor`). On the host,
+`funcgrad.train.alerts.monitor_alerts` turns one step's metrics into `Alert` objects whose
+``str`` is a readable line; the names (leaf paths, layers, ReLU sites) travel as static pytree metadata of
 `MonitorMetrics`, so they survive ``jit`` without a side channel. `with_dead_relu` and
 `DeadReLU` live in `funcgrad.debug.dead_relu` and are re-exported here.
 """
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -56,14 +56,11 @@ import numpy as np
 
 from funcgrad._library_objects import equinox_floating
 from funcgrad._paths import key_paths, keystr
-from funcgrad.debug.dead_relu import UNKNOWN_AXIS_NOTE
 from funcgrad.debug.dead_relu import DeadReLU as DeadReLU
 from funcgrad.debug.dead_relu import with_dead_relu as with_dead_relu
+from funcgrad.train._monitor_sums import statistics, values_dtype, vector
 
 PyTree = Any
-
-#: Alert kinds, in the order `monitor_alerts` reports them within a step.
-ALERT_KINDS = ("nonfinite", "explosion", "vanishing", "dead_relu")
 
 
 # --- per-step statistics, baseline and flags ---------------------------------------------
@@ -329,105 +326,6 @@ def _layers(params: PyTree) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int
     return tuple(leaf_names), tuple(layer_names), tuple(layer_of)
 
 
-def _values_dtype(leaves: Sequence[Any]):
-    """float32, or float64 when a leaf is float64 (half precision is summed in float32, so a
-    sum of many squares neither loses its small terms nor overflows early)."""
-    return jnp.result_type(jnp.float32, *(jnp.result_type(g) for g in leaves
-                                          if jnp.issubdtype(jnp.result_type(g), jnp.floating)))
-
-
-#: Elements per row of the padded matrix that `_sums` reduces in one pass.
-_CHUNK = 512
-#: Most elements of the leaves padded into that matrix, and most elements of the matrix with
-#: its zero padding (every leaf pads to at least one row); leaves beyond are reduced alone.
-_MATRIX_LIMIT = 2**16
-_PADDED_LIMIT = 2**18
-
-
-def _sums(flat: Sequence[jax.Array], groups: np.ndarray) -> jax.Array:
-    """``[sum, sum of squares]`` of each group of the 1-D arrays `flat`: shape (groups, 2).
-
-    ``groups[i, k] = 1`` puts ``flat[i]`` into group k. A few kernels whatever the number of
-    small arrays (two reductions per gradient leaf made the monitor cost ~35% of a small CPU
-    step): the smallest arrays, up to `_MATRIX_LIMIT` elements (and `_PADDED_LIMIT` after
-    padding, so that hundreds of bias vectors still fit), are zero-padded to whole rows of
-    `_CHUNK` elements (zeros change neither sum) and all their rows reduced at once; each
-    larger array is reduced on its own. A 0/1 matrix then adds the row sums up
-    per group. Past ~40k elements XLA:CPU splits a concatenate across threads and it becomes
-    far slower than per-array reductions (a 1.1M-element model: 1.2 ms against 0.24 ms for
-    the monitor's update), hence the limit; on any backend it also bounds the copy.
-    """
-    dtype = jnp.result_type(*flat)
-    order = sorted(range(len(flat)), key=lambda i: flat[i].size)
-    rows = [-(-f.size // _CHUNK) for f in flat]
-    small, real, padded = [], 0, 0
-    for i in order:
-        if (real + flat[i].size > _MATRIX_LIMIT
-                or padded + rows[i] * _CHUNK > _PADDED_LIMIT):
-            break
-        small.append(i)
-        real, padded = real + flat[i].size, padded + rows[i] * _CHUNK
-    small.sort()
-    chosen = set(small)
-    large = [i for i in range(len(flat)) if i not in chosen]
-    parts, owner = [], []  # blocks of (sum, sum of squares) rows; the array of each row
-    if small:
-        # The padded rows, written by one fused kernel, then two row reductions. (A matrix with
-        # each row of squares stacked beside its row of values, reduced once, took ~10 us more
-        # kernel time per step in a CPU profile: that concatenate is slow elementwise code.)
-        matrix = jnp.concatenate([
-            jnp.pad(flat[i], (0, rows[i] * _CHUNK - flat[i].size)).reshape(rows[i], _CHUNK)
-            for i in small])
-        parts.append(jnp.stack([jnp.sum(matrix, axis=1), jnp.sum(matrix * matrix, axis=1)],
-                               axis=1))
-        owner += [i for i in small for _ in range(rows[i])]
-    if large:
-        parts.append(jnp.stack([jnp.stack([jnp.sum(flat[i]), jnp.sum(flat[i] * flat[i])])
-                                for i in large]))
-        owner += large
-    row_sums = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    to_groups = groups[owner].T  # (groups, rows): row r belongs to the groups of its array
-    return jnp.matmul(jnp.asarray(to_groups, dtype), row_sums,
-                      precision=jax.lax.Precision.HIGHEST)
-
-
-def _statistics(grads: PyTree, leaf_names: Sequence[str], layer_of: Sequence[int],
-                n_layers: int, dtype):
-    """``(sum of squares of all leaves, [leaf norms, layer norms], leaf means, leaf stds)``,
-    in `dtype`, from one pass over the gradients."""
-    leaves = jax.tree.leaves(grads)
-    for name, g in zip(leaf_names, leaves):
-        if not jnp.issubdtype(jnp.result_type(g), jnp.floating):
-            raise TypeError(f"the gradient monitor needs real floating-point gradients; leaf "
-                            f"{name} has dtype {jnp.result_type(g)} and shape {jnp.shape(g)}. "
-                            "Freeze integer leaves (funcgrad.trainable_mask) or take their "
-                            "gradient out.")
-    flat = [jnp.ravel(x).astype(dtype) for x in leaves]
-    # Groups summed: each leaf, each layer, then all leaves.
-    n, total = len(leaves), len(leaves) + n_layers
-    groups = np.zeros((n, total + 1))
-    for i, layer in enumerate(layer_of):
-        groups[i, [i, n + layer, total]] = 1
-    sums = _sums(flat, groups)
-    sizes = np.array([max(x.size, 1) for x in flat]).astype(dtype)
-    mean = sums[:n, 0] / sizes
-    # One pass: var = E[g^2] - E[g]^2, clamped at 0. Its rounding error is ~eps * E[g^2], so
-    # a std below ~sqrt(eps) * rms (3e-4 of the rms in float32) is noise; a second pass over
-    # the gradients would cost more kernels per step.
-    std = jnp.sqrt(jnp.maximum(sums[:n, 1] / sizes - mean * mean, 0))
-    return sums[total, 1], jnp.sqrt(sums[:total, 1]), mean, std
-
-
-def _vector(*scalars: jax.Array) -> jax.Array:
-    """``jnp.stack(scalars)`` as one elementwise select: XLA:CPU fuses a concatenate of at most
-    8 operands into one kernel, and each stacked scalar would be an operand of its own."""
-    index = jnp.arange(len(scalars))
-    out = jnp.broadcast_to(scalars[-1], index.shape)
-    for i in range(len(scalars) - 2, -1, -1):
-        out = jnp.where(index == i, scalars[i], out)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class GradMonitor:
     """The monitor's settings and its ``(init, measure)`` pair of pure functions (in an
@@ -500,7 +398,7 @@ class GradMonitor:
         for layer, flag in zip(layer_of, flags):
             watched[layer] |= flag
         slots = _Slots.of(len(leaf_names), len(layer_names))
-        values = np.full(slots.size, np.nan, _values_dtype(jax.tree.leaves(params)))
+        values = np.full(slots.size, np.nan, values_dtype(jax.tree.leaves(params)))
         values[[_COUNT, _BASELINE_STEPS, _BASELINE_TOTAL]] = 0  # count 0: all bits 0
         values[slots.below_floor:] = np.tile(np.where(watched, 0, -1), 2)  # and clear
         return MonitorState(jnp.asarray(values), len(layer_names), self,
@@ -540,7 +438,7 @@ class GradMonitor:
                              f"and {len(leaf_names)} leaves. Make it with init(params) for "
                              "these params.")
         dtype = state.values.dtype
-        sumsq, norms, mean, std = _statistics(grads, leaf_names, layer_of, len(layer_names),
+        sumsq, norms, mean, std = statistics(grads, leaf_names, layer_of, len(layer_names),
                                               dtype)
         layer_norm = norms[len(leaf_names):]
         has_loss = loss is not None
@@ -568,9 +466,9 @@ class GradMonitor:
         count = jax.lax.bitcast_convert_type(
             jax.lax.bitcast_convert_type(old[_COUNT], _int_type(dtype)) + 1, dtype)
         # The baseline's divide and the norm's sqrt are operands of their own: inside the
-        # broadcast of `_vector` XLA would compute them in kernels of their own first.
+        # broadcast of `vector` XLA would compute them in kernels of their own first.
         values = jnp.concatenate([
-            _vector(count, sumsq, loss, baseline_steps + add.astype(dtype)), baseline[None],
+            vector(count, sumsq, loss, baseline_steps + add.astype(dtype)), baseline[None],
             (baseline_total + jnp.where(add, jnp.sqrt(sumsq), 0))[None], norms, mean, std,
             streak.astype(dtype), clear.astype(dtype)])
         # A barrier, so that XLA reads the global norm back from this vector (`grad_norm`:
@@ -589,83 +487,3 @@ def _real(x) -> bool:
 
 def _count(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and bool(x >= 1)
-
-
-# --- alerts, on the host ------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Alert:
-    """One alert of the monitor, ready to print with ``str(alert)``.
-
-    Attributes:
-      step: index of the step (0-based).
-      kind: one of `ALERT_KINDS`.
-      where: "global", a layer (``params[0]``) or a ReLU site (``relu 0 at nn.py:96 ...``).
-      value: the measured value (a norm in gradient units, or a dead fraction).
-      threshold: what it was compared with, in the same units.
-      detail: the comparison in words.
-    """
-    step: int
-    kind: str
-    where: str
-    value: float
-    threshold: float
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return (f"step {self.step}: {self.kind} at {self.where}: value {self.value:.4g}, "
-                f"threshold {self.threshold:.4g} ({self.detail})")
-
-
-def monitor_alerts(metrics: MonitorMetrics, *,
-                   previous: MonitorMetrics | None = None) -> list[Alert]:
-    """The alerts of one step's `MonitorMetrics` (device or host arrays), in `ALERT_KINDS` order.
-
-    ``nonfinite`` and ``explosion`` are reported on every step that has them; ``vanishing`` on
-    the step a layer's streak (below the floor and below ``vanish_ratio`` x the global norm)
-    reaches ``vanish_steps``, once per streak; ``dead_relu`` when a
-    site's dead fraction reaches ``dead_threshold``: on every step, or, given the `previous`
-    step's metrics, only on the step it crosses the threshold. A site whose feature axis was
-    not found from the program (its name says so; its units are the last axis) alerts only
-    when all its units are dead, i.e. every value of its input is <= 0, true along any axis.
-    Metrics stacked by ``lax.scan`` (a leading step axis) give the alerts of every step, each
-    step the previous of the next.
-    """
-    m = jax.device_get(metrics)
-    if np.ndim(m.values) > 1:
-        out, prev = [], previous
-        values = np.reshape(m.values, (-1, np.shape(m.values)[-1]))
-        dead = [np.reshape(d, (len(values), -1)) for d in m.dead]
-        for i in range(len(values)):
-            row = MonitorMetrics(values[i], tuple(d[i] for d in dead), m.layout)
-            out += monitor_alerts(row, previous=prev)
-            prev = row
-        return out
-    step = int(m.step)
-    out = []
-    if bool(m.nonfinite):
-        out.append(Alert(step, "nonfinite", "global", float(m.grad_norm), math.inf,
-                         f"grad_norm {float(m.grad_norm):.4g}, loss {float(m.loss):.4g}; "
-                         "a NaN or inf"))
-    if bool(m.explosion):
-        limit = m.explode_factor * float(m.baseline)
-        out.append(Alert(step, "explosion", "global", float(m.grad_norm), limit,
-                         f"grad_norm > {m.explode_factor:g} x baseline {float(m.baseline):.4g}"))
-    for name, hit, norm in zip(m.layer_names, np.asarray(m.vanishing), np.asarray(m.layer_norm)):
-        if hit:
-            out.append(Alert(step, "vanishing", name, float(norm), m.vanish_floor,
-                             f"layer norm < floor and < {m.vanish_ratio:g} x the global norm "
-                             f"for {m.vanish_steps} steps"))
-    before = (np.asarray(previous.dead_fraction) if previous is not None
-              else np.full(len(m.relu_names), -1.0))
-    for name, frac, prev in zip(m.relu_names, np.asarray(m.dead_fraction), before):
-        # A site whose feature axis was not found counts along its last axis, a number that
-        # means nothing for another layout; "all of them dead" (every value <= 0) is the one
-        # reading that holds along any axis, so only that raises the alert there.
-        limit = 1.0 if UNKNOWN_AXIS_NOTE in name else m.dead_threshold
-        if frac >= limit and not prev >= limit:
-            out.append(Alert(step, "dead_relu", name, float(frac), limit,
-                             f"{100 * float(frac):.0f}% of units dead for the whole batch"
-                             + ("; feature axis unknown: every value <= 0"
-                                if limit != m.dead_threshold else "")))
-    return out

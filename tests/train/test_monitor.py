@@ -7,14 +7,15 @@ import optax
 import pytest
 
 import funcgrad as fg
+import funcgrad.train._monitor_sums as monitor_sums
+import funcgrad.train.alerts as alerts_module
 import funcgrad.train.monitor as monitor_module
+from funcgrad.train.alerts import Alert, monitor_alerts
 from funcgrad.train.monitor import (
-    Alert,
     DeadReLU,
     GradMonitor,
     MonitorMetrics,
     MonitorState,
-    monitor_alerts,
     with_dead_relu,
 )
 
@@ -57,7 +58,7 @@ def test_leaf_and_layer_statistics_equal_numpy_on_the_gradients(matrix_limit, mo
     # (default), none (0), or the three smallest (2048 elements: 10 + 128 + 1280) while the
     # 8192-element first-layer weights are reduced alone.
     if matrix_limit is not None:
-        monkeypatch.setattr(monitor_module, "_MATRIX_LIMIT", matrix_limit)
+        monkeypatch.setattr(monitor_sums, "_MATRIX_LIMIT", matrix_limit)
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
     batch = _digits_batch()
     grads = jax.grad(_mlp_loss)(params, batch)
@@ -405,7 +406,7 @@ def test_types_are_pytrees_and_public():
     assert isinstance(tx.init({"w": jnp.ones(1)}), MonitorState)
     leaves, tree = jax.tree.flatten(DeadReLU((jnp.ones(2, bool),), ("relu 0 at ?",)))
     assert len(leaves) == 1 and jax.tree.unflatten(tree, leaves).names == ("relu 0 at ?",)
-    assert Alert(1, "explosion", "global", 2.0, 1.0, "x").kind in monitor_module.ALERT_KINDS
+    assert Alert(1, "explosion", "global", 2.0, 1.0, "x").kind in alerts_module.ALERT_KINDS
 
 
 # --- fg.grad_monitor() in the optimizer's chain, and fit ---------------------------------

@@ -37,7 +37,7 @@ def run(ctx: Context) -> dict:
                     "layer_norm": [], "dead": [], "alerts": []}
     layer_names: tuple = ()
     relu_names: tuple = ()
-    from funcgrad.train.monitor import monitor_alerts
+    from funcgrad.train.alerts import monitor_alerts
 
     previous = None
     for s in range(ctx.options["steps"]):

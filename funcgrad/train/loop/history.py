@@ -194,7 +194,7 @@ class History:
 
     @classmethod
     def _from_state(cls, data: Mapping[str, Any]) -> History:
-        from funcgrad.train.monitor import Alert
+        from funcgrad.train.alerts import Alert
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in fields}
         kwargs["alerts"] = [Alert(**a) for a in kwargs.get("alerts", [])]
