@@ -146,8 +146,6 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str):
     import importlib
 
-    if name not in _LAZY and name in _MOVED:  # funcgrad.masks.train_only without an import
-        return importlib.import_module(f"funcgrad.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'funcgrad' has no attribute {name!r}")
@@ -167,63 +165,3 @@ __version__ = "0.1.0"
 from funcgrad._jax_version import warn_if_untested as _warn_if_untested  # noqa: E402
 
 _warn_if_untested()
-
-from types import ModuleType as _ModuleType  # noqa: E402  (the type of every module)
-
-# Modules that moved into the subpackages (check, debug, train) keep their old dotted names:
-# ``funcgrad.masks.train_only`` and ``import funcgrad.monitor`` still work, each importing the
-# module it names when first asked for, as the names above do.
-_MOVED = {
-    "check_report": "check.report", "testing": "check.testing", "manual": "check.manual",
-    "custom": "check.custom", "graph": "debug.graph", "diagnose": "debug.diagnose",
-    "taps": "debug.taps", "anomaly": "debug.anomaly", "dead_relu": "debug.dead_relu",
-    "vjp": "debug.vjp", "loss": "train.loss", "fit": "train.fit",
-    "accumulate": "train.accumulate", "microbatches": "train.microbatches",
-    "coupling": "train.coupling", "clipping": "train.clipping", "precision": "train.precision",
-    "masks": "train.masks", "monitor": "train.monitor", "data": "train.data", "nn": "train.nn",
-    "convnet": "train.convnet",
-}
-
-
-class _MovedModules:
-    """An import finder and loader: ``import funcgrad.<old>`` gives the module it moved to
-    (one module object under both names), with that module's own ``__spec__`` kept."""
-
-    @classmethod
-    def find_spec(cls, fullname, path=None, target=None):
-        prefix, _, old = fullname.partition(".")
-        if prefix != "funcgrad" or old not in _MOVED:
-            return None
-        import importlib.util
-        # The class is the loader (create_module, exec_module: PEP 451); typeshed's
-        # LoaderProtocol also asks for the legacy load_module, which the import system never
-        # calls on a loader that has exec_module.
-        return importlib.util.spec_from_loader(fullname, cls)  # type: ignore[arg-type]
-
-    @staticmethod
-    def create_module(spec):
-        import importlib
-        module = importlib.import_module(f"funcgrad.{_MOVED[spec.name.partition('.')[2]]}")
-        spec.loader_state = module.__spec__  # the import system sets __spec__ to `spec` next
-        return module
-
-    @staticmethod
-    def exec_module(module):
-        module.__spec__ = module.__spec__.loader_state
-
-
-class _Package(_ModuleType):
-    """funcgrad's module type: ``import funcgrad.fit`` (the old path of the module) leaves
-    ``funcgrad.fit``, the function, in place (the import system sets a submodule as an
-    attribute of its package)."""
-
-    def __setattr__(self, name, value):
-        if not (name in _LAZY and name in _MOVED and value is _sys.modules.get(
-                f"funcgrad.{_MOVED[name]}")):
-            super().__setattr__(name, value)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.meta_path.append(_MovedModules)
-_sys.modules[__name__].__class__ = _Package

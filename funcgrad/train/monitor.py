@@ -40,9 +40,9 @@ the gradient norm is one packed vector (`funcgrad.train._monitor_sums`). The bas
 vanishing streaks persist in a `MonitorState`: in the optimizer's state when the monitor is a
 transformation of its chain (`funcgrad.grad_monitor`). On the host,
 `funcgrad.train.alerts.monitor_alerts` turns one step's metrics into `Alert` objects whose
-``str`` is a readable line; the names (leaf paths, layers, ReLU sites) travel as static pytree metadata of
-`MonitorMetrics`, so they survive ``jit`` without a side channel. `with_dead_relu` and
-`DeadReLU` live in `funcgrad.debug.dead_relu` and are re-exported here.
+``str`` is a readable line; the names (leaf paths, layers, ReLU sites) travel as static
+pytree metadata of `MonitorMetrics`, so they survive ``jit`` without a side channel.
+`with_dead_relu` and `DeadReLU` live in `funcgrad.debug.dead_relu` and are re-exported here.
 """
 from __future__ import annotations
 

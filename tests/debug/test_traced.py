@@ -49,7 +49,7 @@ TOOLS = {
     "find_nonfinite": lambda fn, *rest: fg.find_nonfinite(fn, _P, *rest),
     "trace": lambda fn, *rest: fg.trace(fn, _P, *rest),
     "intermediate_grads": lambda fn, *rest: fg.intermediate_grads(fn)(_P, *rest),
-    "with_dead_relu": lambda fn, *rest: fg.monitor.with_dead_relu(fn)(_P, *rest),
+    "with_dead_relu": lambda fn, *rest: fg.with_dead_relu(fn)(_P, *rest),
     # backward runs fn eagerly, where a Python if works; under fn's own jit it cannot.
     "backward": lambda fn, *rest: fg.backward(jax.jit(fn), _P, *rest),
     "train_step": lambda fn, *rest: fg.make_train_step(
