@@ -78,7 +78,7 @@ def main() -> None:
     #   h @ W1: keeps W1 and h = relu(z)                   32*10*4 + 8*32*4 = 1280 + 1024
     layers = 8192 + 2048 + 256 + 1024 + 1280 + 1024
     from_layers = sum(r.nbytes for r in mlp.residuals
-                      if r.leaf or r.source.startswith("nn.py"))
+                      if r.leaf or r.source.startswith("mlp.py"))
     # The loss keeps what it keeps of its own input whether or not the logits came from an MLP:
     # measured on the loss alone, as a function of the logits.
     loss_only = trace(lambda z: fg.softmax_cross_entropy(z, y), fg.mlp_apply(params, x))

@@ -67,7 +67,7 @@ def main():
     logits = fg.mlp_apply(params, batch["x"])
     loss_alone = fg.trace(lambda z: fg.softmax_cross_entropy(z, batch["y"]), logits)
     from_layers = sum(r.nbytes for r in grad_report.residuals
-                      if r.origin == "argument" or r.source.startswith("nn.py"))
+                      if r.origin == "argument" or r.source.startswith("mlp.py"))
     c2 = Check("2. residuals of the loss gradient (bytes)", "memory_report", "by hand")
     c2.row("kept by the layers", from_layers, layers_saved + layers_inputs)
     c2.row("residual total = layers + loss", grad_report.residual_bytes,

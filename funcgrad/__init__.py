@@ -37,6 +37,15 @@ if TYPE_CHECKING:
     from funcgrad.debug.taps import intermediate_grads as intermediate_grads
     from funcgrad.debug.taps import tap as tap
     from funcgrad.debug.vjp import backward as backward
+    from funcgrad.demo.cnn import cnn_apply as cnn_apply
+    from funcgrad.demo.cnn import cnn_init as cnn_init
+    from funcgrad.demo.cnn import cnn_loss as cnn_loss
+    from funcgrad.demo.mlp import MLPParams as MLPParams
+    from funcgrad.demo.mlp import accuracy as accuracy
+    from funcgrad.demo.mlp import mean_squared_error as mean_squared_error
+    from funcgrad.demo.mlp import mlp_apply as mlp_apply
+    from funcgrad.demo.mlp import mlp_init as mlp_init
+    from funcgrad.demo.mlp import softmax_cross_entropy as softmax_cross_entropy
     from funcgrad.memory.checkpointing import RematPlan as RematPlan
     from funcgrad.memory.checkpointing import plan_remat as plan_remat
     from funcgrad.memory.checkpointing import remat as remat
@@ -72,9 +81,6 @@ if TYPE_CHECKING:
     from funcgrad.train.checkpoint import restore_checkpoint as restore_checkpoint
     from funcgrad.train.checkpoint import save_checkpoint as save_checkpoint
     from funcgrad.train.clipping import global_norm as global_norm
-    from funcgrad.train.convnet import cnn_apply as cnn_apply
-    from funcgrad.train.convnet import cnn_init as cnn_init
-    from funcgrad.train.convnet import cnn_loss as cnn_loss
     from funcgrad.train.coupling import CoupledExamplesWarning as CoupledExamplesWarning
     from funcgrad.train.data import Dataset as Dataset
     from funcgrad.train.data import batches as batches
@@ -95,12 +101,6 @@ if TYPE_CHECKING:
     from funcgrad.train.monitor import MonitorMetrics as MonitorMetrics
     from funcgrad.train.monitor import MonitorState as MonitorState
     from funcgrad.train.monitor import with_dead_relu as with_dead_relu
-    from funcgrad.train.nn import MLPParams as MLPParams
-    from funcgrad.train.nn import accuracy as accuracy
-    from funcgrad.train.nn import mean_squared_error as mean_squared_error
-    from funcgrad.train.nn import mlp_apply as mlp_apply
-    from funcgrad.train.nn import mlp_init as mlp_init
-    from funcgrad.train.nn import softmax_cross_entropy as softmax_cross_entropy
     from funcgrad.train.optimizers import make_optimizer as make_optimizer
     from funcgrad.train.precision import LossScale as LossScale
     from funcgrad.train.precision import LossScaleState as LossScaleState

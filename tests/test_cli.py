@@ -173,14 +173,14 @@ def test_cnn_with_accumulation_half_precision_clipping_and_anomaly_detection(tmp
 
 def test_cnn_nonfinite_run_is_located(tmp_path, capsys):
     # SGD with lr = 1e6 blows the CNN up at its second step; --detect-anomaly names the
-    # primitive and the line in funcgrad/train/convnet.py, through the model state and the key.
+    # primitive and the line in funcgrad/demo/cnn.py, through the model state and the key.
     status = main(["train", "--model", "cnn", "--channels", "8", "16", "--optimizer", "sgd",
                    "--lr", "1e6", "--epochs", "1", "--detect-anomaly", "--no-monitor",
                    "--out", str(tmp_path), "--no-progress"])
     assert status == 1
     err = capsys.readouterr().err
     assert err.count("non-finite value at step") == 1
-    assert "find_nonfinite: first non-finite value" in err and "convnet.py:" in err
+    assert "find_nonfinite: first non-finite value" in err and "cnn.py:" in err
     assert json.loads((tmp_path / "metrics.json").read_text())["nonfinite"]["epoch"] == 1
 
 
@@ -282,8 +282,8 @@ def test_the_plot_merges_thousands_of_alerts_into_a_few_bands(tmp_path, monkeypa
     import matplotlib.figure
 
     from funcgrad.cli import _plot
-    from funcgrad.train.fit import History
     from funcgrad.train.alerts import Alert
+    from funcgrad.train.fit import History
 
     alerts = ([Alert(5 * i, "vanishing", "params[0]", 1e-7, 1e-6) for i in range(2000)]
               + [Alert(s, "explosion", "global", 1e3, 10.0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from funcgrad.train.nn import Params
+from funcgrad.demo.mlp import Params
 
 LOSSES = ("softmax_cross_entropy", "mean_squared_error")
 

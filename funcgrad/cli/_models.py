@@ -26,7 +26,7 @@ def _mlp(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
     import jax.numpy as jnp
     import optax
 
-    from funcgrad.train.nn import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
+    from funcgrad.demo.mlp import accuracy, mlp_apply, mlp_init, softmax_cross_entropy
 
     sizes = (data.x_train.shape[1], *args.hidden, data.num_classes)
     # One compiled program for the whole init, not one per eager op (15 compilations).
@@ -61,9 +61,9 @@ def _cnn(args: argparse.Namespace, data, accumulate: int | None) -> _Model:
 
     import jax
 
-    from funcgrad.train.convnet import cnn_apply, cnn_init, cnn_loss
+    from funcgrad.demo.cnn import cnn_apply, cnn_init, cnn_loss
+    from funcgrad.demo.mlp import accuracy
     from funcgrad.train.loss import Loss
-    from funcgrad.train.nn import accuracy
 
     # One key for the init, one for dropout: step s draws fold_in(dropout_key, s).
     init_key, dropout_key = jax.random.split(jax.random.key(args.seed))

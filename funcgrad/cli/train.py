@@ -36,7 +36,7 @@ def _remat_segments(text: str):
 
 def add_parser(sub: Any) -> _Parser:
     """Adds the ``train`` command and its flags to `sub` (the top-level subparsers)."""
-    from funcgrad.train.nn import ACTIVATIONS
+    from funcgrad.demo.mlp import ACTIVATIONS
     from funcgrad.train.optimizers import OPTIMIZERS
 
     t = sub.add_parser(
@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> _Parser:
     t.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
                    help="mlp: a perceptron; cnn: conv 3x3 -> BatchNorm -> ReLU -> max-pool "
                         "blocks on the 8x8 images, dropout and a dense head, evaluated with "
-                        "BatchNorm's running statistics (funcgrad.train.convnet) (default: mlp)")
+                        "BatchNorm's running statistics (funcgrad.demo.cnn) (default: mlp)")
     t.add_argument("--hidden", type=_positive(int), nargs="+", default=None, metavar="N",
                    help="MLP only: hidden layer widths (default: 128)")
     t.add_argument("--activation", choices=sorted(ACTIVATIONS), default=None,

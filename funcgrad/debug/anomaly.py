@@ -395,7 +395,7 @@ def _has_minus_inf_mask(ev: _Evaluator) -> bool:
 
 def _own(origin: _Origin) -> bool:
     """Whether `origin` sits in funcgrad's own code (e.g. the label guard of
-    `funcgrad.train.nn.softmax_cross_entropy`, a NaN constant that only a bad label lets
+    `funcgrad.demo.mlp.softmax_cross_entropy`, a NaN constant that only a bad label lets
     through)."""
     file = origin.loc.file
     return bool(file and os.path.abspath(file).startswith(_FUNCGRAD_DIR + os.sep))

@@ -35,7 +35,7 @@ class DeadReLU:
       dead: one bool array of shape (units,) per site: True where the unit's pre-activation
         (the ReLU's input) is <= 0 for every example of the batch and every position (a
         convolution's channel is one unit over all its pixels).
-      names: static; one name per site in program order, ``"relu 0 at nn.py:96:16 (mlp_apply)"``;
+      names: static; one name per site in program order, ``"relu 0 at mlp.py:96:16 (mlp_apply)"``;
         when the feature axis could not be found from the program, the name ends with
         ``" [units on the last axis: feature axis not found ...]"``.
       axes: static; the axis of each site's input that holds its units (a tuple of axes,

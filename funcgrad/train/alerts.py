@@ -23,7 +23,7 @@ class Alert:
     Attributes:
       step: index of the step (0-based).
       kind: one of `ALERT_KINDS`.
-      where: "global", a layer (``params[0]``) or a ReLU site (``relu 0 at nn.py:96 ...``).
+      where: "global", a layer (``params[0]``) or a ReLU site (``relu 0 at mlp.py:96 ...``).
       value: the measured value (a norm in gradient units, or a dead fraction).
       threshold: what it was compared with, in the same units.
       detail: the comparison in words.

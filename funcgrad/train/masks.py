@@ -18,7 +18,7 @@ for a whole subtree), ``True`` where a leaf is trainable. Three tools use it:
 differentiable path: PyTorch's propagation rule, decided by JAX's own differentiation rules.
 
 Path convention: a leaf's path is its keys joined by ``/``, relative to `params`: list and
-tuple indices as numbers, dict keys and attribute names as text. The MLP of `funcgrad.train.nn`
+tuple indices as numbers, dict keys and attribute names as text. The MLP of `funcgrad.demo.mlp`
 (a list of ``{"w", "b"}`` dicts) has the paths ``0/b``, ``0/w``, ``1/b``, ``1/w`` (the leaf
 ``params[0]['w']`` is ``0/w``). Patterns are shell globs matched against the whole path with
 `fnmatch.fnmatchcase`: ``*`` matches any run of characters, ``/`` included, ``?`` one

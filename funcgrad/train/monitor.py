@@ -175,7 +175,7 @@ class MonitorLayout:
 
     Attributes:
       leaf_names: ``params[0]['w']``, ...; layer_names: ``params[0]``, ...; relu_names:
-        ``relu 0 at nn.py:96:16 (mlp_apply)``, ...; then the `GradMonitor` settings, and
+        ``relu 0 at mlp.py:96:16 (mlp_apply)``, ...; then the `GradMonitor` settings, and
         has_loss: whether `GradMonitor.measure` was given a loss (a non-finite one raises the
         nonfinite flag); dead_relu_note: why a monitor that records dead ReLUs has none here
         ("" when it has them, or was not asked to).

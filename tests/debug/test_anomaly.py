@@ -613,7 +613,7 @@ def test_a_nan_in_a_padded_row_is_connected_to_that_row():
 
 
 def test_funcgrads_own_guards_are_not_listed_as_masked_from_any_subpackage():
-    """The label guard of fg.softmax_cross_entropy (funcgrad/train/nn.py, a -inf/NaN constant
+    """The label guard of fg.softmax_cross_entropy (funcgrad/demo/mlp.py, a -inf/NaN constant
     that never reaches the loss) is funcgrad's own: a clean batch lists nothing masked. It was
     listed when the own-code test looked only in the folder of anomaly.py itself."""
     params = fg.mlp_init(jax.random.key(0), (4, 8, 3))

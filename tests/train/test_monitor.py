@@ -172,7 +172,7 @@ def test_with_dead_relu_keeps_values_gradients_and_custom_rules():
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_array_equal(g, r)
     assert [n.split(" at ")[1] for n in dead.names] == [dead.names[0].split(" at ")[1]] * 2
-    assert dead.names[0].startswith("relu 0 at nn.py:")            # ordered, with the line
+    assert dead.names[0].startswith("relu 0 at mlp.py:")            # ordered, with the line
     g0 = jax.grad(lambda x: with_dead_relu(lambda x: jax.nn.relu(x).sum())(x)[0])(
         jnp.zeros(3))
     assert g0.tolist() == [0.0, 0.0, 0.0]
@@ -360,7 +360,7 @@ def test_the_monitor_runs_inside_a_jitted_step_and_under_scan():
     assert d["step"] == 3 and d["baseline"] == pytest.approx(
         (float(looped[0].grad_norm) + float(looped[1].grad_norm)) / 2, rel=1e-6)
     assert list(d["layer_norm"]) == ["params[0]", "params[1]"]
-    assert list(d["dead_fraction"])[0].startswith("relu 0 at nn.py:")
+    assert list(d["dead_fraction"])[0].startswith("relu 0 at mlp.py:")
 
 
 def test_the_update_count_is_exact_beyond_float32_integers():
@@ -428,7 +428,7 @@ def test_make_train_step_returns_the_monitor_metrics_and_the_same_global_norm():
     assert float(m.grad_norm) == float(metrics["grad_norm"]) and int(m.step) == 0
     # The jitted step returns the packed values once, in the state (see MonitorState).
     assert m.values is fg.recorded(new_state.opt_state)["monitor_state"].values
-    assert m.relu_names[0].startswith("relu 0 at nn.py:") and m.dead_fraction.shape == (1,)
+    assert m.relu_names[0].startswith("relu 0 at mlp.py:") and m.dead_fraction.shape == (1,)
     assert int(fg.recorded(new_state.opt_state)["monitor_state"].step) == 1
     with pytest.raises(ValueError, match="not made by this optimizer"):
         step(fg.make_train_step(_mlp_loss, tx).init(params), batch)
@@ -451,7 +451,7 @@ def test_fit_logs_the_alerts_of_a_net_whose_relus_are_all_dead():
                     log=lines.append)
     alerts = [(a.step, a.kind, a.where) for a in result.history.alerts]
     assert [(s, k) for s, k, _ in alerts] == [(0, "dead_relu"), (2, "vanishing")]
-    assert alerts[0][2].startswith("relu 0 at nn.py:") and alerts[1][2] == "params[0]"
+    assert alerts[0][2].startswith("relu 0 at mlp.py:") and alerts[1][2] == "params[0]"
     assert [line for line in lines if line.startswith("monitor: ")] == [
         f"monitor: {a}" for a in result.history.alerts]
     h = result.history

@@ -292,7 +292,7 @@ def test_float32_compute_without_loss_scale_equals_the_plain_step():
     # same computation as the plain make_train_step.
     # Same float32 operations (bit-identical on CPU); 1 ulp because the two programs are
     # compiled separately and XLA may fuse a*b + c into one FMA in only one of them.
-    from funcgrad.train.nn import mlp_apply, mlp_init, softmax_cross_entropy
+    from funcgrad.demo.mlp import mlp_apply, mlp_init, softmax_cross_entropy
     params = mlp_init(jax.random.key(0), (4, 8, 3))
     x = np.asarray(jax.random.normal(jax.random.key(1), (16, 4)), np.float32)
     batch = {"x": x, "y": np.arange(16, dtype=np.int32) % 3}
@@ -311,7 +311,7 @@ def test_float32_compute_without_loss_scale_equals_the_plain_step():
 def test_bfloat16_step_trains_float32_master_params(key):
     # Ten full-batch Adam steps on a separable toy problem lower the loss; the master params
     # stay float32 and the metrics have the documented dtypes.
-    from funcgrad.train.nn import mlp_apply, mlp_init, softmax_cross_entropy
+    from funcgrad.demo.mlp import mlp_apply, mlp_init, softmax_cross_entropy
     params = mlp_init(key, (2, 16, 2))
     x = np.asarray(jax.random.normal(jax.random.key(1), (64, 2)), np.float32)
     batch = {"x": x, "y": (x[:, 0] > 0).astype(np.int32)}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import funcgrad as fg
-from funcgrad.train.convnet import batch_norm, cnn_apply, cnn_init, cnn_loss, dropout
+from funcgrad.demo.cnn import batch_norm, cnn_apply, cnn_init, cnn_loss, dropout
 
 CHANNELS = (4, 8)  # small: 8x8 -> 4x4 -> 2x2, 32 features into the dense head
 
