@@ -104,11 +104,11 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
     """The accumulating `step`; after a call with a NaN/inf update, `find_nonfinite` on each
     micro-batch of the first such update, from the params it started from, until one is not
     finite. Its report (context: which micro-batch) is ``metrics["anomaly"]``."""
-    from funcgrad.train.accumulate import _checked_mask, _leading_axes, _unpacked
+    from funcgrad.train.microbatches import checked_mask, leading_axes, unpack_microbatches
 
     def checked(state: Any, microbatches: PyTree, mask: jax.Array | None = None):
         new_state, metrics = step(state, microbatches, mask)
-        microbatches, mask = _unpacked(microbatches, mask)
+        microbatches, mask = unpack_microbatches(microbatches, mask)
         losses, norms, examples = jax.device_get(
             (metrics["loss"], metrics["grad_norm"], metrics["examples"]))
         bad = ~(np.isfinite(losses) & np.isfinite(norms)) & (examples > 0)
@@ -121,8 +121,8 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
         if not bad.size:
             return new_state, metrics
         u = int(bad[0])
-        num, size = _leading_axes(microbatches)
-        mask = _checked_mask(mask, num, size)
+        num, size = leading_axes(microbatches)
+        mask = checked_mask(mask, num, size)
         before = state
         if u:  # the params update u started from: the same step on the groups before it
             head = jax.tree.map(lambda a: a[:u * k], microbatches)

@@ -218,10 +218,10 @@ def _warn_half_params(params: PyTree) -> None:
 def _check_stacked(microbatches: PyTree, mask: Any, k: int) -> None:
     """The accumulation shape error, saying first that this step takes stacked micro-batches
     (a plain batch passed to an accumulating step is the usual cause)."""
-    from funcgrad.train.accumulate import _leading_axes, _unpacked
+    from funcgrad.train.microbatches import leading_axes, unpack_microbatches
 
     try:
-        _leading_axes(_unpacked(microbatches, mask)[0])
+        leading_axes(unpack_microbatches(microbatches, mask)[0])
     except ValueError as error:
         raise ValueError(
             f"this step's loss accumulates (funcgrad.accumulate(loss, {k})): it takes "

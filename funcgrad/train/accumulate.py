@@ -53,7 +53,13 @@ import jax.numpy as jnp
 from funcgrad._library_objects import split_equinox_args
 from funcgrad.train.coupling import warn_if_coupled
 from funcgrad.train.microbatches import Microbatches as Microbatches
-from funcgrad.train.microbatches import _positive_int
+from funcgrad.train.microbatches import (
+    _positive_int,
+    checked_mask,
+    leading_axes,
+    one_microbatch,
+    unpack_microbatches,
+)
 from funcgrad.train.microbatches import group_microbatches as group_microbatches
 from funcgrad.train.microbatches import stack_microbatches as stack_microbatches
 from funcgrad.train.precision import scaled_value_and_grad
@@ -138,13 +144,13 @@ def accumulate_grads(loss_fn: PerExampleLossFn | Loss, params: PyTree,
     """
     # an equinox model: its floating arrays
     loss_fn, (params,) = split_equinox_args(loss_fn, (params,), "accumulate_grads")
-    microbatches, mask = _unpacked(microbatches, mask)
-    num, size = _leading_axes(microbatches)
-    mask = _checked_mask(mask, num, size)
+    microbatches, mask = unpack_microbatches(microbatches, mask)
+    num, size = leading_axes(microbatches)
+    mask = checked_mask(mask, num, size)
     acc, _, _ = _accumulate(loss_fn, params, microbatches, mask, start=0, length=num,
                             value_and_grad=value_and_grad)
     # Once per trace, see funcgrad.train.coupling.
-    warn_if_coupled(loss_fn, params, _one(microbatches))
+    warn_if_coupled(loss_fn, params, one_microbatch(microbatches))
     return acc
 
 
@@ -180,7 +186,7 @@ def _accumulate(loss_fn, params, microbatches, mask, *, start, length,
     from funcgrad.train.loss import as_loss
 
     loss = as_loss(loss_fn)
-    one = _one(microbatches)
+    one = one_microbatch(microbatches)
     start = jnp.asarray(start, jnp.int32)
     key_of = ((lambda j: None) if not loss.takes_key
               else (lambda j: jax.random.fold_in(key, j)))
@@ -366,9 +372,9 @@ def make_accumulating_step(
 
     def step(state, microbatches: Microbatches | PyTree,
              mask: jax.typing.ArrayLike | None = None):
-        microbatches, mask = _unpacked(microbatches, mask)
-        num, size = _leading_axes(microbatches)
-        mask = _checked_mask(mask, num, size)
+        microbatches, mask = unpack_microbatches(microbatches, mask)
+        num, size = leading_axes(microbatches)
+        mask = checked_mask(mask, num, size)
         groups, rest = divmod(num, k)
 
         def update(state, start, length):
@@ -421,10 +427,10 @@ def make_accumulating_step(
                                                 jax.eval_shape(lambda s: update(s, 0, rest)[2],
                                                                state)))
         probe = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)),
-                             (_one(microbatches), state.params))
+                             (one_microbatch(microbatches), state.params))
         if repr(probe) not in probed:  # once per shapes, also when not jitted (jit=False)
             probed.add(repr(probe))
-            _warn_if_coupled(loss, state, _one(microbatches))
+            _warn_if_coupled(loss, state, one_microbatch(microbatches))
         return state, {**metrics, "dropped_examples": dropped}
 
     return jax.jit(step) if jit else step
@@ -479,48 +485,3 @@ def _warn_if_coupled(loss, state, microbatch) -> None:
         return loss(params, batch, model_state=model_state, key=key).loss
     cast(Any, probed).__wrapped__ = loss.fn  # the warning names the user's function and line
     warn_if_coupled(probed, (state.params, model_state, key), microbatch)
-
-
-def _unpacked(microbatches, mask) -> tuple[PyTree, Any]:
-    """The stacked arrays and the mask, from a `Microbatches` or from a pytree and `mask`."""
-    if isinstance(microbatches, Microbatches):
-        if mask is not None:
-            raise TypeError("accumulate: the Microbatches already carry the mask of their real "
-                            "rows; drop mask= (or pass mbs.data with mask=).")
-        return microbatches.data, microbatches.mask
-    return microbatches, mask
-
-
-def _one(microbatches: PyTree) -> PyTree:
-    """The shapes and dtypes of one micro-batch: `microbatches` without its leading axis."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)),
-                        microbatches)
-
-
-def _leading_axes(microbatches: PyTree) -> tuple[int, int]:
-    leaves = jax.tree_util.tree_flatten_with_path(microbatches)[0]
-    if not leaves:
-        raise ValueError("accumulate: microbatches has no arrays; pass a pytree whose leaves "
-                         "have shape (num_micro_batches, micro_batch_size, ...).")
-    shapes = [(jax.tree_util.keystr(path), jnp.shape(leaf)) for path, leaf in leaves]
-    path0, shape0 = shapes[0]
-    for path, shape in shapes:
-        if len(shape) < 2 or shape[:2] != shape0[:2] or shape[0] == 0:
-            raise ValueError(
-                f"accumulate: every leaf of microbatches needs shape (num_micro_batches, "
-                f"micro_batch_size, ...) with the same two leading sizes and at least one "
-                f"micro-batch; microbatches{path} has shape {shape} but microbatches{path0} has "
-                f"{shape0}. Stack micro-batches with stack_microbatches(...).")
-    return shape0[0], shape0[1]
-
-
-def _checked_mask(mask, num: int, size: int) -> jax.Array | None:
-    if mask is None:  # every row is real; not materialised (it would be temporary memory)
-        return None
-    if jnp.result_type(mask) != jnp.bool_:
-        raise TypeError(f"accumulate: mask must be boolean (True for a real example), got "
-                        f"dtype {jnp.result_type(mask)}. Use mask.astype(bool).")
-    if jnp.shape(mask) != (num, size):
-        raise ValueError(f"accumulate: mask has shape {jnp.shape(mask)} but the micro-batches "
-                         f"need ({num}, {size}) = (num_micro_batches, micro_batch_size).")
-    return jnp.asarray(mask)

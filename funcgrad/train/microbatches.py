@@ -210,3 +210,48 @@ def accumulate(loss_fn: Any, k: int, *, tail: str = "apply") -> Any:
     if loss.accumulation is not None:
         raise ValueError(f"accumulate: {loss!r} already accumulates; apply accumulate once.")
     return loss._marked(accumulation=Accumulation(int(k), tail))
+
+
+def unpack_microbatches(microbatches, mask) -> tuple[PyTree, Any]:
+    """The stacked arrays and the mask, from a `Microbatches` or from a pytree and `mask`."""
+    if isinstance(microbatches, Microbatches):
+        if mask is not None:
+            raise TypeError("accumulate: the Microbatches already carry the mask of their real "
+                            "rows; drop mask= (or pass mbs.data with mask=).")
+        return microbatches.data, microbatches.mask
+    return microbatches, mask
+
+
+def one_microbatch(microbatches: PyTree) -> PyTree:
+    """The shapes and dtypes of one micro-batch: `microbatches` without its leading axis."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)),
+                        microbatches)
+
+
+def leading_axes(microbatches: PyTree) -> tuple[int, int]:
+    leaves = jax.tree_util.tree_flatten_with_path(microbatches)[0]
+    if not leaves:
+        raise ValueError("accumulate: microbatches has no arrays; pass a pytree whose leaves "
+                         "have shape (num_micro_batches, micro_batch_size, ...).")
+    shapes = [(jax.tree_util.keystr(path), jnp.shape(leaf)) for path, leaf in leaves]
+    path0, shape0 = shapes[0]
+    for path, shape in shapes:
+        if len(shape) < 2 or shape[:2] != shape0[:2] or shape[0] == 0:
+            raise ValueError(
+                f"accumulate: every leaf of microbatches needs shape (num_micro_batches, "
+                f"micro_batch_size, ...) with the same two leading sizes and at least one "
+                f"micro-batch; microbatches{path} has shape {shape} but microbatches{path0} has "
+                f"{shape0}. Stack micro-batches with stack_microbatches(...).")
+    return shape0[0], shape0[1]
+
+
+def checked_mask(mask, num: int, size: int) -> jax.Array | None:
+    if mask is None:  # every row is real; not materialised (it would be temporary memory)
+        return None
+    if jnp.result_type(mask) != jnp.bool_:
+        raise TypeError(f"accumulate: mask must be boolean (True for a real example), got "
+                        f"dtype {jnp.result_type(mask)}. Use mask.astype(bool).")
+    if jnp.shape(mask) != (num, size):
+        raise ValueError(f"accumulate: mask has shape {jnp.shape(mask)} but the micro-batches "
+                         f"need ({num}, {size}) = (num_micro_batches, micro_batch_size).")
+    return jnp.asarray(mask)
