@@ -13,6 +13,7 @@ import numpy as np
 
 from funcgrad.doctor._context import Context
 from funcgrad.doctor._finding import Finding
+from funcgrad.doctor._steps import clip_norm
 
 NAME = "training"
 
@@ -27,10 +28,8 @@ def run(ctx: Context) -> dict:
     and dead fractions, the final state, and the first non-finite step."""
     if "run" in ctx.shared:
         return ctx.shared["run"]
-    from funcgrad.train.monitor import grad_monitor
-
     subject = ctx.subject
-    step, state = subject.make_step(monitor=grad_monitor())
+    step, state = subject.make_step(monitor=True)
     start = state
     batches = subject.data.train_batches()
     record: dict = {"loss": [], "grad_norm": [], "clip_coef": [], "skipped": [],
@@ -40,7 +39,7 @@ def run(ctx: Context) -> dict:
     from funcgrad.train.monitor import monitor_alerts
 
     previous = None
-    for s in range(ctx.options["steps"]):
+    for s in range(ctx.options.steps):
         batch = subject.step_batch(batches)
         before = state
         state, metrics = step(state, batch)
@@ -82,7 +81,7 @@ def check(ctx: Context) -> Finding:
                    "dead_fraction": {name: [row[j] for row in record["dead"]]
                                      for j, name in enumerate(record["relu_names"])}}
     finite = norms[np.isfinite(norms)]
-    q = ctx.options["clip_quantile"]
+    q = ctx.options.clip_quantile
     p90 = float(np.quantile(finite, q)) if finite.size else math.nan
     head = float(np.mean(losses[: max(1, min(5, n // 10 or 1))]))
     tail = float(np.mean(losses[-max(1, n // 10):]))
@@ -95,7 +94,7 @@ def check(ctx: Context) -> Finding:
                 "alert_counts": {k: sum(a.kind == k for a in alerts)
                                  for k in ("explosion", "vanishing", "dead_relu", "nonfinite")},
                 "skipped_steps": int(sum(record["skipped"]))}
-    clip = ctx.subject.step_kwargs.get("clip_norm")
+    clip = clip_norm(ctx.subject.step)
     advice = (f"If you clip, clip near the {round(100 * q)}th percentile of the observed "
               f"norms: clip_norm={p90:.3g}.")
     findings: list[tuple[str, str, dict, str]] = []
