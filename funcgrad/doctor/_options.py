@@ -10,44 +10,44 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class DoctorOptions:
-    """The options of `funcgrad.doctor`'s checks, one value (as orbax's
-    ``CheckpointManagerOptions``); each field says which check reads it.
+    """The options of `funcgrad.doctor`'s checks as one value (as orbax's
+    ``CheckpointManagerOptions``): hints about the model (`classes`, `eval_loss`, `evaluate`),
+    budgets in steps or examples, the seed of the probes, and dimensionless thresholds. Each
+    attribute names the checks that read it; every one has its default.
 
-    Hints about the model:
-      classes: K, the number of classes: the init_loss check compares the loss at init with
-        log(K) and the data check fails labels outside 0..K-1 (default: inferred from integer
-        labels holding exactly 0..K-1).
-      eval_loss: the loss in the inference mode (BatchNorm's running statistics, no dropout)
-        for the baseline check's held-out loss: a `funcgrad.Loss`, or a function taken under
-        the step's loss's flags (has_aux, has_state, takes_key). Default: the step's loss. A
+    Attributes:
+      classes: K, the number of classes: init_loss compares the loss at init with log(K) and
+        data fails labels outside 0..K-1 (default: inferred from integer labels holding
+        exactly 0..K-1).
+      eval_loss: the loss in the inference mode (BatchNorm's running statistics, no
+        dropout) for baseline's held-out loss: a `funcgrad.Loss`, or a function taken under
+        the step's loss's flags (has_aux, has_state, takes_key). Default: the step's loss; a
         model file's `model` + `objective` gives ``model.loss(objective, train=False)``.
-      evaluate: ``evaluate(params[, model_state]) -> {name: number}``, run after the training
-        check on its final state; its numbers are that check's evidence.
-
-    Budgets (counts of steps or examples):
-      steps: the training check's optimizer steps (100).
-      overfit_steps: the overfit check's most steps (300); overfit_rows: its examples (16).
+      evaluate: ``evaluate(params[, model_state]) -> {name: number}``, run after training on
+        its final state; its numbers are that check's evidence.
+      steps: training's optimizer steps (100).
+      overfit_steps: overfit's most steps (300).
+      overfit_rows: overfit's examples (16).
       batch_size: examples per training batch for array data (32; a loader's batches are
         used as they come).
-      tiny_rows: the grad_flow and fd_audit checks' tiny batch (8).
+      tiny_rows: the tiny batch of grad_flow and fd_audit (8).
       check_rows: the examination batch of init_loss, grad_stats, nonfinite, baseline (64).
       max_full_elements: fd_audit checks every element up to this many (12,000), then
-        directions; max_evaluations: its directional budget in function evaluations (4,000).
-      seed: seeds the batch order and the probes (0). The loss's PRNG key is the state's
+        directions.
+      max_evaluations: fd_audit's directional budget, in function evaluations (4,000).
+      seed: seeds the batch order and the probes (0); the loss's PRNG key is the state's
         (``step.init(params, seed=...)``).
-
-    Thresholds (dimensionless):
       init_loss_ratio: init_loss warns when loss / log(K) is above this or below its
         inverse (2.0).
-      overfit_ratio: the overfit check passes when the loss falls below this fraction of its
-        first value (0.2).
-      clip_quantile: the training check's clipping advice, this quantile of the observed
-        gradient norms (0.9).
-
+      overfit_ratio: overfit passes when the loss falls below this fraction of its first
+        value (0.2).
+      clip_quantile: training's clipping advice, this quantile of the observed gradient
+        norms (0.9).
     Raises:
       TypeError: for an unknown option (the dataclass's own error), a count that is not an
         int, `evaluate` or `eval_loss` that is not callable.
-      ValueError: for a count below 1 (below 0 for seed), a ratio or quantile out of range.
+      ValueError: for a count below 1 (below 0 for seed, 2 for classes), a ratio or quantile
+        out of range.
     Example:
       >>> options = fg.DoctorOptions(classes=10, steps=50)
       >>> report = fg.doctor(step, state, data, options=options)
