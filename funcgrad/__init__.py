@@ -11,7 +11,7 @@ of public names: type checkers and IDEs read it as imports, `_lazy_names` reads 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from funcgrad import doctor as doctor  # the checklist; callable: fg.doctor(loss, params, data)
+    from funcgrad import doctor as doctor  # the checklist; callable: fg.doctor(step, state, data)
     from funcgrad import interop as interop  # the flax/equinox adapters; imports neither library
     from funcgrad import memory as memory
     from funcgrad import parallel as parallel  # data parallelism: meshes, placement, collectives
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from funcgrad.demo.mlp import mlp_apply as mlp_apply
     from funcgrad.demo.mlp import mlp_init as mlp_init
     from funcgrad.demo.mlp import softmax_cross_entropy as softmax_cross_entropy
+    from funcgrad.doctor._options import DoctorOptions as DoctorOptions
     from funcgrad.memory.checkpointing import RematPlan as RematPlan
     from funcgrad.memory.checkpointing import plan_remat as plan_remat
     from funcgrad.memory.checkpointing import remat as remat

@@ -79,14 +79,15 @@ def run(parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | None) -
     progress = None if args.quiet else (
         lambda f: print(f"  {f.check:<11} {f.verdict.upper():<8}{f.seconds:>6.1f}s",
                         file=sys.stderr, flush=True))
-    from funcgrad.doctor._doctor import doctor_file
+    from funcgrad.doctor import CHECKS, DoctorOptions, doctor_file
 
-    options: dict[str, Any] = {"seed": args.seed, "progress": progress}
-    for name in ("checks", "skip", "steps", "overfit_steps"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
+    skip = set(args.skip or ())
+    checks = [name for name in (args.checks or CHECKS) if name not in skip]
+    given = {name: getattr(args, name) for name in ("steps", "overfit_steps")
+             if getattr(args, name) is not None}
+    options = DoctorOptions(seed=args.seed, **given)
     try:
-        report = doctor_file(model, **options)
+        report = doctor_file(model, checks=checks, options=options, progress=progress)
     except ModelFileError as error:
         print(f"funcgrad doctor: error: {error}", file=sys.stderr)
         return 2

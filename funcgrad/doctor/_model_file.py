@@ -13,7 +13,7 @@ from typing import Any
 EXPECTED_FILE = '''\
 A model file defines, at module level:
 
-    import jax, funcgrad as fg
+    import jax, optax, funcgrad as fg
 
     def init(key):                   # -> params, or (params, model_state)
         return fg.mlp_init(key, (64, 32, 10))
@@ -25,17 +25,19 @@ A model file defines, at module level:
     data = {"x": x, "y": y}          # arrays with a leading example axis, or a function
                                      # epoch -> iterable of batches
     # optional:
-    optimizer = fg.make_optimizer("adam", 1e-3)   # any optax optimizer (default: Adam 1e-3)
-    step_kwargs = {"clip_norm": 1.0}              # make_train_step keywords: accumulate,
-                                                  # clip_norm, loss_scale, compute_dtype, trainable
-    classes = 10                                  # K, for the loss at init against log(K)
-    def evaluate(params): ...                     # (params[, model_state]) -> {name: number}
+    optimizer = optax.adam(1e-3)     # any optax optimizer (default: Adam 1e-3)
+    step = fg.make_train_step(loss, optax.chain(fg.clip_by_global_norm(1.0), optimizer))
+                                     # (default: make_train_step(loss, optimizer)); its loss
+                                     # may carry fg.accumulate, fg.mixed_precision
+    classes = 10                     # K, for the loss at init against log(K)
+    def evaluate(params): ...        # (params[, model_state]) -> {name: number}
 
 For flax and equinox, define `model` and `objective` instead of `init` and `loss`:
 
     model = funcgrad.interop.from_linen(module, variables)   # or from_nnx, from_equinox
     def objective(outputs, batch):                           # the model's outputs -> loss
         return fg.softmax_cross_entropy(outputs, batch["y"])
+    # optional: step = fg.make_train_step(model.loss(objective, train=True), optimizer, ...)
 '''
 
 
@@ -46,45 +48,102 @@ class ModelFileError(ValueError):
     prints it and exits with status 2."""
 
 
-def load_model_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Imports the model file at `path` and returns its pieces.
+def load_model_file(path: str | os.PathLike, *, seed: int = 0) -> dict[str, Any]:
+    """Imports the model file at `path` and returns what `funcgrad.doctor` takes.
 
+    The file's `step` (a `funcgrad.TrainStep`) is the step examined; without one, the step is
+    ``make_train_step(loss, optimizer)`` (Adam, learning rate 1e-3, without `optimizer`). A
+    file with `model` and `objective` has the loss ``model.loss(objective, train=True)``
+    (plainly for a linen module whose call takes no ``train``) and the inference-mode loss
+    ``model.loss(objective, train=False)`` for the held-out loss.
+
+    Args:
+      path: the model file.
+      seed: the seed of the state's PRNG key, for a loss that takes a key.
     Returns:
-      a dict with "loss" (a function or `funcgrad.Loss`), "params", "model_state" (None when
-      the model has none), "data", "optimizer", "step_kwargs", "classes", "evaluate" (None
-      where the file does not define them) and "source" (the file's path). A file with
-      `model` and `objective` gives ``model.loss(objective, train=True)`` (plainly for a
-      linen module whose call takes no ``train``), "eval_loss" (``train=False``, for the
-      held-out loss) and the model's params and model state.
+      a dict with "step" (a `funcgrad.TrainStep`), "state" (its `funcgrad.TrainState` at the
+      params of ``init(jax.random.key(0))`` or the model's), "data", "classes", "evaluate",
+      "eval_loss" (None where the file does not define them) and "source" (the file's path).
     Raises:
       ModelFileError: the file is missing or not Python, raises on import (the message gives
         the exception and the file's line), lacks `init`/`loss` (or `model`/`objective`) or
-        `data`, or `init(key)` raises or returns something that is not params.
+        `data`, defines a `step` that is not a TrainStep or the former `step_kwargs`, or
+        `init(key)` raises or returns something that is not params (or no model state for a
+        loss that has one).
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelFileError(f"funcgrad doctor: no model file {path!r}.\n\n{EXPECTED_FILE}")
     module = _import(path)
     names = vars(module)
+    if "step_kwargs" in names:
+        raise ModelFileError(
+            f"{path}: step_kwargs is no longer read; define the step you train with instead: "
+            "step = fg.make_train_step(loss, optimizer), with clipping in the optimizer's chain, "
+            "accumulate and "
+            "mixed precision as pieces of the loss (fg.accumulate(loss, 4), "
+            f"fg.mixed_precision(loss, jnp.bfloat16)).\n\n{EXPECTED_FILE}")
+    step = names.get("step")
+    if step is not None and not _is_train_step(step):
+        raise ModelFileError(f"{path}: `step` must be a funcgrad.TrainStep "
+                             "(fg.make_train_step(loss, optimizer, ...)); got "
+                             f"{type(step).__name__}.\n\n{EXPECTED_FILE}")
     pieces: dict[str, Any] = {name: names.get(name) for name in
-                              ("data", "optimizer", "step_kwargs", "classes", "evaluate")}
+                              ("data", "classes", "evaluate")}
     pieces["source"] = path
     if "model" in names or "objective" in names:
-        pieces.update(_from_adapter(path, names))
+        loss, params, model_state, pieces["eval_loss"] = _from_adapter(path, names)
     else:
-        missing = [name for name in ("init", "loss") if not callable(names.get(name))]
+        needed = ("init",) if step is not None else ("init", "loss")
+        missing = [name for name in needed if not callable(names.get(name))]
         if missing:
             raise ModelFileError(
                 f"{path}: the model file does not define {' and '.join(missing)} (a "
                 f"function{'s' if len(missing) > 1 else ''} at module level); found "
                 f"{_defined(names)}.\n\n{EXPECTED_FILE}")
-        pieces["loss"] = names["loss"]
-        pieces["params"], pieces["model_state"] = _initialised(path, names["init"])
+        loss, pieces["eval_loss"] = names.get("loss"), None
+        params, model_state = _initialised(path, names["init"])
     if pieces["data"] is None:
         raise ModelFileError(f"{path}: the model file does not define data (arrays with a "
                              f"leading example axis, or a function epoch -> iterable of "
                              f"batches); found {_defined(names)}.\n\n{EXPECTED_FILE}")
+    pieces["step"] = step if step is not None else _step_of(path, loss, names.get("optimizer"))
+    pieces["state"] = _state_of(path, pieces["step"], params, model_state, seed)
     return pieces
+
+
+def _is_train_step(value: Any) -> bool:
+    from funcgrad.train.step import TrainStep
+
+    return isinstance(value, TrainStep)
+
+
+def _step_of(path: str, loss: Any, optimizer: Any) -> Any:
+    """``make_train_step(loss, optimizer)`` (Adam 1e-3 without one), its errors the file's."""
+    from funcgrad.train.optimizers import make_optimizer
+    from funcgrad.train.step import make_train_step
+
+    try:
+        return make_train_step(loss, make_optimizer("adam", 1e-3) if optimizer is None
+                               else optimizer)
+    except (TypeError, ValueError) as error:
+        raise ModelFileError(f"{path}: make_train_step(loss, optimizer) raised: "
+                             f"{_first_line(error)}\n\n{EXPECTED_FILE}") from None
+
+
+def _state_of(path: str, step: Any, params: Any, model_state: Any, seed: int) -> Any:
+    """``step.init`` at the file's params and model state (a key from `seed` for a loss that
+    takes one), its errors the file's."""
+    if step.loss.has_state and model_state is None:
+        raise ModelFileError(f"{path}: the loss {step.loss!r} declares model state, but "
+                             "init(key) returned no model state: return (params, model_state)."
+                             f"\n\n{EXPECTED_FILE}")
+    try:
+        return step.init(params, model_state=model_state,
+                         seed=seed if step.loss.takes_key else None)
+    except (TypeError, ValueError) as error:
+        raise ModelFileError(f"{path}: step.init(params) raised: {_first_line(error)}\n\n"
+                             f"{EXPECTED_FILE}") from None
 
 
 def _import(path: str) -> types.ModuleType:
@@ -155,9 +214,10 @@ def _initialised(path: str, init: Any) -> tuple[Any, Any]:
     return params, model_state
 
 
-def _from_adapter(path: str, names: dict[str, Any]) -> dict[str, Any]:
-    """`model` (from `funcgrad.interop`) and `objective` as loss, params and model state."""
-    from funcgrad.interop._model import Model
+def _from_adapter(path: str, names: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """`model` (from `funcgrad.interop`) and `objective` as (loss, params, model state,
+    inference-mode loss or None)."""
+    from funcgrad.interop import Model
 
     model, objective = names.get("model"), names.get("objective")
     if not isinstance(model, Model) or not callable(objective):
@@ -177,13 +237,12 @@ def _from_adapter(path: str, names: dict[str, Any]) -> dict[str, Any]:
     if model.library == "flax.linen" and not _runs(loss, model, names.get("data")):
         plain = model.loss(objective)
         if _runs(plain, model, names.get("data")):
-            return {"loss": plain, "params": model.params, "model_state": model.model_state}
+            return plain, model.params, model.model_state, None
     try:  # evaluation (the baseline's held-out loss) in the inference mode
         eval_loss = model.loss(objective, train=False, takes_key=False)
     except (TypeError, ValueError):
         eval_loss = None
-    return {"loss": loss, "params": model.params, "model_state": model.model_state,
-            "eval_loss": eval_loss}
+    return loss, model.params, model.model_state, eval_loss
 
 
 def _runs(loss: Any, model: Any, data: Any) -> bool:

@@ -1,5 +1,5 @@
-"""The model a doctor examines, normalised once at the door: its loss under the train step's
-contract, params, model state, data source, optimizer and train-step keywords."""
+"""The model a doctor examines, normalised once at the door: the user's train step, the params,
+model state and key of its state, the data as a source of batches, and the options' hints."""
 from __future__ import annotations
 
 import itertools
@@ -117,63 +117,41 @@ def _describe(tree: Any) -> str:
 
 
 class Subject:
-    """Everything a check needs about the model; built once by `funcgrad.doctor.doctor`.
+    """Everything a check needs about the model; built once by `funcgrad.doctor.doctor` from
+    the user's step, its state, the data and the options.
 
     Attributes:
-      loss: the `funcgrad.Loss`; params, model_state, key (the loss's PRNG key when it takes
-      one); optimizer (optax); step_kwargs (dict for `funcgrad.make_train_step`); trainable
-      (a mask pytree, or None); accumulate (K or None); classes (K or None); evaluate; data
-      (`Data`); source (the model file, or None); seed; eval_loss (the `funcgrad.Loss` in the
-      inference mode, or None).
+      step: the `funcgrad.TrainStep` as the checks run it (`funcgrad.doctor._steps.working`);
+      loss: its `funcgrad.Loss`; params, model_state, key: the state's (the key None for a loss
+      that takes none); accumulate: K or None; classes, evaluate: the options'; eval_loss: the
+      `funcgrad.Loss` in the inference mode, or None; data (`Data`); seed, batch_size;
+      source: the model file, or None.
     """
 
-    def __init__(self, loss: Any, params: PyTree, data: Any, *, model_state: PyTree = None,
-                 optimizer: Any = None, step_kwargs: dict | None = None,
-                 classes: int | None = None, evaluate: Callable | None = None,
-                 key: jax.Array | None = None, batch_size: int = 32, seed: int = 0,
-                 source: str | None = None, eval_loss: Any = None):
-        from funcgrad.train.loss import as_loss
-        from funcgrad.train.optimizers import make_optimizer
-        from funcgrad.train.state import _trainable_of
+    def __init__(self, step: Any, state: Any, data: Any, options: Any,
+                 source: str | None = None):
+        from funcgrad.doctor._steps import working
+        from funcgrad.train.loss import Loss, as_loss
 
-        step_kwargs = dict(step_kwargs or {})
-        flags = {name: bool(step_kwargs.pop(name)) for name in ("has_aux", "has_state",
-                                                                  "takes_key")
-                 if name in step_kwargs}
-        try:
-            self.loss = as_loss(loss, **flags)
-        except (TypeError, ValueError) as error:
-            raise ModelFileError(f"loss: {error}\n\n{EXPECTED_FILE}") from None
-        self.params, self.model_state = params, model_state
+        self.step = working(step)
+        self.loss = step.loss
+        self._described = repr(step)
+        self.params, self.model_state = state.params, state.model_state
+        self.key = state.key if self.loss.takes_key else None
+        self.accumulate = step.accumulate
         self.eval_loss = None
-        if eval_loss is not None:
+        if options.eval_loss is not None:
+            flags = {"has_aux": self.loss.has_aux, "has_state": self.loss.has_state,
+                     "takes_key": self.loss.takes_key}
             try:
-                self.eval_loss = as_loss(eval_loss, **flags)
+                self.eval_loss = (as_loss(options.eval_loss) if isinstance(options.eval_loss,
+                                                                           Loss)
+                                  else Loss(options.eval_loss, **flags))
             except (TypeError, ValueError) as error:
                 raise ModelFileError(f"eval_loss: {error}\n\n{EXPECTED_FILE}") from None
-        if self.loss.has_state and model_state is None:
-            raise ModelFileError(f"loss {self.loss!r} declares model state, but init(key) "
-                                 "returned no model state: return (params, model_state)."
-                                 f"\n\n{EXPECTED_FILE}")
-        self.key = key if key is not None else jax.random.key(seed)
-        self.optimizer = make_optimizer(optimizer) if optimizer is not None else \
-            make_optimizer("adam", 1e-3)
-        self.step_kwargs = step_kwargs
-        unknown = sorted(set(self.step_kwargs) - _STEP_KEYWORDS)
-        if unknown:
-            verb = "is" if len(unknown) == 1 else "are"
-            raise ModelFileError(f"step_kwargs: {', '.join(unknown)} {verb} not a "
-                                 "make_train_step keyword that doctor takes; known: "
-                                 f"{', '.join(sorted(_STEP_KEYWORDS))} (and has_aux, "
-                                 "has_state, takes_key).")
-        self.trainable = self.step_kwargs.get("trainable")
-        if self.trainable is None:
-            self.trainable = _trainable_of(self.optimizer)
-        self.accumulate = self.step_kwargs.get("accumulate")
-        self.classes = classes
-        self.evaluate = evaluate
-        self.batch_size, self.seed, self.source = batch_size, seed, source
-        self.data = Data(data, batch_size=batch_size, seed=seed)
+        self.classes, self.evaluate = options.classes, options.evaluate
+        self.batch_size, self.seed, self.source = options.batch_size, options.seed, source
+        self.data = Data(data, batch_size=options.batch_size, seed=options.seed)
 
     # --- the loss as the analysis tools take it ---------------------------------------------
 
@@ -192,28 +170,25 @@ class Subject:
         """The loss as bound, unreduced (shape (m,) under ``accumulate``, else ())."""
         return self.loss.bind(self.model_state, self.key)
 
-    def trained_paths(self, paths: list[str]) -> list[bool]:
-        """For leaf paths of params (``jax.tree.leaves`` order): is the leaf trained?"""
-        if self.trainable is None:
-            return [True] * len(paths)
-        from funcgrad.train.masks import _leaf_flags
+    def trained(self) -> list[bool]:
+        """For each leaf of params (``jax.tree.leaves`` order): does the step train it?"""
+        from funcgrad.doctor._steps import trained_flags
 
-        return list(_leaf_flags(self.trainable, self.params, "funcgrad doctor"))
+        return trained_flags(self.step, self.params)
 
     # --- the train step -----------------------------------------------------------------------
 
-    def make_step(self, *, monitor: Any = None, accumulate: bool = True, **overrides: Any):
-        """``(step, state)``: `funcgrad.make_train_step` with the user's optimizer and
-        step_kwargs (and `overrides`), and its initial `TrainState`."""
-        from funcgrad.train._keywords import step_from_keywords
+    def init(self, step: Any) -> Any:
+        """`step`'s initial `TrainState` at this model's params, model state and key."""
+        return step.init(self.params, model_state=self.model_state, key=self.key)
 
-        kwargs = {**self.step_kwargs, **overrides}
-        if not accumulate:
-            kwargs.pop("accumulate", None)
-        step = step_from_keywords(self.loss, self.optimizer, monitor=monitor, **kwargs)
-        state = step.init(self.params, model_state=self.model_state,
-                          key=self.key if self.loss.takes_key else None)
-        return step, state
+    def make_step(self, *, monitor: bool = False) -> tuple[Any, Any]:
+        """``(step, state)``: the user's step (with the gradient monitor when asked:
+        `funcgrad.doctor._steps.monitored`) and its initial `TrainState`."""
+        from funcgrad.doctor._steps import monitored
+
+        step = monitored(self) if monitor else self.step
+        return step, self.init(step)
 
     def step_batch(self, batches: Iterator[PyTree], accumulate: bool = True) -> Any:
         """The next argument of the step: one batch, or K stacked micro-batches."""
@@ -249,9 +224,5 @@ class Subject:
         data = (f"{self.data.n} examples" if self.data.loader is None else "a loader")
         name = os.path.basename(self.source) if self.source else "model"
         return (f"{name}: {len(leaves)} params leaves ({size:,} elements), {data}, "
-                f"loss {self.loss!r}")
+                f"{self._described}")
 
-
-#: The keywords of `funcgrad.make_train_step` a model file's step_kwargs may set.
-_STEP_KEYWORDS = {"clip_norm", "nonfinite", "trainable", "compute_dtype", "loss_scale",
-                  "accumulate", "tail", "detect_anomaly"}

@@ -12,7 +12,7 @@ from funcgrad._library_objects import check_optimizer, check_params
 from funcgrad._paths import key_paths, keystr
 from funcgrad._platform import require_dtype_compiles
 from funcgrad.train.loss import Loss
-from funcgrad.train.masks import _AllOf, frozen_masks, train_only
+from funcgrad.train.masks import _AllOf, _leaf_flags, frozen_masks, train_only
 from funcgrad.train.optimizers import make_optimizer
 from funcgrad.train.precision import LossScale, LossScaleState, first_half_leaf
 
@@ -95,6 +95,23 @@ def _initial_state(params: PyTree, optimizer: str | optax.GradientTransformation
                       step=jnp.zeros((), jnp.int32),
                       loss_scale=None if loss_scale is None else loss_scale.init(),
                       model_state=model_state, key=base_key)
+
+
+def _watch_trainable(opt_state: PyTree, params: PyTree, trainable: PyTree) -> PyTree:
+    """`opt_state` with each `funcgrad.MonitorState` that covers the whole of `params` made
+    again with the `trainable` mask, so that its frozen layers are not called vanishing (a
+    monitor chained outside the step's `funcgrad.train_only` sees their zero gradients; one
+    inside it sees the trained leaves only and is left as it is)."""
+    from funcgrad.train.monitor import MonitorState
+
+    def watched(node: Any) -> Any:
+        if not isinstance(node, MonitorState) or node.monitor is None:
+            return node
+        mask = jax.tree.unflatten(jax.tree.structure(params),
+                                  _leaf_flags(trainable, params, "TrainStep.init"))
+        fresh = node.monitor.init(params, trainable=mask)
+        return fresh if fresh.names == node.names else node
+    return jax.tree.map(watched, opt_state, is_leaf=lambda x: isinstance(x, MonitorState))
 
 
 def _base_key(seed: Any, key: Any, where: str = "TrainState.init") -> jax.Array | None:

@@ -24,7 +24,7 @@ from funcgrad.train.optimizers import (
     make_optimizer,
 )
 from funcgrad.train.precision import LossScale
-from funcgrad.train.state import TrainState, _initial_state, _trainable_of
+from funcgrad.train.state import TrainState, _initial_state, _trainable_of, _watch_trainable
 from funcgrad.train.transforms import ClipState, check_records
 
 PyTree = Any
@@ -195,9 +195,13 @@ class TrainStep:
                              "takes_key=True), or drop it.")
         if loss.takes_key and seed is None and key is None:
             seed = 0
-        return _initial_state(params, self.optimizer, loss_scale=self.loss_scale,
-                                model_state=model_state, seed=seed, key=key,
-                                _where="TrainStep.init")
+        state = _initial_state(params, self.optimizer, loss_scale=self.loss_scale,
+                               model_state=model_state, seed=seed, key=key,
+                               _where="TrainStep.init")
+        if self.trainable is None:
+            return state
+        return state._replace(opt_state=_watch_trainable(state.opt_state, params,
+                                                         self.trainable))
 
     def update(self, state: TrainState, batch: Batch, mask: jax.Array | None = None
                ) -> tuple[TrainState, dict[str, Any]]:

@@ -48,9 +48,11 @@ class ClipState(NamedTuple):
         gradient it received, before clipping (nan before the first update).
       clip_coef: shape (), the same dtype: the factor every leaf was multiplied by,
         ``min(1, max_norm / grad_norm)`` (1 when not clipped; nan before the first update).
+      max_norm: shape (), the same dtype: the transformation's `max_norm` (a constant).
     """
     grad_norm: jax.Array
     clip_coef: jax.Array
+    max_norm: jax.Array
 
 
 class ZeroNonfiniteState(NamedTuple):
@@ -97,15 +99,17 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
                          f"of the gradient), got {max_norm!r}.")
 
     def init(params: PyTree) -> ClipState:
-        nan = jnp.full((), jnp.nan, _norm_dtype(params))
-        return ClipState(nan, nan)
+        dtype = _norm_dtype(params)
+        nan = jnp.full((), jnp.nan, dtype)
+        return ClipState(nan, nan, jnp.asarray(max_norm, dtype))
 
     def update(updates: PyTree, state: ClipState, params: PyTree = None
                ) -> tuple[PyTree, ClipState]:
         del params
         clipped, info = clip_grads(updates, max_norm)
         dtype = state.grad_norm.dtype
-        return clipped, ClipState(info.grad_norm.astype(dtype), info.clip_coef.astype(dtype))
+        return clipped, ClipState(info.grad_norm.astype(dtype), info.clip_coef.astype(dtype),
+                                  state.max_norm)
 
     return optax.GradientTransformation(init, update)
 
@@ -213,7 +217,8 @@ def recorded(opt_state: PyTree) -> dict[str, Any]:
       opt_state: the state of an optimizer whose chain holds `clip_by_global_norm`,
         `zero_nonfinite` or `grad_monitor` (any depth of ``optax.chain``, ``optax.partition``).
     Returns:
-      a dict with "grad_norm" and "clip_coef" (the first `ClipState`), "nonfinite_leaves"
+      a dict with "grad_norm", "clip_coef" and "max_norm" (the first `ClipState`),
+      "nonfinite_leaves"
       (the first `ZeroNonfiniteState`) and "monitor_state" (the first `funcgrad.MonitorState`)
       for those present; shapes () except the monitor state.
     Example:
@@ -223,7 +228,8 @@ def recorded(opt_state: PyTree) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for node in records(opt_state):
         if isinstance(node, ClipState) and "clip_coef" not in out:
-            out.update(grad_norm=node.grad_norm, clip_coef=node.clip_coef)
+            out.update(grad_norm=node.grad_norm, clip_coef=node.clip_coef,
+                       max_norm=node.max_norm)
         elif isinstance(node, ZeroNonfiniteState) and "nonfinite_leaves" not in out:
             out["nonfinite_leaves"] = node.nonfinite_leaves
         elif isinstance(node, MonitorState) and "monitor_state" not in out:

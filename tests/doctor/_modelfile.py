@@ -4,7 +4,8 @@ model-file contract would, independently of funcgrad.doctor, for the suite's own
 A model file defines ``init(key)`` -> params or (params, model_state) and ``loss`` (a function
 or a ``funcgrad.Loss``), or ``model`` (from funcgrad.interop) and ``objective``; ``data`` (a
 pytree of arrays with a leading example axis, or ``epoch -> iterable of batches``); optionally
-``optimizer``, ``step_kwargs``, ``classes``, ``evaluate``; and ``EXPECT``.
+``optimizer``, ``step`` (the ``funcgrad.TrainStep`` it trains with; else
+``make_train_step(loss, optimizer)``), ``classes``, ``evaluate``; and ``EXPECT``.
 """
 import functools
 import importlib.util
@@ -17,7 +18,6 @@ import jax
 import numpy as np
 
 import funcgrad as fg
-from funcgrad.train._keywords import step_from_keywords
 
 MODELS = pathlib.Path(__file__).parent / "models"
 
@@ -48,7 +48,8 @@ def module_of(path: pathlib.Path) -> types.ModuleType:
 
 class Loaded(types.SimpleNamespace):
     """A model file's pieces in one form: params, model_state, loss (a funcgrad.Loss),
-    optimizer, step_kwargs, classes, expect, and the data as batches."""
+    optimizer, step (the file's TrainStep, or make_train_step(loss, optimizer or Adam 1e-3)),
+    classes, expect, and the data as batches."""
 
     def batches(self, size: int, epoch: int = 0) -> Iterator[dict]:
         """Batches of `size` examples (a data function's own batches, cut or joined to
@@ -101,21 +102,21 @@ def load(path: pathlib.Path) -> Loaded:
         out = module.init(jax.random.key(0))
         params, model_state = out if isinstance(out, tuple) else (out, None)
         loss = fg.as_loss(module.loss) if not isinstance(module.loss, fg.Loss) else module.loss
+    import optax
+
+    optimizer = getattr(module, "optimizer", None)
+    step = getattr(module, "step", None)
+    if step is None:
+        step = fg.make_train_step(loss, optimizer or optax.adam(1e-3))
     return Loaded(path=path, module=module, params=params, model_state=model_state, loss=loss,
-                  data=module.data, optimizer=getattr(module, "optimizer", None),
-                  step_kwargs=dict(getattr(module, "step_kwargs", {}) or {}),
+                  data=module.data, optimizer=optimizer, step=step,
                   classes=getattr(module, "classes", None), expect=module.EXPECT)
 
 
-def train(m: Loaded, steps: int, *, batch_size: int = 64, optimizer=None,
-          step_kwargs: dict | None = None, seed: int = 0):
-    """Runs `steps` train steps of make_train_step with the file's optimizer and step
-    keywords; returns (losses per step, final TrainState)."""
-    import optax
-
-    tx = optimizer or m.optimizer or optax.adam(1e-3)
-    kw = dict(m.step_kwargs if step_kwargs is None else step_kwargs)
-    step = step_from_keywords(m.loss, tx, **kw)  # a model file's step keywords, as the doctor
+def train(m: Loaded, steps: int, *, batch_size: int = 64, optimizer=None, seed: int = 0):
+    """Runs `steps` train steps of the file's step (with its loss under `optimizer` instead,
+    when given); returns (losses per step, final TrainState)."""
+    step = m.step if optimizer is None else fg.make_train_step(m.step.loss, optimizer)
     state = step.init(m.params, model_state=m.model_state,
                       seed=seed if m.loss.takes_key else None)
     k = step.accumulate

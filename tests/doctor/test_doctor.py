@@ -8,6 +8,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import funcgrad as fg
@@ -16,9 +17,15 @@ from funcgrad.doctor import CHECKS, DoctorReport, Finding, ModelFileError, docto
 from . import _small
 
 
-def run(loss=_small.loss, params=None, data=None, **kwargs):
-    return doctor(loss, _small.params() if params is None else params,
-                  _small.data() if data is None else data, classes=_small.K, **kwargs)
+def run(loss=_small.loss, params=None, data=None, *, step=None, optimizer=None, checks=None,
+        **options):
+    """The doctor on the small model (classes=K and `options`): `step`, by default
+    make_train_step(loss, optimizer or Adam 1e-3), at its init from `params`."""
+    if step is None:
+        step = fg.make_train_step(loss, optimizer or fg.make_optimizer("adam", 1e-3))
+    state = step.init(_small.params() if params is None else params)
+    return doctor(step, state, _small.data() if data is None else data, checks=checks,
+                  options=fg.DoctorOptions(classes=_small.K, **options))
 
 
 def test_the_checks_are_the_interface_names():
@@ -219,8 +226,7 @@ def test_grad_stats_names_the_layer_feeding_dead_relu_units():
     k1, k2 = jax.random.split(jax.random.key(0))
     params = {"hidden": {"w": jax.random.normal(k1, (8, 16)) * 0.3, "b": jnp.full(16, -20.0)},
               "out": {"w": jax.random.normal(k2, (16, _small.K)) * 0.25}}
-    f = run(_dead_relu_loss, params=params, checks=["grad_stats"],
-            source=__file__).by_check("grad_stats")
+    f = run(_dead_relu_loss, params=params, checks=["grad_stats"]).by_check("grad_stats")
     assert f.verdict == "warn" and "dead" in f.summary, f.summary
     assert f.place["layer"] == "params['hidden']", f.place
     assert "params['hidden']['w']" in f.summary
@@ -239,7 +245,7 @@ def test_training_advises_clipping_from_the_observed_norms():
     # The 90th percentile of the observed norms, as numpy computes it from the same curve.
     assert f.evidence["grad_norm_p90"] == pytest.approx(float(np.quantile(norms, 0.9)),
                                                         rel=1e-12)
-    assert f"clip_norm={f.evidence['grad_norm_p90']:.3g}" in f.fix
+    assert f"fg.clip_by_global_norm({f.evidence['grad_norm_p90']:.3g})" in f.fix
 
 
 def test_overfit_fails_when_the_labels_cannot_be_reached():
@@ -271,8 +277,9 @@ def test_baseline_of_a_regression_is_the_mean_target_and_keeps_the_target():
         return fg.mean_squared_error(fg.mlp_apply(params, batch["x"])[:, 0], batch["y"])
 
     params = fg.mlp_init(jax.random.key(0), (8, 16, 1), activation="tanh")
-    f = doctor(loss, params, {"x": x, "y": y}, checks=["baseline"], steps=150,
-               optimizer=fg.make_optimizer("adam", 1e-2)).by_check("baseline")
+    step = fg.make_train_step(loss, fg.make_optimizer("adam", 1e-2))
+    f = doctor(step, step.init(params), {"x": x, "y": y}, checks=["baseline"],
+               options=fg.DoctorOptions(steps=150)).by_check("baseline")
     assert f.verdict == "pass", f.summary
     held = y[-64:]  # the check's held-out rows
     assert f.evidence["baselines"]["mean_target"] == pytest.approx(float(np.var(held)), rel=1e-3)
@@ -283,7 +290,7 @@ def test_semantics_accumulation_divided_by_the_micro_batch_count_fails():
     def divided(params, batch):  # the PyTorch habit loss / accum_steps, under accumulate=4
         return _small.per_example(params, batch) / 4.0
 
-    good = run(_small.per_example, step_kwargs={"accumulate": 4},
+    good = run(fg.accumulate(_small.per_example, 4),
                checks=["semantics"]).by_check("semantics")
     assert good.verdict == "pass", good.summary
     assert good.evidence["accumulate"]["relative_error"] < 1e-5
@@ -293,18 +300,20 @@ def test_semantics_accumulation_divided_by_the_micro_batch_count_fails():
         losses = _small.per_example(params, batch)
         return losses / losses.shape[0]
 
-    f = run(normalised, step_kwargs={"accumulate": 4}, checks=["semantics"]).by_check(
-        "semantics")
+    f = run(fg.accumulate(normalised, 4), checks=["semantics"]).by_check("semantics")
     assert f.verdict == "fail" and "accumulate=4" in f.summary
     assert f.evidence["accumulate"]["norm_ratio"] == pytest.approx(4.0, rel=1e-4)
-    assert run(divided, step_kwargs={"accumulate": 4},
+    assert run(fg.accumulate(divided, 4),
                checks=["semantics"]).by_check("semantics").verdict == "pass"
 
 
 def test_semantics_frozen_leaves_stay_put_and_clipping_uses_the_true_norm():
     params = _small.params()
     mask = fg.trainable_mask(params, freeze="0/*")
-    f = run(params=params, step_kwargs={"trainable": mask, "clip_norm": 0.5},
+    step = fg.make_train_step(_small.loss, optax.chain(fg.clip_by_global_norm(0.5),
+                                                       fg.make_optimizer("adam", 1e-3)),
+                              trainable=mask)
+    f = run(params=params, step=step,
             checks=["semantics"]).by_check("semantics")
     assert f.verdict == "pass", f.summary
     assert f.evidence["trainable"]["frozen"] == ["params[0]['b']", "params[0]['w']"]
@@ -353,16 +362,16 @@ def test_a_linen_model_file_whose_call_needs_train_is_loaded_in_training_mode():
 
     path = pathlib.Path(__file__).parent / "models" / "bn_stats_linen_momentum.py"
     pieces = load_model_file(path)
-    loss = pieces["loss"]
+    loss, state = pieces["step"].loss, pieces["state"]
     batch = jax.tree.map(lambda x: x[:4], pieces["data"])
-    out = loss.bind(pieces["model_state"])(pieces["params"], batch)
+    out = loss.bind(state.model_state)(state.params, batch)
     assert np.isfinite(float(out)) and loss.has_state
     # Evaluation in the inference mode: running statistics, so the loss of a batch is the mean
     # of its examples' losses (in training mode, batch statistics couple them).
-    held = pieces["eval_loss"].bind(pieces["model_state"])
-    rows = [float(held(pieces["params"], jax.tree.map(lambda x, i=i: x[i:i + 1], batch)))
+    held = pieces["eval_loss"].bind(state.model_state)
+    rows = [float(held(state.params, jax.tree.map(lambda x, i=i: x[i:i + 1], batch)))
             for i in range(4)]
-    assert float(held(pieces["params"], batch)) == pytest.approx(np.mean(rows), rel=1e-5)
+    assert float(held(state.params, batch)) == pytest.approx(np.mean(rows), rel=1e-5)
 
 
 LINEN_WITHOUT_TRAIN = """
@@ -390,8 +399,8 @@ def test_a_linen_model_file_whose_call_takes_no_train_is_loaded_plainly(tmp_path
     path.write_text(LINEN_WITHOUT_TRAIN)
     pieces = load_model_file(path)
     batch = jax.tree.map(lambda x: x[:4], pieces["data"])
-    loss = pieces["loss"]
-    value = loss.bind(pieces["model_state"], jax.random.key(0))(pieces["params"], batch)
+    loss, state = pieces["step"].loss, pieces["state"]
+    value = loss.bind(state.model_state, jax.random.key(0))(state.params, batch)
     # The same loss by flax's own apply and optax's cross-entropy (a second method).
     logits = pieces_model_apply(path, batch["x"])
     expected = fg.softmax_cross_entropy(logits, batch["y"])

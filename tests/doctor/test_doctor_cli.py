@@ -50,6 +50,20 @@ def test_healthy_file_exits_0_and_writes_both_reports(tmp_path, capsys):
     assert (out / "doctor.html").read_text().startswith("<!DOCTYPE html>")
 
 
+def test_skip_leaves_checks_out_of_the_selection(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    status = main(["doctor", _file(tmp_path, HEALTHY), "--checks", "data,init_loss",
+                   "--skip", "data", "--json", str(out), "--quiet"])
+    assert status == 0, capsys.readouterr().out
+    assert [f["check"] for f in json.loads(out.read_text())["findings"]] == ["init_loss"]
+
+
+def test_a_file_defining_step_kwargs_is_a_usage_error_naming_step(tmp_path, capsys):
+    old = HEALTHY + 'step_kwargs = {"clip_norm": 1.0}\n'
+    err = _usage_error(["doctor", _file(tmp_path, old), "--quiet"], capsys)
+    assert "step_kwargs is no longer read" in err and "step = fg.make_train_step(" in err
+
+
 def test_a_failing_check_exits_1(tmp_path, capsys):
     shifted = HEALTHY.replace('data = {"x": x, "y": y}', 'data = {"x": x, "y": y + 1}')
     assert main(["doctor", _file(tmp_path, shifted), "--checks", "data", "--quiet"]) == 1

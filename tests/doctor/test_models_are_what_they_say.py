@@ -237,7 +237,7 @@ def verify_bad_labels(m, e, batch):
 
 
 def verify_batch_coupled_accum(m, e, batch):
-    k = m.step_kwargs["accumulate"]
+    k = m.step.accumulate
     f = jax.jit(jax.grad(m.bound()))
     full = f(m.params, batch)
     micro = [jax.tree.map(lambda a, i=i: a[i::k], batch) for i in range(k)]
@@ -256,7 +256,7 @@ def verify_clip_before_unscale(m, e, batch):
     module = m.module
     scale = getattr(module, "SCALE", None) or module.LOSS_SCALE
     norm = _global_norm(_grads(m, batch))
-    clip = m.step_kwargs.get("clip_norm", 1.0)
+    clip = 1.0  # the fg.clip_by_global_norm(1.0) of the step's chain, or of the optimizer's
     assert norm > 100 * clip and norm / scale < 10 * clip, (norm, scale)   # always clipped
 
 

@@ -133,12 +133,18 @@ def mlp_loss(params, batch):
     return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
 
 
-def _step(loss, tx, mesh=None, shard_opt_state=False, **options):
-    """A train step from keywords: the loss's pieces (accumulate, compute_dtype, loss_scale:
-    `funcgrad.train._keywords`), wrapped by fg.data_parallel when a mesh is given."""
-    from funcgrad.train._keywords import step_from_keywords
-
-    step = step_from_keywords(loss, tx, **options)
+def _step(loss, tx, mesh=None, shard_opt_state=False, *, has_state=False, takes_key=False,
+          compute_dtype=None, loss_scale=None, accumulate=None, **options):
+    """A train step from keywords, each scenario's options in one dict: the loss's pieces
+    (fg.Loss's flags, fg.mixed_precision, fg.accumulate), make_train_step's own `options`, and
+    fg.data_parallel when a mesh is given."""
+    if has_state or takes_key:
+        loss = fg.Loss(loss, has_state=has_state, takes_key=takes_key)
+    if compute_dtype is not None or loss_scale is not None:
+        loss = fg.mixed_precision(loss, compute_dtype or "float32", loss_scale=loss_scale)
+    if accumulate is not None:
+        loss = fg.accumulate(loss, accumulate)
+    step = fg.make_train_step(loss, tx, **options)
     return (step if mesh is None
             else fg.data_parallel(step, mesh, shard_opt_state=shard_opt_state))
 

@@ -29,7 +29,7 @@ def check(ctx: Context) -> Finding:
         return Finding(NAME, "skipped", "the training run went non-finite: nothing to compare")
     state = record["state"]
     n = getattr(subject.data, "n", None)
-    held = subject.data.rows(ctx.options["check_rows"], start=(n or 10**9))  # the last rows
+    held = subject.data.rows(ctx.options.check_rows, start=(n or 10**9))  # the last rows
     held_loss = subject.eval_loss if subject.eval_loss is not None else subject.loss
     bound = held_loss.bind(state.model_state, subject.key if held_loss.takes_key else None)
 

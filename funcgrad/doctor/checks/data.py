@@ -215,7 +215,8 @@ def _coupling(ctx: Context, evidence: dict) -> list:
         return []
     if subject.accumulate:
         return [("warn", f"examples are coupled through the batch ({how}: "
-                 f"{measure:.3g} relative), and step_kwargs accumulate micro-batches", {}, {},
+                 f"{measure:.3g} relative), and the step accumulates micro-batches "
+                 "(funcgrad.accumulate)", {}, {},
                  "Accumulation averages micro-batches computed separately: with batch "
                  "statistics (BatchNorm in training mode) or a loss centred on the batch, the "
                  "accumulated gradient is not the full-batch one. Use per-example losses "

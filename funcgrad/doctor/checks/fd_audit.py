@@ -24,8 +24,8 @@ def check(ctx: Context) -> Finding:
                        f"({at_start}): finite differences need a finite loss; see nonfinite "
                        "and data", {"loss": at_start})
     report = audit(loss, ctx.subject.params, ctx.tiny,
-                   max_full_elements=ctx.options["max_full_elements"],
-                   max_evaluations=ctx.options["max_evaluations"], progress=False)
+                   max_full_elements=ctx.options.max_full_elements,
+                   max_evaluations=ctx.options.max_evaluations, progress=False)
     trained = dict(zip(ctx.paths, ctx.trained))
     failed = [r for r in report.failures if trained.get(r.path, True)]
     evidence = {"mode": report.mode, "dtype": report.dtype_used, "leaves": len(report.rows),
@@ -69,7 +69,7 @@ def _persisting(ctx: Context, loss, failed: list, evidence: dict) -> list:
     point. Only the failed leaves are re-checked (the others fixed), so it costs little."""
     from funcgrad.check.grads import audit
 
-    rows = ctx.options["tiny_rows"]
+    rows = ctx.options.tiny_rows
     other = ctx.subject.data.rows(rows, start=rows)
     same = all(np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(ctx.tiny)))
@@ -96,8 +96,8 @@ def _persisting(ctx: Context, loss, failed: list, evidence: dict) -> list:
     try:
         if not math.isfinite(float(jax.jit(part)(sub, other))):
             return failed
-        again = audit(part, sub, other, max_full_elements=ctx.options["max_full_elements"],
-                      max_evaluations=ctx.options["max_evaluations"], progress=False)
+        again = audit(part, sub, other, max_full_elements=ctx.options.max_full_elements,
+                      max_evaluations=ctx.options.max_evaluations, progress=False)
     except Exception:  # noqa: BLE001 - the second look is a refinement; keep the first verdict
         return failed
     position = {r.path: i for i, r in enumerate(again.rows)}  # rows in the order of `sub`

@@ -46,7 +46,7 @@ def check(ctx: Context) -> Finding:
     expected = math.log(k)
     ratio = loss / expected
     evidence |= {"expected": expected, "ratio": ratio}
-    limit = ctx.options["init_loss_ratio"]
+    limit = ctx.options.init_loss_ratio
     if ratio > limit:
         cause, fix, place = _why_large(ctx, loss, expected, evidence)
         return Finding(NAME, "warn", f"loss at init {loss:.4g} is {ratio:.1f}x log({k}) = "

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from funcgrad.doctor._context import Context
 from funcgrad.doctor._finding import Finding
+from funcgrad.doctor._steps import unaccumulated
 
 NAME = "overfit"
 
@@ -19,20 +19,13 @@ NO_PROGRESS = 0.95
 
 def check(ctx: Context) -> Finding:
     subject = ctx.subject
-    rows = subject.data.rows(ctx.options["overfit_rows"])
-    # One batch, again and again; accumulation (a way to fit a batch in memory) is left out.
-    if not subject.accumulate:
-        step, state = subject.make_step()
-    else:  # the per-example loss, reduced as the full batch would be
-        from funcgrad.train._keywords import step_from_keywords
-
-        kwargs = {k: v for k, v in subject.step_kwargs.items() if k not in ("accumulate",
-                                                                             "tail")}
-        step = step_from_keywords(_mean_of(subject.loss), subject.optimizer, **kwargs)
-        state = step.init(subject.params, model_state=subject.model_state,
-                          key=subject.key if subject.loss.takes_key else None)
-    budget = ctx.options["overfit_steps"]
-    target = ctx.options["overfit_ratio"]
+    rows = subject.data.rows(ctx.options.overfit_rows)
+    # One batch, again and again; accumulation (a way to fit a batch in memory) is left out:
+    # the per-example loss, reduced as the full batch would be.
+    step = unaccumulated(subject.step)
+    state = subject.init(step)
+    budget = ctx.options.overfit_steps
+    target = ctx.options.overfit_ratio
     losses: list[float] = []
     for _ in range(budget):
         state, metrics = step(state, rows)
@@ -66,15 +59,3 @@ def check(ctx: Context) -> Finding:
                    "rate, regularisation (dropout, weight decay) and the model's capacity; "
                    "or raise overfit_steps.")
 
-
-def _mean_of(loss):
-    """`loss` (a per-example `funcgrad.Loss`) reduced to its mean, same contract."""
-    from funcgrad.train.loss import Loss
-
-    def mean_loss(params, batch, **kwargs):
-        out = loss.fn(params, batch, **kwargs)
-        if loss.has_aux or loss.has_state:
-            return jnp.mean(out[0]), out[1]
-        return jnp.mean(out)
-    return Loss(mean_loss, has_aux=loss.has_aux, has_state=loss.has_state,
-                takes_key=loss.takes_key)

@@ -1,4 +1,4 @@
-"""The train step's semantics where step_kwargs use them: accumulation (the accumulated
+"""The train step's semantics where its pieces use them: accumulation (the accumulated
 gradient equals the full-batch gradient), loss scaling (the update does not depend on the
 scale: gradients are unscaled before the norm and the clipping), clipping (the coefficient
 is clip_norm / ||g|| of the unscaled gradient) and the trainable mask (frozen leaves get no
@@ -13,28 +13,29 @@ import numpy as np
 
 from funcgrad.doctor._context import Context
 from funcgrad.doctor._finding import Finding
+from funcgrad.doctor._steps import clip_norm
 
 NAME = "semantics"
 
 
 def check(ctx: Context) -> Finding:
     subject = ctx.subject
-    kw = subject.step_kwargs
     parts = []
     if subject.accumulate:
         parts.append(_accumulation(ctx))
-    if kw.get("loss_scale") is not None or kw.get("clip_norm") is not None:
+    if subject.step.loss_scale is not None or clip_norm(subject) is not None:
         parts.append(_scale_and_clip(ctx))
-    if subject.trainable is not None:
+    if subject.step.trainable is not None:
         parts.append(_frozen(ctx))
     ignored = _gradient_ignored(ctx)
     if ignored is not None and (ignored[1] != "pass" or parts):
         parts.append(ignored)
     if not parts:
-        return Finding(NAME, "skipped", "step_kwargs use no accumulate, loss_scale, clip_norm "
+        return Finding(NAME, "skipped", "the step uses no accumulation, loss scale, clip_norm "
                        "or trainable mask: nothing to check (the optimizer's update follows "
-                       "the gradient on every leaf)" if ignored else "step_kwargs use no "
-                       "accumulate, loss_scale, clip_norm or trainable mask: nothing to check",
+                       "the gradient on every leaf)" if ignored else "the step uses no "
+                       "accumulation, loss scale, clip_norm or trainable mask: nothing to "
+                       "check",
                        {"optimizer": ignored[3]} if ignored else {})
     evidence = {name: ev for name, _, _, ev, _, _ in parts}
     bad = sorted([p for p in parts if p[1] != "pass"], key=lambda p: ("fail", "warn").index(p[1]))
@@ -115,7 +116,6 @@ def _scale_and_clip(ctx: Context):
     from funcgrad.train.precision import LossScaleState
 
     subject = ctx.subject
-    kw = subject.step_kwargs
     step, state = subject.make_step()
     batches = subject.data.train_batches()
     batch = subject.step_batch(batches)
@@ -132,7 +132,7 @@ def _scale_and_clip(ctx: Context):
     updates = []
     scales = []
     evidence: dict = {"reference_norm": true_norm}
-    tol = 5e-2 if kw.get("compute_dtype") is not None else 1e-3
+    tol = 5e-2 if step.compute_dtype is not None else 1e-3
     for factor in ((1.0, 2.0 ** -8) if state.loss_scale is not None else (1.0,)):
         s = state
         if state.loss_scale is not None:
@@ -161,15 +161,15 @@ def _scale_and_clip(ctx: Context):
                 f"{reported:.4g}, the unscaled gradient's is {true_norm:.4g}: clipping and "
                 "the guard see a scaled gradient", evidence, {},
                 "Unscale the gradients (divide by the loss scale) before the norm and "
-                "clip_norm; funcgrad's make_train_step(fg.mixed_precision(loss, dtype, "
-                "loss_scale=), tx, clip_norm=) does this.")
-    clip = kw.get("clip_norm")
+                "the clipping; funcgrad's make_train_step(fg.mixed_precision(loss, dtype, "
+                "loss_scale=), optax.chain(fg.clip_by_global_norm(c), tx)) does this.")
+    clip = clip_norm(subject)
     if clip is not None and "clip_coef" in evidence:
         want = min(1.0, clip / true_norm) if true_norm else 1.0
         got = evidence["clip_coef"][0]
         if abs(got - want) > tol * max(want, 1e-12):
             return ("clip_norm", "fail", f"clip coefficient {got:.4g}, expected "
-                    f"min(1, clip_norm / ||g||) = {want:.4g} from the unscaled gradient",
+                    f"min(1, max_norm / ||g||) = {want:.4g} from the unscaled gradient",
                     evidence, {}, "Clip after unscaling, by the global norm of the unscaled "
                     "gradient.")
     if len(updates) == 2:
@@ -180,8 +180,8 @@ def _scale_and_clip(ctx: Context):
                     "loss scale changes by 2**8: the scale leaks into the update", evidence,
                     {}, "Divide the gradients by the loss scale before clipping and the "
                     "optimizer.")
-    what = ", ".join(x for x in ("loss_scale" if kw.get("loss_scale") is not None else "",
-                                 f"clip_norm={clip}" if clip is not None else "") if x)
+    what = ", ".join(x for x in ("loss_scale" if step.loss_scale is not None else "",
+                                 f"clip_by_global_norm({clip:g})" if clip is not None else "") if x)
     return ("loss_scale", "pass", f"{what}: the step's norm is the unscaled gradient's "
             f"(relative error {off:.2g})", evidence, {}, "")
 
@@ -227,7 +227,7 @@ def _gradient_ignored(ctx: Context):
             jnp.asarray(rng.standard_normal(np.shape(x)), jnp.asarray(x).dtype) if f
             else jnp.zeros_like(x) for x, f in zip(leaves, floating)])
     try:
-        opt = subject.optimizer
+        opt = subject.step.optimizer
         state = opt.init(params)
         update = jax.jit(lambda g: opt.update(g, state, params)[0])
         g = gradient()  # and -2 g: a sign-based first step (Adam's) follows the sign, which

@@ -13,6 +13,7 @@ import numpy as np
 
 from funcgrad.doctor._context import Context
 from funcgrad.doctor._finding import Finding
+from funcgrad.doctor._steps import clip_norm
 
 NAME = "training"
 
@@ -27,10 +28,8 @@ def run(ctx: Context) -> dict:
     and dead fractions, the final state, and the first non-finite step."""
     if "run" in ctx.shared:
         return ctx.shared["run"]
-    from funcgrad.train.transforms import grad_monitor
-
     subject = ctx.subject
-    step, state = subject.make_step(monitor=grad_monitor())
+    step, state = subject.make_step(monitor=True)
     start = state
     batches = subject.data.train_batches()
     record: dict = {"loss": [], "grad_norm": [], "clip_coef": [], "skipped": [],
@@ -40,7 +39,7 @@ def run(ctx: Context) -> dict:
     from funcgrad.train.alerts import monitor_alerts
 
     previous = None
-    for s in range(ctx.options["steps"]):
+    for s in range(ctx.options.steps):
         batch = subject.step_batch(batches)
         before = state
         state, metrics = step(state, batch)
@@ -82,7 +81,7 @@ def check(ctx: Context) -> Finding:
                    "dead_fraction": {name: [row[j] for row in record["dead"]]
                                      for j, name in enumerate(record["relu_names"])}}
     finite = norms[np.isfinite(norms)]
-    q = ctx.options["clip_quantile"]
+    q = ctx.options.clip_quantile
     p90 = float(np.quantile(finite, q)) if finite.size else math.nan
     head = float(np.mean(losses[: max(1, min(5, n // 10 or 1))]))
     tail = float(np.mean(losses[-max(1, n // 10):]))
@@ -95,9 +94,9 @@ def check(ctx: Context) -> Finding:
                 "alert_counts": {k: sum(a.kind == k for a in alerts)
                                  for k in ("explosion", "vanishing", "dead_relu", "nonfinite")},
                 "skipped_steps": int(sum(record["skipped"]))}
-    clip = ctx.subject.step_kwargs.get("clip_norm")
+    clip = clip_norm(ctx.subject)
     advice = (f"If you clip, clip near the {round(100 * q)}th percentile of the observed "
-              f"norms: clip_norm={p90:.3g}.")
+              f"norms: optax.chain(fg.clip_by_global_norm({p90:.3g}), tx).")
     findings: list[tuple[str, str, dict, str]] = []
     if "nonfinite_step" in ctx.shared:
         s = ctx.shared["nonfinite_step"][0]
@@ -149,7 +148,8 @@ def check(ctx: Context) -> Finding:
         evidence["clipped_fraction"] = clipped
         if clipped > 0.5:
             findings.append(("warn", f"{100 * clipped:.0f}% of the steps were clipped "
-                             f"(clip_norm={clip:g}, median norm {np.median(finite):.3g})", {},
+                             f"(clip_by_global_norm({clip:g}), median norm "
+                             f"{np.median(finite):.3g})", {},
                              "Most steps clipped means the clipping is setting the step size: "
                              "lower the learning rate, or " + advice))
     if not findings:

@@ -10,7 +10,6 @@ data = {"x": _d.x_train[:512], "y": _d.y_train[:512]}
 classes = 10
 SCALE = 1024.0
 optimizer = optax.chain(optax.scale(1 / SCALE), optax.sgd(0.1))
-step_kwargs = {"clip_norm": 1.0}
 
 
 def init(key):
@@ -19,6 +18,9 @@ def init(key):
 
 def loss(params, batch):
     return SCALE * fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
+
+
+step = fg.make_train_step(loss, optax.chain(fg.clip_by_global_norm(1.0), optimizer))
 
 
 EXPECT = {"fault": "clip_before_unscale",

@@ -10,7 +10,6 @@ import funcgrad as fg
 _d = fg.load_digits(seed=0)
 data = {"x": _d.x_train[:512], "y": _d.y_train[:512]}
 classes = 10
-step_kwargs = {"accumulate": 4}
 
 
 def init(key):
@@ -21,6 +20,9 @@ def loss(params, batch):
     logits = fg.mlp_apply(params, batch["x"])
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     return per_example / (jnp.std(logits) + 1e-3)
+
+
+step = fg.make_train_step(fg.accumulate(loss, 4), optax.adam(1e-3))
 
 
 EXPECT = {"fault": "batch_coupled_accum", "checks": {"semantics"}, "place": None}

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import funcgrad as fg
+
 VOCAB, LENGTH, D = 10, 12, 32
 classes = VOCAB
 _rng = np.random.default_rng(0)
@@ -13,7 +15,6 @@ _x = _rng.integers(0, VOCAB, size=(512, LENGTH)).astype(np.int32)
 _lengths = _rng.integers(2, LENGTH + 1, size=512)
 _mask = (np.arange(LENGTH)[None, :] < _lengths[:, None]).astype(np.float32)
 data = {"x": _x, "y": np.concatenate([_x[:, :1], _x[:, :-1]], axis=1), "mask": _mask}
-step_kwargs = {"accumulate": 4}
 
 
 def init(key):
@@ -31,6 +32,9 @@ def loss(params, batch):
     token_loss = optax.softmax_cross_entropy_with_integer_labels(h @ params["head"], batch["y"])
     n_valid = jnp.sum(batch["mask"])
     return jnp.sum(token_loss * batch["mask"], axis=1) / n_valid * batch["x"].shape[0]
+
+
+step = fg.make_train_step(fg.accumulate(loss, 4), optax.adam(1e-3))
 
 
 EXPECT = {"fault": "batch_coupled_accum", "checks": {"semantics"}, "place": None}

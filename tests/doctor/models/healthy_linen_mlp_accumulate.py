@@ -19,7 +19,6 @@ _d = fg.load_digits(seed=0)
 data = {"x": _d.x_train[:512], "y": _d.y_train[:512]}
 classes = 10
 optimizer = optax.adamw(1e-3, weight_decay=1e-4)
-step_kwargs = {"accumulate": 2}
 
 _module = MLP()
 model = from_linen(_module, _module.init(jax.random.key(0), data["x"][:2]), rngs=())
@@ -27,6 +26,9 @@ model = from_linen(_module, _module.init(jax.random.key(0), data["x"][:2]), rngs
 
 def objective(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+
+step = fg.make_train_step(fg.accumulate(model.loss(objective, train=True), 2), optimizer)
 
 
 EXPECT = None

@@ -9,7 +9,6 @@ _d = fg.load_digits(seed=0)
 data = {"x": _d.x_train[:512], "y": _d.y_train[:512]}
 classes = 10
 optimizer = optax.sgd(0.05)
-step_kwargs = {"accumulate": 4}
 
 
 def init(key):
@@ -20,6 +19,9 @@ def loss(params, batch):
     logits = fg.mlp_apply(params, batch["x"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     return losses * batch["y"].shape[0]
+
+
+step = fg.make_train_step(fg.accumulate(loss, 4), optimizer)
 
 
 EXPECT = {"fault": "sum_not_mean", "checks": {"init_loss", "semantics", "grad_stats"},
