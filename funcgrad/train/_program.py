@@ -49,6 +49,7 @@ class _Built(NamedTuple):
     unjitted: Callable | None
     unguarded: Callable | None
     explain: Callable
+    lowered: Callable | None = None  # the jitted step itself, for TrainStep.lower
 
 
 def _build(spec: TrainStep) -> _Built:
@@ -146,6 +147,7 @@ def _build(spec: TrainStep) -> _Built:
     out: Any = step if not spec.jit else jax.jit(step)
     if spec.parallel is not None:  # the same step jitted with the state replicated, the rows
         out = spec.parallel.jit(step, accumulate)  # split (funcgrad.data_parallel)
+    jitted = out
     if accumulate is None:
         out = _attach_monitor(out)
     if spec.detect_anomaly:
@@ -168,7 +170,7 @@ def _build(spec: TrainStep) -> _Built:
     unguarded = (build(functools.partial(apply_update, optimistic=True))
                  if spec.jit and loss_scale is None else None)
     return _Built(call=out, unjitted=step if spec.jit else None, unguarded=unguarded,
-                  explain=explain_skipped_update)
+                  explain=explain_skipped_update, lowered=jitted if spec.jit else None)
 
 
 def _attach_monitor(step: Callable) -> Callable:

@@ -220,7 +220,7 @@ class TrainStep:
     def lower(self, state: TrainState, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the step (for `funcgrad.memory_report`,
         `funcgrad.collectives`); not with ``jit=False``."""
-        lower = getattr(self._built.call, "lower", None)
+        lower = getattr(self._built.lowered, "lower", None)
         if lower is None:
             raise ValueError("TrainStep.lower: this step was made with jit=False.")
         return lower(state, *args)
