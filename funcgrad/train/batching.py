@@ -97,6 +97,7 @@ class Batches:
       shuffle: False takes the examples in order every epoch.
       drop_last: True leaves out each epoch's last batch when it is smaller than
         `batch_size` (every batch then has one shape).
+      n: the number of examples (read only).
     Raises:
       ValueError: at construction: leaves with different numbers of rows (named by their
         paths), no examples, a `batch_size` or `seed` out of range.
@@ -184,7 +185,8 @@ class Batches:
     def epoch(self, epoch: int) -> Iterator[PyTree]:
         """The batches of pass `epoch` (0-based), each of `data`'s structure with up to
         `batch_size` rows per leaf, taken in ``order(epoch)``. ``batches.epoch`` is itself a
-        loader (``epoch -> iterable``) that `fit` runs one batch at a time on the host.
+        loader (``epoch -> iterable``): `fit` given it trains on the same batches, made on the
+        host.
 
         Raises:
           ValueError: at the call, for an `epoch` that is not an int >= 0.

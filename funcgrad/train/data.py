@@ -1,7 +1,8 @@
-"""Real data without downloads: scikit-learn's bundled digits set, split, standardised and batched.
+"""Real data without downloads: scikit-learn's bundled digits set, split and standardised.
 
 The digits set is 1,797 grey 8x8 images of handwritten digits (64 features, 10 classes) that
-ship inside scikit-learn, so nothing is fetched at run time.
+ship inside scikit-learn, so nothing is fetched at run time. Batching it (or any arrays) is
+`funcgrad.Batches` (`funcgrad.train.batching`).
 """
 from __future__ import annotations
 
