@@ -87,8 +87,8 @@ class Progress:
 
     fit's ``progress=`` also takes the common cases directly: True is ``Progress(bar=True)``
     (the default), False or None is ``Progress()``, and a function such as `print` is
-    ``Progress(print)``. The bar moves once per epoch (a run with it runs one epoch per
-    dispatch; without it, several epochs may run in one).
+    ``Progress(print)``. The bar moves once per dispatch of steps, so a run that shows it
+    runs one epoch per dispatch (without it, several epochs may run in one).
 
     Attributes:
       lines: called with each epoch's summary line and each monitor alert (the first
