@@ -106,7 +106,7 @@ def case(name, sizes, batch, data, repeats, epochs, torch_ok):
 
     def fit_run(step, state):
         def run(k):
-            fg.fit(step, state, x, y, epochs=k, batch_size=batch, progress=False)
+            fg.fit(step, state, fg.Batches(x, y, batch_size=batch), epochs=k, progress=False)
         return run
 
     runs["fit"] = fit_run(plain, fg.init_train_state(params, tx))
@@ -162,7 +162,8 @@ def per_call(data, epochs_per_call, repeats):
 
     def fit_run(calls):
         for _ in range(calls):
-            fg.fit(step, state, x, y, epochs=epochs_per_call, batch_size=batch, progress=False)
+            fg.fit(step, state, fg.Batches(x, y, batch_size=batch), epochs=epochs_per_call,
+                   progress=False)
 
     def hand_run(calls):
         p, o, key = carry

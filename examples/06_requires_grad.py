@@ -65,7 +65,7 @@ def main() -> None:
         return optax.apply_updates(params, updates), opt_state, loss
 
     new, opt_state, losses = params, tx.init(params), []
-    for batch in list(fg.batches(data.x_train, data.y_train, batch_size=64, seed=0))[:20]:
+    for batch in list(fg.Batches(data.x_train, data.y_train, batch_size=64).epoch(0))[:20]:
         new, opt_state, loss = step(new, opt_state, batch)
         losses.append(float(loss))
 

@@ -128,7 +128,7 @@ def main() -> None:
     tx = optax.adam(1e-2)
     step = fg.make_train_step(loss_fn, tx)
     state = step.init(params)
-    for batch in list(fg.batches(data.x_train, data.y_train, batch_size=64, seed=0))[:40]:
+    for batch in list(fg.Batches(data.x_train, data.y_train, batch_size=64).epoch(0))[:40]:
         state, _ = step(state, batch)
     batch = {"x": jnp.asarray(data.x_test[:32]), "y": jnp.asarray(data.y_test[:32])}
 

@@ -47,8 +47,8 @@ def train(params, data, *, compute_dtype, loss_scale, eval_dtype=None):
     state = step.init(params)
     evaluate = (None if eval_dtype is None else
                 lambda p: {"test_accuracy": test_accuracy(p, data, eval_dtype)})
-    return fg.fit(step, state, data.x_train, data.y_train, epochs=EPOCHS, batch_size=BATCH,
-                  seed=0, evaluate=evaluate, progress=False)
+    return fg.fit(step, state, fg.Batches(data.x_train, data.y_train, batch_size=BATCH),
+                  epochs=EPOCHS, evaluate=evaluate, progress=False)
 
 
 def main() -> None:

@@ -60,14 +60,13 @@ def main() -> None:
     with warnings.catch_warnings():   # the report is printed below, not as a warning
         warnings.simplefilter("ignore", RuntimeWarning)
         step = fg.make_train_step(loss_fn, tx)
-        result = fg.fit(step, step.init(params), data.x_train, data.y_train, epochs=4,
-                        batch_size=32, progress=False, log=print)
+        train = fg.Batches(data.x_train, data.y_train, batch_size=32)
+        result = fg.fit(step, step.init(params), train, epochs=4, progress=print)
     stop = result.nonfinite
     print(stop, end="\n\n")
     if stop is None:
         raise SystemExit("the run did not go non-finite; nothing to hunt")
-    batch = list(fg.batches(data.x_train, data.y_train, batch_size=32, seed=0,
-                            epoch=stop.epoch - 1))[stop.batch]  # epochs count from 1
+    batch = list(train.epoch(stop.epoch - 1))[stop.batch]  # epochs count from 1
     report = find_nonfinite(loss_fn, result.state.params, batch)
     print(report, end="\n\n")
 

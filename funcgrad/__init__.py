@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from funcgrad.train.accumulate import stack_microbatches as stack_microbatches
     from funcgrad.train.alerts import Alert as Alert
     from funcgrad.train.alerts import monitor_alerts as monitor_alerts
+    from funcgrad.train.batching import Batches as Batches
     from funcgrad.train.checkpoint import Restored as Restored
     from funcgrad.train.checkpoint import latest_checkpoint_step as latest_checkpoint_step
     from funcgrad.train.checkpoint import restore_checkpoint as restore_checkpoint
@@ -84,11 +85,13 @@ if TYPE_CHECKING:
     from funcgrad.train.clipping import global_norm as global_norm
     from funcgrad.train.coupling import CoupledExamplesWarning as CoupledExamplesWarning
     from funcgrad.train.data import Dataset as Dataset
-    from funcgrad.train.data import batches as batches
     from funcgrad.train.data import load_digits as load_digits
+    from funcgrad.train.loop import Checkpointing as Checkpointing
+    from funcgrad.train.loop import FitOptions as FitOptions
     from funcgrad.train.loop import FitResult as FitResult
     from funcgrad.train.loop import History as History
     from funcgrad.train.loop import NonFiniteReport as NonFiniteReport
+    from funcgrad.train.loop import Progress as Progress
     from funcgrad.train.loop import fit as fit
     from funcgrad.train.loss import Loss as Loss
     from funcgrad.train.loss import LossOutput as LossOutput

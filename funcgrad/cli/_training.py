@@ -25,9 +25,10 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
     """
     import jax.numpy as jnp
 
+    from funcgrad.train.batching import Batches
     from funcgrad.train.coupling import CoupledExamplesWarning
     from funcgrad.train.data import load_digits
-    from funcgrad.train.loop import fit
+    from funcgrad.train.loop import FitOptions, Progress, fit
     from funcgrad.train.optimizers import make_optimizer
     from funcgrad.train.precision import dynamic_loss_scale
     from funcgrad.train.transforms import grad_monitor
@@ -101,12 +102,13 @@ def _train(args: argparse.Namespace, resumed: tuple[int, dict] | None = None) ->
             if args.memory_report else None
         clock.lap("setup")
         result = _fit_keeping_everything(
-            fit, args, step, state, data.x_train, data.y_train, main=main, epochs=args.epochs,
-            batch_size=args.batch_size, seed=args.seed,
+            fit, args, step, state,
+            Batches(data.x_train, data.y_train, batch_size=args.batch_size, seed=args.seed),
+            main=main, every=args.checkpoint_every or args.epochs, epochs=args.epochs,
             evaluate=lambda *p: {"test_accuracy": model.test_accuracy(*p)},
-            progress=main and not args.no_progress and sys.stderr.isatty(),
-            log=print if main else None,
-            on_nonfinite=args.on_nonfinite, every=args.checkpoint_every or args.epochs)
+            progress=Progress(print if main else None,
+                              bar=main and not args.no_progress and sys.stderr.isatty()),
+            options=FitOptions(on_nonfinite=args.on_nonfinite))
     clock.lap("train")
     history = result.history
     metrics_path = os.path.join(args.out, "metrics.json")
@@ -172,9 +174,11 @@ def _process_count() -> int:
 def _quiet(*args: Any, **kwargs: Any) -> None:
     """`print` on the processes other than 0 of a --distributed run."""
 
-def _fit_keeping_everything(fit, args, step, state, x, y, *, main: bool = True, **kwargs):
-    """`fit` with checkpoints in OUT/checkpoints (resumed from --resume DIR); a crash inside
-    it still writes metrics.json with the history so far before the error propagates.
+def _fit_keeping_everything(fit, args, step, state, data, *, main: bool = True, every: int,
+                            **kwargs):
+    """`fit` with checkpoints in OUT/checkpoints every `every` epochs (resumed from --resume
+    DIR); a crash inside it still writes metrics.json with the history so far before the
+    error propagates.
 
     In a --distributed run only process 0 (`main`) writes: the copy of --resume DIR's
     checkpoints into another --out (every process waits for it before reading them) and
@@ -189,8 +193,9 @@ def _fit_keeping_everything(fit, args, step, state, x, y, *, main: bool = True, 
             from jax.experimental.multihost_utils import sync_global_devices
             sync_global_devices("funcgrad train: the --resume checkpoints are copied")
     try:
-        return fit(step, state, x, y, checkpoint_dir=checkpoints, resume=args.resume is not None,
-                   **kwargs)
+        from funcgrad.train.loop import Checkpointing
+        return fit(step, state, data, **kwargs, checkpoint=Checkpointing(
+            checkpoints, every=every, resume=args.resume is not None))
     except Exception as error:
         partial = getattr(error, "fit_result", None)
         if partial is not None and main:

@@ -2,6 +2,7 @@
 model state and key of its state, the data as a source of batches, and the options' hints."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -17,33 +18,38 @@ PyTree = Any
 
 
 class Data:
-    """Batches of the user's data: arrays with a leading example axis, or a loader (a function
-    ``epoch -> iterable of batches``, or a list of batches)."""
+    """Batches of the user's data, taken in as `funcgrad.fit` takes it
+    (`funcgrad.train.batching.as_source`): a `funcgrad.Batches`, arrays with a leading example
+    axis (batched by doctor's `batch_size` and `seed`), or a loader (an iterable of batches, or
+    a function ``epoch -> iterable of batches``)."""
 
     def __init__(self, data: Any, *, batch_size: int, seed: int):
-        self.batch_size, self.seed = batch_size, seed
+        from funcgrad.train.batching import Batches, as_source, is_function
+
+        leaves = ([] if isinstance(data, (list, Batches)) or is_function(data)
+                  else jax.tree.leaves(data))
+        if any(not hasattr(x, "shape") for x in leaves):  # numbers, strings: not a dataset
+            raise ModelFileError(
+                "data must be a pytree of arrays with a leading example axis (e.g. "
+                "{'x': (n, 64), 'y': (n,)}), a list of batches or a function epoch -> "
+                f"iterable of batches; got {_describe(data)}.\n\n{EXPECTED_FILE}")
+        try:
+            source = as_source(data, where="doctor", batch_size=batch_size, seed=seed)
+        except (TypeError, ValueError) as error:
+            raise ModelFileError(f"{error}\n\n{EXPECTED_FILE}") from None
         self.loader: Callable[[int], Any] | None = None
-        if callable(data):
-            self.loader = data
-        elif isinstance(data, list):
-            self.loader = lambda epoch, batches=data: batches
+        if source.batches is None:
+            self.loader = (source.loader if is_function(source.loader)
+                           else lambda epoch, batches=source.loader: batches)
+            self.batch_size, self.seed = batch_size, seed
         else:
-            leaves = jax.tree.leaves(data)
-            if not leaves or not all(hasattr(x, "shape") and np.ndim(x) >= 1 for x in leaves):
-                raise ModelFileError(
-                    "data must be a pytree of arrays with a leading example axis (e.g. "
-                    "{'x': (n, 64), 'y': (n,)}), a list of batches or a function epoch -> "
-                    f"iterable of batches; got {_describe(data)}.\n\n{EXPECTED_FILE}")
-            self.arrays = jax.tree.map(np.asarray, data)
-            sizes = {np.shape(x)[0] for x in jax.tree.leaves(self.arrays)}
-            if len(sizes) != 1:
-                raise ModelFileError(
-                    "data: the leaves have different numbers of examples (leading axes "
-                    f"{_describe(data)}); every leaf needs the same leading example axis."
-                    f"\n\n{EXPECTED_FILE}")
-            self.n = sizes.pop()
-            if self.n == 0:
-                raise ModelFileError("data holds no examples (a leading axis of 0).")
+            # Training batches keep one shape (a jitted step compiles once): the last, partial
+            # batch of each epoch is dropped, and a batch is at most the whole data.
+            b = source.batches
+            self.arrays = jax.tree.map(np.asarray, b.data)  # rows are taken on the host
+            self.batches = dataclasses.replace(b, data=self.arrays, drop_last=True,
+                                               batch_size=min(b.batch_size, b.n))
+            self.batch_size, self.seed, self.n = b.batch_size, b.seed, b.n
         self._cached: list[PyTree] = []
 
     def _loader_batches(self) -> Iterator[PyTree]:
@@ -90,18 +96,14 @@ class Data:
         return jax.tree.map(lambda *xs: np.concatenate(xs)[:limit], *batches)
 
     def train_batches(self) -> Iterator[PyTree]:
-        """Training batches without end: shuffled epochs of `batch_size` (the last, partial
-        batch of an epoch dropped, so shapes stay fixed), or the loader's own batches."""
+        """Training batches without end: the `Batches`' epochs one after another, as
+        ``fit`` would take them (the last, partial batch of an epoch dropped, so shapes stay
+        fixed), or the loader's own batches."""
         if self.loader is not None:
             yield from self._loader_batches()
             return
-        size = min(self.batch_size, self.n)
-        rng = np.random.default_rng(self.seed)
-        while True:
-            order = rng.permutation(self.n)
-            for i in range(0, self.n - size + 1, size):
-                rows = order[i:i + size]
-                yield jax.tree.map(lambda x, r=rows: x[r], self.arrays)
+        for epoch in itertools.count():
+            yield from self.batches.epoch(epoch)
 
 
 def _rows(batch: PyTree) -> int:
@@ -150,8 +152,9 @@ class Subject:
             except (TypeError, ValueError) as error:
                 raise ModelFileError(f"eval_loss: {error}\n\n{EXPECTED_FILE}") from None
         self.classes, self.evaluate = options.classes, options.evaluate
-        self.batch_size, self.seed, self.source = options.batch_size, options.seed, source
         self.data = Data(data, batch_size=options.batch_size, seed=options.seed)
+        # A funcgrad.Batches given as data brings its own batch size and order.
+        self.batch_size, self.seed, self.source = self.data.batch_size, options.seed, source
 
     # --- the loss as the analysis tools take it ---------------------------------------------
 

@@ -37,7 +37,7 @@ the loss function returns **per-example** losses:
   and keeps an incomplete final window in its state until more mini-steps come (both shown in
   ``tests/train/test_accumulate.py`` and ``examples/12_accumulation.py``).
 * `stack_microbatches` and `group_microbatches` (`funcgrad.train.microbatches`, re-exported here)
-  pad and stack host (NumPy) micro-batches, e.g. those of `funcgrad.train.data.batches`, into that
+  pad and stack host (NumPy) micro-batches, e.g. those of `funcgrad.Batches.epoch`, into that
   layout, as a `Microbatches`: the stacked arrays and their padding mask in one object, passed
   whole (``accumulate_grads(loss_fn, params, mbs)``, ``step(state, mbs)``), so the padding rows
   cannot be counted by forgetting ``mask=``.

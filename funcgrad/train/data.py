@@ -1,7 +1,8 @@
-"""Real data without downloads: scikit-learn's bundled digits set, split, standardised and batched.
+"""Real data without downloads: scikit-learn's bundled digits set, split and standardised.
 
 The digits set is 1,797 grey 8x8 images of handwritten digits (64 features, 10 classes) that
-ship inside scikit-learn, so nothing is fetched at run time.
+ship inside scikit-learn, so nothing is fetched at run time. Batching it (or any arrays) is
+`funcgrad.Batches` (`funcgrad.train.batching`).
 """
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import hashlib
 import os
 import tempfile
 import zipfile
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import jax
 import numpy as np
 
 _INSTALL_HINT = (
@@ -166,81 +165,3 @@ def _write_cached(path: str, key: str, data: Dataset) -> None:
             os.remove(tmp)
         except OSError:
             pass
-
-
-def rows(tree: Any, name: str = "x") -> int:
-    """The number of examples in `tree`: the common leading length of its leaves.
-
-    Args:
-      tree: an array, or a pytree of arrays (e.g. ``{"image": (n, 8, 8), "meta": (n, 3)}``
-        for a model with several inputs); every leaf holds one row per example.
-      name: what to call `tree` in an error (``x``, ``y``).
-    Returns:
-      n, an int.
-    Raises:
-      ValueError: if `tree` has no leaves, a leaf is a scalar, or two leaves have different
-        leading lengths (the message names both by their pytree paths).
-    """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    if not flat:
-        raise ValueError(f"{name} has no arrays (got {tree!r}); pass an array, or a dict of "
-                         "arrays with one row per example.")
-    first = None
-    for path, leaf in flat:
-        where = name + jax.tree_util.keystr(path)
-        if np.ndim(leaf) == 0:
-            raise ValueError(f"{where} is a scalar, not one row per example; give every leaf a "
-                             "leading axis of length n (the number of examples).")
-        n = np.shape(leaf)[0]
-        if first is None:
-            first = (where, n)
-        elif n != first[1]:
-            raise ValueError(f"{where} has {n} rows but {first[0]} has {first[1]}; every leaf "
-                             f"of {name} needs one row per example, the same n.")
-    assert first is not None  # flat has a leaf (checked above)
-    return first[1]
-
-
-def batches(x: Any, y: Any, *, batch_size: int, seed: int = 0, epoch: int = 0,
-            shuffle: bool = True, drop_last: bool = False) -> Iterator[dict[str, Any]]:
-    """Yields mini-batches ``{"x": (b, ...), "y": (b, ...)}`` in a seeded order.
-
-    The order depends only on ``(seed, epoch)``, so an epoch can be replayed exactly.
-
-    Args:
-      x: an array with a leading length n, or a pytree of them (a model with several inputs
-        takes e.g. ``x = {"image": (n, 8, 8), "meta": (n, 3)}``; each batch then holds the
-        same structure with b rows per leaf). Rows are counted on the leaves.
-      y: as `x`, with the same leading length n.
-      batch_size: examples per batch, a positive int.
-      seed: with `epoch`, seeds the permutation (``jax.random.permutation`` of
-        ``fold_in(key(seed), epoch)``: the order `funcgrad.train.fit` draws on the device for
-        array data, so a loader made of these batches trains exactly as the arrays).
-      epoch: with `seed`, seeds the permutation; an index here (0 for the first pass;
-        `funcgrad.train.fit` numbers epochs from 1 in what it shows and passes ``epoch - 1``).
-      shuffle: if False, batches are taken in order.
-      drop_last: if True, a final batch smaller than `batch_size` is not yielded (so every
-        batch has one shape and a jitted step compiles once).
-    Raises:
-      ValueError: at the call, not at the first batch: if the lengths differ (the message
-        names the leaves), `batch_size` is not a positive int, or `seed` or `epoch` is
-        negative.
-    """
-    n = rows(x, "x")
-    m = rows(y, "y")
-    if m != n:
-        raise ValueError(f"batches: x has {n} rows but y has {m}; they must match.")
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batches: batch_size must be a positive int, got {batch_size!r}.")
-    for name, value in (("seed", seed), ("epoch", epoch)):
-        if not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"batches: {name} must be an int >= 0, got {value!r}.")
-    if shuffle:  # the order fit draws on the device for array data (threefry, any backend)
-        from funcgrad.train.loop._chunks import epoch_order
-        order = np.asarray(epoch_order(int(seed), int(epoch), n))
-    else:
-        order = np.arange(n)
-    stop = n - n % batch_size if drop_last else n
-    take = lambda tree, idx: jax.tree.map(lambda leaf: leaf[idx], tree)
-    return ({"x": take(x, idx), "y": take(y, idx)}
-            for idx in (order[start:start + batch_size] for start in range(0, stop, batch_size)))

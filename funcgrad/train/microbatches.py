@@ -133,8 +133,8 @@ def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
     (full groups, and the shorter last one).
 
     Args:
-      microbatches: an iterable of micro-batches, e.g. ``funcgrad.train.data.batches(x, y,
-        batch_size=m, ...)``, whose last one may be smaller.
+      microbatches: an iterable of micro-batches, e.g. ``funcgrad.Batches(x, y,
+        batch_size=m).epoch(e)``, whose last one may be smaller.
       accumulate: micro-batches per group, a positive int.
       size: the padded micro-batch size; default the size of the first micro-batch.
     Yields:
@@ -148,7 +148,7 @@ def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
     if isinstance(microbatches, Mapping) or hasattr(microbatches, "shape"):
         raise TypeError(
             "group_microbatches takes an iterable of micro-batches (e.g. a list of dicts, or "
-            "funcgrad.train.data.batches(x, y, batch_size=m)), got one "
+            "funcgrad.Batches(x, y, batch_size=m).epoch(0)), got one "
             f"{type(microbatches).__name__}; iterating it would give its "
             f"{'keys' if isinstance(microbatches, Mapping) else 'rows'}. Split the batch "
             "first, or pass [batch].")

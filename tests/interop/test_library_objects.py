@@ -178,7 +178,8 @@ def test_the_train_state_refuses_an_equinox_module_with_the_partition_fix():
     hand_made = fg.TrainState(params=model, opt_state=(), step=jnp.zeros((), jnp.int32))
     step = fg.make_train_step(lambda p, b: loss(p, (b["x"], b["y"])), optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"fit: params is an equinox module.*eqx\.partition"):
-        fg.fit(step, hand_made, batch[0], batch[1], epochs=1, batch_size=5, progress=False)
+        fg.fit(step, hand_made, fg.Batches(batch[0], batch[1], batch_size=5), epochs=1,
+               progress=False)
     # The fix the message gives trains: one step equals optax's update of eqx.filter_grad.
     params, static = eqx.partition(model, eqx.is_inexact_array)
     step = fg.make_train_step(lambda p, b: loss(eqx.combine(p, static), b), optax.adam(1e-2))

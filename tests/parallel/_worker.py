@@ -569,10 +569,10 @@ def scenario_bad() -> None:
                            "fit_own_order": (x[order], y[order]),
                            "fit_lengths": (x[:16 - 2 * PID], y[:16 - 2 * PID])}.items():
         try:
-            fg.fit(st, state, xs, ys, epochs=1, batch_size=4, progress=False)
+            fg.fit(st, state, fg.Batches(xs, ys, batch_size=4), epochs=1, progress=False)
         except ValueError as e:
             errors[name] = str(e)
-    good = fg.fit(st, state, x, y, epochs=1, batch_size=4, progress=False)
+    good = fg.fit(st, state, fg.Batches(x, y, batch_size=4), epochs=1, progress=False)
     RESULT["fit_good_steps"] = int(local(good.state.step))  # still in step: 16 / 4 = 4
     RESULT["errors"] = errors
 
@@ -612,13 +612,15 @@ def scenario_fit() -> None:
     tx = fg.make_optimizer("adam", 1e-3)
     for name, options, fit_options in (
             ("optimistic", {"clip_norm": 1.0}, {}),
-            ("guarded_per_epoch", {}, {"optimistic": False, "chunk": 16})):
+            ("guarded_per_epoch", {}, {"options": fg.FitOptions(optimistic=False,
+                                                                chunk=16)})):
         runs = {}
         for where, mesh in (("one", None), ("mesh", MESH)):
             step = _step(mlp_loss, tx, mesh=mesh, **options)
             start = time.perf_counter()
-            result = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=3,
-                            batch_size=32, seed=1, progress=False, **fit_options)
+            result = fg.fit(step, fg.init_train_state(params, tx),
+                            fg.Batches(x, y, batch_size=32, seed=1), epochs=3, progress=False,
+                            **fit_options)
             runs[where] = (result, time.perf_counter() - start, step)
         one, many = runs["one"][0], runs["mesh"][0]
         p1, pm = local(one.state.params), local(many.state.params)
@@ -662,14 +664,14 @@ def scenario_resume() -> None:
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 1e-3)
     step = fg.data_parallel(fg.make_train_step(mlp_loss, tx, clip_norm=1.0), MESH)
-    options = {"batch_size": 32, "seed": 1, "progress": False}
+    data = fg.Batches(x, y, batch_size=32, seed=1)
     with run_folder("resume") as root:
-        whole = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=4,
-                       checkpoint_dir=os.path.join(root, "whole"), **options)
-        first = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=2,
-                       checkpoint_dir=os.path.join(root, "parts"), **options)
-        resumed = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=4,
-                         checkpoint_dir=os.path.join(root, "parts"), resume=True, **options)
+        whole = fg.fit(step, fg.init_train_state(params, tx), data, epochs=4, progress=False,
+                       checkpoint=fg.Checkpointing(os.path.join(root, "whole")))
+        first = fg.fit(step, fg.init_train_state(params, tx), data, epochs=2, progress=False,
+                       checkpoint=fg.Checkpointing(os.path.join(root, "parts")))
+        resumed = fg.fit(step, fg.init_train_state(params, tx), data, epochs=4, progress=False,
+                         checkpoint=fg.Checkpointing(os.path.join(root, "parts"), resume=True))
         saved = sorted(os.listdir(os.path.join(root, "parts")))
     a, b = local(whole.state), local(resumed.state)
     RESULT["resume"] = {
@@ -684,10 +686,11 @@ def scenario_resume() -> None:
 
 def _digits_batches(n: int, size: int, epochs: int) -> list:
     """The global batches of each epoch: the first `n` train digits in batches of `size`
-    (fg.batches' order, the last batch smaller)."""
+    (fg.Batches' order, the last batch smaller)."""
     digits = fg.load_digits(seed=0)
     x, y = digits.x_train[:n].astype(np.float32), digits.y_train[:n].astype(np.int32)
-    return [list(fg.batches(x, y, batch_size=size, seed=1, epoch=e)) for e in range(epochs)]
+    data = fg.Batches(x, y, batch_size=size, seed=1)
+    return [list(data.epoch(e)) for e in range(epochs)]
 
 
 def own_rows(batch: dict) -> dict:
@@ -749,10 +752,10 @@ def scenario_fit_loader() -> None:
                                               {"evaluate": split})
     with run_folder("loader") as root:
         step = _step(mlp_loss, tx, mesh=MESH, **options)
-        fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1, progress=False,
-               checkpoint_dir=root)
+        fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1,
+               checkpoint=fg.Checkpointing(root), progress=False)
         resumed = fg.fit(step, fg.init_train_state(params, tx), loader, epochs=EPOCHS,
-                         progress=False, checkpoint_dir=root, resume=True)
+                         checkpoint=fg.Checkpointing(root, resume=True), progress=False)
     a, b = local(many.state), local(resumed.state)
     RESULT["resume"] = {
         "bitwise": bitwise(a, b),
@@ -844,17 +847,17 @@ def scenario_fit_zero() -> None:
     x, y = digits.x_train[:420].astype(np.float32), digits.y_train[:420].astype(np.int32)
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 1e-3)
-    options = {"batch_size": 32, "seed": 1, "progress": False}
+    data = fg.Batches(x, y, batch_size=32, seed=1)
     one = fg.fit(fg.make_train_step(mlp_loss, tx, clip_norm=1.0),
-                 fg.init_train_state(params, tx), x, y, epochs=EPOCHS, **options)
+                 fg.init_train_state(params, tx), data, epochs=EPOCHS, progress=False)
     step = fg.data_parallel(fg.make_train_step(mlp_loss, tx, clip_norm=1.0), MESH,
                             shard_opt_state=True)
-    many = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=EPOCHS, **options)
+    many = fg.fit(step, fg.init_train_state(params, tx), data, epochs=EPOCHS, progress=False)
     with run_folder("zero") as root:
-        fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=1, checkpoint_dir=root,
-               **options)
-        resumed = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=EPOCHS,
-                         checkpoint_dir=root, resume=True, **options)
+        fg.fit(step, fg.init_train_state(params, tx), data, epochs=1, progress=False,
+               checkpoint=fg.Checkpointing(root))
+        resumed = fg.fit(step, fg.init_train_state(params, tx), data, epochs=EPOCHS,
+                         progress=False, checkpoint=fg.Checkpointing(root, resume=True))
     mu = many.state.opt_state[0].mu[0]["w"]  # adam's first moment of the (64, 32) weight
     a, b = gathered(many.state), gathered(resumed.state)
     p1 = local(one.state.params)

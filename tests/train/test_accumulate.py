@@ -369,8 +369,9 @@ def test_detect_anomaly_names_the_micro_batch_and_the_line():
     assert "anomaly" not in clean
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        result = fg.fit(step, state0, x.reshape(-1), np.zeros(12, np.int32), epochs=1,
-                        batch_size=2, progress=False)
+        result = fg.fit(step, state0,
+                        fg.Batches(x.reshape(-1), np.zeros(12, np.int32), batch_size=2), epochs=1,
+                        progress=False)
     assert result.nonfinite.anomaly.primitive == "sqrt"
 
 
@@ -612,7 +613,7 @@ def test_fit_says_so_at_the_users_line_and_a_readable_rate_is_not_warned_about()
     tx = optax.adam(_halving)
     with pytest.warns(UserWarning, match=_UNREAD.format(index=1)) as caught:
         result = fg.fit(make_train_step(mean_loss, tx), fg.init_train_state(_params(), tx),
-                        x, y, epochs=1, batch_size=8, progress=False)
+                        fg.Batches(x, y, batch_size=8), epochs=1, progress=False)
     assert caught[0].filename == __file__
     assert result.history.step_learning_rate == []
     # The same schedule made readable, both ways the warning names: no warning (an error
@@ -620,8 +621,8 @@ def test_fit_says_so_at_the_users_line_and_a_readable_rate_is_not_warned_about()
     for readable in (optax.inject_hyperparams(optax.adam)(learning_rate=_halving),
                      fg.make_optimizer("adam", _halving)):
         result = fg.fit(make_train_step(mean_loss, readable),
-                        fg.init_train_state(_params(), readable), x, y, epochs=1,
-                        batch_size=8, progress=False)
+                        fg.init_train_state(_params(), readable), fg.Batches(x, y, batch_size=8),
+                        epochs=1, progress=False)
         np.testing.assert_allclose(result.history.step_learning_rate, [0.1, 0.05], rtol=1e-7)
 
 
@@ -629,8 +630,8 @@ def test_fit_runs_a_scheduled_accumulating_step():
     x, y = _examples(32)["x"], _examples(32)["y"]
     tx = fg.make_optimizer("sgd", _halving)
     step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
-    result = fg.fit(step, fg.init_train_state(_params(), tx), x, y, epochs=1, batch_size=8,
-                    progress=False)
+    result = fg.fit(step, fg.init_train_state(_params(), tx), fg.Batches(x, y, batch_size=8),
+                    epochs=1, progress=False)
     # 4 batches of 8, 2 per update: 2 updates, the count the schedule saw; the last used 0.05.
     assert len(result.history.step_loss) == 2
     assert int(result.state.opt_state.count) == 2

@@ -1,4 +1,4 @@
-"""The digits split, its standardisation and the seeded batch iterator."""
+"""The digits split and its standardisation (the batching: tests/train/test_batching.py)."""
 import re
 import sys
 
@@ -43,30 +43,7 @@ def test_split_is_seeded(digits):
     assert not np.array_equal(digits.y_test, other.y_test)
 
 
-def test_batches_cover_each_example_once_per_epoch():
-    x = np.arange(10)[:, None]
-    y = np.arange(10)
-    seen = [b["y"] for b in fg.batches(x, y, batch_size=4, seed=3, epoch=0)]
-    assert [len(b) for b in seen] == [4, 4, 2]
-    assert sorted(np.concatenate(seen)) == list(range(10))
-    assert all(np.array_equal(b["x"][:, 0], b["y"]) for b in fg.batches(x, y, batch_size=4))
-    replay = np.concatenate([b["y"] for b in fg.batches(x, y, batch_size=4, seed=3, epoch=0)])
-    next_epoch = np.concatenate([b["y"] for b in fg.batches(x, y, batch_size=4, seed=3, epoch=1)])
-    np.testing.assert_array_equal(np.concatenate(seen), replay)
-    assert not np.array_equal(replay, next_epoch)
-    assert [len(b["y"]) for b in fg.batches(x, y, batch_size=4, drop_last=True)] == [4, 4]
-    ordered = np.concatenate([b["y"] for b in fg.batches(x, y, batch_size=3, shuffle=False)])
-    np.testing.assert_array_equal(ordered, y)
-
-
 def test_bad_arguments():
-    # Raised at the call, before any batch is asked for.
-    with pytest.raises(ValueError, match="x has 3 rows but y has 2"):
-        fg.batches(np.zeros((3, 1)), np.zeros(2), batch_size=1)
-    with pytest.raises(ValueError, match="batch_size must be a positive int"):
-        fg.batches(np.zeros((3, 1)), np.zeros(3), batch_size=0)
-    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
-        fg.batches(np.zeros((3, 1)), np.zeros(3), batch_size=1, seed=-1)
     with pytest.raises(ValueError, match="test_size must be in"):
         fg.load_digits(test_size=1.5)
 

@@ -19,12 +19,13 @@ def test_fit_keeps_the_state_from_before_a_nan_batch():
     tx = optax.adam(1e-2)
     step = fg.make_train_step(loss_fn, tx)
     x, y = np.asarray(batch["x"]), np.asarray(batch["y"])
-    first = fg.fit(step, fg.init_train_state(params, tx), x, y, epochs=1, batch_size=5,
+    first = fg.fit(step, fg.init_train_state(params, tx), fg.Batches(x, y, batch_size=5), epochs=1,
                    progress=False)
     bad_x = x.copy()
     bad_x[2, 3] = np.nan
     with pytest.warns(RuntimeWarning, match=r"step 0 \(epoch 1, batch 0\): loss=nan"):
-        second = fg.fit(step, first.state, bad_x, y, epochs=1, batch_size=5, progress=False)
+        second = fg.fit(step, first.state, fg.Batches(bad_x, y, batch_size=5), epochs=1,
+                        progress=False)
     for a, b in zip(jax.tree.leaves(second.state), jax.tree.leaves(first.state)):
         np.testing.assert_array_equal(a, b)  # params, both Adam moments, counts, step: untouched
     assert int(second.state.step) == 1 and math.isnan(second.nonfinite.loss)
@@ -41,7 +42,8 @@ def test_fit_stops_at_first_overflow_and_keeps_last_finite_state():
     state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
     x = np.zeros((8, 1), np.float32)
     with pytest.warns(RuntimeWarning, match="non-finite value at step 6"):
-        result = fg.fit(step, state, x, np.zeros(8), epochs=2, batch_size=1, progress=False)
+        result = fg.fit(step, state, fg.Batches(x, np.zeros(8), batch_size=1), epochs=2,
+                        progress=False)
     report = result.nonfinite
     assert (report.step, report.epoch, report.batch) == (6, 1, 6)
     assert math.isinf(report.loss) and math.isinf(report.grad_norm)
@@ -60,7 +62,8 @@ def test_fit_never_returns_params_overflowed_by_an_update():
     with pytest.warns(RuntimeWarning, match=r"non-finite value at step 0.*params\['w'\] "
                       r"\(float32\): its update is finite but the new value overflows"):
         result = fg.fit(step, fg.init_train_state({"w": jnp.float32(3e38)}, tx),
-                        np.zeros((4, 1)), np.zeros(4), epochs=1, batch_size=1, progress=False)
+                        fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=1), epochs=1,
+                        progress=False)
     assert float(result.state.params["w"]) == pytest.approx(3e38, rel=1e-6)
     assert int(result.state.step) == 0
 
@@ -69,7 +72,8 @@ def test_fit_logs_through_the_progress_bar():
     lines = []
     tx = optax.sgd(0.1)
     fg.fit(fg.make_train_step(half_squared_norm, tx), fg.init_train_state({"p": jnp.ones(2)}, tx),
-           np.zeros((4, 1)), np.zeros(4), epochs=2, batch_size=2, progress=True, log=lines.append)
+           fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=2), epochs=2,
+           progress=fg.Progress(lines.append, bar=True))
     # L = |p|^2/2 from p = (1, 1), lr 0.1: step losses 1.0 then 0.81 (p -> 0.9p); mean 0.905.
     assert len(lines) == 2 and lines[0].startswith("epoch   1  loss 0.9")
 
@@ -84,7 +88,7 @@ def test_fit_reaches_095_on_digits_quickly():
     acc = jax.jit(lambda p: fg.accuracy(fg.mlp_apply(p, data.x_test), data.y_test))
     tx = fg.make_optimizer("adam", 1e-3)
     result = fg.fit(fg.make_train_step(loss_fn, tx), fg.init_train_state(params, tx),
-                    data.x_train, data.y_train, epochs=8, batch_size=32,
+                    fg.Batches(data.x_train, data.y_train, batch_size=32), epochs=8,
                     evaluate=lambda p: {"test_accuracy": acc(p)}, progress=False)
     history = result.history
     assert result.nonfinite is None
@@ -111,8 +115,9 @@ def test_fit_with_accumulation_counts_updates_and_the_tail(tail, updates, droppe
 
     tx = optax.adam(1e-3)
     step = fg.make_train_step(fg.accumulate(per_example, 4, tail=tail), tx)
-    result = fg.fit(step, fg.init_train_state(params, tx), data.x_train, data.y_train, epochs=2,
-                    batch_size=32, progress=False)
+    result = fg.fit(step, fg.init_train_state(params, tx),
+                    fg.Batches(data.x_train, data.y_train, batch_size=32), epochs=2,
+                    progress=False)
     assert len(result.history.step_loss) == updates and int(result.state.step) == updates
     assert result.history.dropped_examples == dropped
     assert result.state.opt_state[0].count == updates       # Adam ran once per update
@@ -128,13 +133,13 @@ def test_fit_refuses_a_run_whose_every_group_would_be_dropped():
     state = fg.init_train_state({"w": jnp.zeros((3, 1))}, tx)
     with pytest.raises(ValueError, match=r"make 2 micro-batches per epoch, fewer than one group "
                                          r"of accumulate=4.*no update would ever be applied"):
-        fg.fit(step, state, x, y, epochs=1, batch_size=32, progress=False)
+        fg.fit(step, state, fg.Batches(x, y, batch_size=32), epochs=1, progress=False)
     # tail="apply" trains on them: one update per epoch (said: the group of 4 x 32 exceeds the
     # 50 rows). Hand: the gradient of the mean of (x·w - y)^2 at w = 0, y = 0 is 0, so w stays
     # 0 and the loss is 0.
     step = fg.make_train_step(fg.accumulate(per_example, 4), tx)
     with pytest.warns(UserWarning, match="exceed the 50 examples of x"):
-        result = fg.fit(step, state, x, y, epochs=1, batch_size=32, progress=False)
+        result = fg.fit(step, state, fg.Batches(x, y, batch_size=32), epochs=1, progress=False)
     assert int(result.state.step) == 1 and result.history.step_loss == [0.0]
 
 
@@ -148,8 +153,8 @@ def test_a_nan_loss_with_a_finite_gradient_points_at_the_targets():
     loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
     state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 8, 10)), tx)
     with pytest.warns(RuntimeWarning):
-        result = fg.fit(fg.make_train_step(loss, tx), state, data.x_train[:64], y, epochs=1,
-                        batch_size=64, progress=False)
+        result = fg.fit(fg.make_train_step(loss, tx), state,
+                        fg.Batches(data.x_train[:64], y, batch_size=64), epochs=1, progress=False)
     report = result.nonfinite
     assert math.isnan(report.loss) and math.isfinite(report.grad_norm)
     assert "label outside [0, classes)" in str(report) and "Try a lower learning" not in str(report)
@@ -168,8 +173,8 @@ def test_a_label_out_of_range_is_named_by_its_row_and_value():
     state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 16, 10)), tx)
     with pytest.warns(RuntimeWarning, match=r"The loss of row 1000 \(y=10\) alone is not "
                                             r"finite \(1 of the step's 32 examples"):
-        result = fg.fit(fg.make_train_step(loss, tx), state, data.x_train, y, epochs=2,
-                        batch_size=32, progress=False)
+        result = fg.fit(fg.make_train_step(loss, tx), state,
+                        fg.Batches(data.x_train, y, batch_size=32), epochs=2, progress=False)
     report = result.nonfinite
     assert 1000 in report.examples and report.bad_count == 1
     (bad,) = report.bad_examples
@@ -192,7 +197,8 @@ def test_labels_numbered_from_one_and_a_nan_input_are_named_with_accumulation():
     state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 16, 10)), tx)
     step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
     with pytest.warns(RuntimeWarning):
-        result = fg.fit(step, state, data.x_train, y, epochs=1, batch_size=16, progress=False)
+        result = fg.fit(step, state, fg.Batches(data.x_train, y, batch_size=16), epochs=1,
+                        progress=False)
     report = result.nonfinite
     # The bad rows are exactly the step's examples whose label is 10.
     expected = [r for r in report.examples if y[r] == 10]
@@ -207,8 +213,8 @@ def test_labels_numbered_from_one_and_a_nan_input_are_named_with_accumulation():
     loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
     with pytest.warns(RuntimeWarning, match=r"row 7 \(y=\d, NaN/inf in x\) alone is not "
                                             r"finite.*fix or drop that row of the data"):
-        result = fg.fit(fg.make_train_step(loss, tx), state, x, data.y_train, epochs=1,
-                        batch_size=32, progress=False)
+        result = fg.fit(fg.make_train_step(loss, tx), state,
+                        fg.Batches(x, data.y_train, batch_size=32), epochs=1, progress=False)
     assert [e["nonfinite_inputs"] for e in result.nonfinite.bad_examples] == [["x"]]
 
 
@@ -221,8 +227,8 @@ def test_a_loss_no_single_example_makes_non_finite_names_no_row():
     x, y = np.ones((8, 1), np.float32), np.zeros(8, np.int32)
     state = fg.init_train_state(jnp.float32(1.0), tx)
     with pytest.warns(RuntimeWarning):
-        result = fg.fit(fg.make_train_step(loss, tx), state, x, y, epochs=1, batch_size=4,
-                        progress=False)
+        result = fg.fit(fg.make_train_step(loss, tx), state, fg.Batches(x, y, batch_size=4),
+                        epochs=1, progress=False)
     report = result.nonfinite
     assert math.isinf(report.loss) and report.bad_examples == () and report.bad_count == 0
     assert "alone" not in str(report) and "check the targets and inputs" in str(report)
@@ -234,7 +240,7 @@ def test_fit_takes_python_lists():
     tx = optax.sgd(0.5)
     loss = lambda p, b: jnp.mean((b["x"] * p - b["y"]) ** 2)
     result = fg.fit(fg.make_train_step(loss, tx), fg.init_train_state(jnp.float32(0.0), tx),
-                    [1.0, 1.0], [1.0, 1.0], epochs=1, batch_size=2, progress=False)
+                    fg.Batches([1.0, 1.0], [1.0, 1.0], batch_size=2), epochs=1, progress=False)
     np.testing.assert_allclose(result.state.params, 1.0)
 
 
@@ -248,15 +254,15 @@ def test_fit_names_a_loss_function_passed_as_the_step():
 
     # loss_fn(state, batch) fails inside mlp_apply; the note says what fit expected.
     with pytest.raises(ValueError) as error:
-        fg.fit(loss_fn, state, data.x_train, data.y_train, epochs=1, batch_size=32,
+        fg.fit(loss_fn, state, fg.Batches(data.x_train, data.y_train, batch_size=32), epochs=1,
                progress=False)
     assert any("step = funcgrad.make_train_step(loss_fn, optimizer)" in note
                for note in error.value.__notes__)
     # A function that runs but returns something else than (TrainState, metrics).
     with pytest.raises(TypeError, match=r"step returned an array of shape \(\) and dtype float32, "
                                         r"not \(TrainState, metrics\)"):
-        fg.fit(lambda s, b: loss_fn(s.params, b), state, data.x_train, data.y_train, epochs=1,
-               batch_size=32, progress=False)
+        fg.fit(lambda s, b: loss_fn(s.params, b), state,
+               fg.Batches(data.x_train, data.y_train, batch_size=32), epochs=1, progress=False)
 
 
 def test_nonfinite_report_with_accumulation_names_the_batches_of_the_update():
@@ -268,8 +274,9 @@ def test_nonfinite_report_with_accumulation_names_the_batches_of_the_update():
                                             2), tx)
     state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
     with pytest.warns(RuntimeWarning, match=r"step 6 \(epoch 1, batches 12-13, accumulated\)"):
-        result = fg.fit(step, state, np.zeros((32, 1), np.float32), np.zeros(32), epochs=1,
-                        batch_size=1, progress=False)
+        result = fg.fit(step, state,
+                        fg.Batches(np.zeros((32, 1), np.float32), np.zeros(32), batch_size=1),
+                        epochs=1, progress=False)
     report = result.nonfinite
     assert (report.step, report.batch, report.batches) == (6, 12, 2)
     assert float(result.state.params["p"]) == pytest.approx(1999.0 ** 6, rel=1e-6)
@@ -279,8 +286,8 @@ def _quadratic_run(**kwargs):
     """L = |p|^2 / 2 from p = (1, 1), SGD lr 0.1, 4 rows in batches of 2: 2 steps per epoch."""
     tx = optax.sgd(0.1)
     return fg.fit(fg.make_train_step(half_squared_norm, tx),
-                  fg.init_train_state({"p": jnp.ones(2)}, tx), np.zeros((4, 1)), np.zeros(4),
-                  batch_size=2, progress=False, **kwargs)
+                  fg.init_train_state({"p": jnp.ones(2)}, tx),
+                  fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=2), **kwargs)
 
 
 def test_evaluate_numbers_never_replace_the_training_numbers():
@@ -288,7 +295,7 @@ def test_evaluate_numbers_never_replace_the_training_numbers():
     # sqrt(2), 0.9 sqrt(2). Epoch 1's row: loss (1 + 0.81)/2 = 0.905, grad_norm 0.95 sqrt(2).
     # An evaluate returning "loss", "grad_norm" and "epoch" lands under "eval/...", beside them.
     lines = []
-    result = _quadratic_run(epochs=1, log=lines.append,
+    result = _quadratic_run(epochs=1, progress=lines.append,
                             evaluate=lambda p: {"loss": 123.0, "grad_norm": 7.0, "epoch": 9})
     row = result.history.epochs[0]
     assert row["loss"] == pytest.approx(0.905) and row["grad_norm"] == pytest.approx(0.95 * 2 ** .5)
@@ -312,10 +319,10 @@ def test_epochs_are_numbered_from_1_wherever_a_user_sees_them(monkeypatch):
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
     lines = []
-    result = _quadratic_run(epochs=2, log=lines.append)
+    result = _quadratic_run(epochs=2, progress=lines.append)
     assert [row["epoch"] for row in result.history.epochs] == [1, 2]
     assert [line.split()[:2] for line in lines] == [["epoch", "1"], ["epoch", "2"]]
-    # The bar is off (progress=False) but fed the same way: once per chunk of steps (here one
+    # The bar is off (lines only) but fed the same way: once per chunk of steps (here one
     # chunk of both batches per epoch).
     assert postfixes == [1, 2]
     # A NaN in the first batch of the second pass (a loader: epoch -> batches): reported as
@@ -346,22 +353,24 @@ def test_a_step_whose_metrics_lack_the_global_norm_is_named():
 
     with pytest.raises(TypeError, match=r"metrics have no 'grad_norm' \(keys: 'loss'\).*"
                                         r"optax.global_norm\(grads\).*make_train_step"):
-        fg.fit(my_step, fg.init_train_state({"p": jnp.ones(2)}, tx), np.zeros((4, 1)),
-               np.zeros(4), epochs=1, batch_size=2, progress=False)
+        fg.fit(my_step, fg.init_train_state({"p": jnp.ones(2)}, tx),
+               fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=2), epochs=1, progress=False)
 
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"step": "adam"}, r"fit: step must be a function .* got a str \('adam'\)"),
     ({"evaluate": "accuracy"}, r"fit: evaluate must be a function of the params .* got a str"),
-    ({"log": "print"}, r"fit: log must be a function of one line .* got a str \('print'\)"),
-], ids=["step", "evaluate", "log"])
+    ({"progress": "print"}, r"fit: progress must be True, False, a function of one string "
+                            r"\(e.g. print\) or a funcgrad.Progress, got str"),
+], ids=["step", "evaluate", "progress"])
 def test_a_string_where_a_function_belongs_is_named(kwargs, match):
     # Each gave "TypeError: 'str' object is not callable" from inside the loop.
     tx = optax.sgd(0.1)
     args = {"step": fg.make_train_step(half_squared_norm, tx)} | kwargs
     with pytest.raises(TypeError, match=match):
-        fg.fit(args.pop("step"), fg.init_train_state({"p": jnp.ones(2)}, tx), np.zeros((4, 1)),
-               np.zeros(4), epochs=1, batch_size=2, progress=False, **args)
+        fg.fit(args.pop("step"), fg.init_train_state({"p": jnp.ones(2)}, tx),
+               fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=2), epochs=1,
+               **{"progress": False} | args)
 
 
 def test_fit_takes_a_dict_of_inputs_and_counts_rows_on_its_leaves():
@@ -374,14 +383,16 @@ def test_fit_takes_a_dict_of_inputs_and_counts_rows_on_its_leaves():
                                    - bt["y"]) ** 2)
     x = {"a": np.ones((64, 3), np.float32), "b": np.full((64, 1), 2.0, np.float32)}
     state = fg.init_train_state({"w": jnp.zeros(3), "c": jnp.float32(0.0)}, tx)
-    result = fg.fit(fg.make_train_step(loss, tx), state, x, np.full(64, 5.0, np.float32),
-                    epochs=1, batch_size=64, progress=False)
+    result = fg.fit(fg.make_train_step(loss, tx), state,
+                    fg.Batches(x, np.full(64, 5.0, np.float32), batch_size=64), epochs=1,
+                    progress=False)
     np.testing.assert_allclose(result.state.params["w"], [0.5] * 3, rtol=1e-6)
     np.testing.assert_allclose(result.state.params["c"], 1.0, rtol=1e-6)
     # Leaves that disagree are named by their paths.
     with pytest.raises(ValueError, match=r"x\['b'\] has 32 rows but x\['a'\] has 64"):
-        fg.fit(fg.make_train_step(loss, tx), state, x | {"b": x["b"][:32]}, np.zeros(64),
-               epochs=1, batch_size=64, progress=False)
+        fg.fit(fg.make_train_step(loss, tx), state,
+               fg.Batches(x | {"b": x["b"][:32]}, np.zeros(64), batch_size=64), epochs=1,
+               progress=False)
 
 
 def test_an_accumulation_group_larger_than_the_data_is_said():
@@ -393,8 +404,9 @@ def test_an_accumulation_group_larger_than_the_data_is_said():
     state = fg.init_train_state({"w": jnp.float32(0.0)}, tx)
     with pytest.warns(UserWarning, match=r"accumulate=1000 micro-batches of 10 \(10000 examples\) "
                                          r"exceed the 100 examples of x.*one update per epoch"):
-        result = fg.fit(step, state, np.ones((100, 1)), np.ones((100, 1)), epochs=2,
-                        batch_size=10, progress=False)
+        result = fg.fit(step, state,
+                        fg.Batches(np.ones((100, 1)), np.ones((100, 1)), batch_size=10), epochs=2,
+                        progress=False)
     assert int(result.state.step) == 2
 
 
@@ -411,8 +423,8 @@ def test_fit_records_the_learning_rate_each_update_applied():
     tx = fg.make_optimizer("sgd", schedule)
     params = {"w": jnp.ones((1,), jnp.float32)}
     step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
-    result = fg.fit(step, fg.init_train_state(params, tx), x, 2.0 * x[:, 0], epochs=2,
-                    batch_size=16, progress=False)
+    result = fg.fit(step, fg.init_train_state(params, tx),
+                    fg.Batches(x, 2.0 * x[:, 0], batch_size=16), epochs=2, progress=False)
     np.testing.assert_allclose(result.history.step_learning_rate, [0.1, 0.05, 0.025, 0.0125],
                                rtol=1e-6)
     np.testing.assert_allclose([row["learning_rate"] for row in result.history.epochs],
@@ -421,7 +433,7 @@ def test_fit_records_the_learning_rate_each_update_applied():
     # A constant rate given as a number keeps nothing to report.
     tx = fg.make_optimizer("sgd", 0.1)
     result = fg.fit(fg.make_train_step(fg.accumulate(per_example, 2), tx),
-                    fg.init_train_state(params, tx), x, 2.0 * x[:, 0], epochs=1, batch_size=16,
-                    progress=False)
+                    fg.init_train_state(params, tx), fg.Batches(x, 2.0 * x[:, 0], batch_size=16),
+                    epochs=1, progress=False)
     assert result.history.step_learning_rate == []
     assert "learning_rate" not in result.history.epochs[0]

@@ -45,9 +45,10 @@ def _assert_trees(a, b, exact=False, rtol=1e-5):
 def test_chunks_of_steps_equal_one_call_per_step_with_the_monitor_and_clipping():
     monitor = fg.grad_monitor(warmup=2)
     step, state = _setup(monitor=monitor, clip_norm=0.5)
-    kw = dict(epochs=2, batch_size=10, progress=False)  # 48 = 4 x 10 + a tail of 8
-    chunked = fg.fit(step, state, X, Y, **kw)
-    single = fg.fit(step, state, X, Y, chunk=1, **kw)
+    data = fg.Batches(X, Y, batch_size=10)  # 48 = 4 x 10 + a tail of 8
+    kw = dict(epochs=2, progress=False)
+    chunked = fg.fit(step, state, data, **kw)
+    single = fg.fit(step, state, data, options=fg.FitOptions(chunk=1), **kw)
     h1, h2 = chunked.history, single.history
     assert len(h1.step_loss) == len(h2.step_loss) == 10  # 5 steps (4 full + tail) x 2 epochs
     np.testing.assert_allclose(h1.step_loss, h2.step_loss, rtol=1e-5)
@@ -57,7 +58,7 @@ def test_chunks_of_steps_equal_one_call_per_step_with_the_monitor_and_clipping()
     _assert_trees(chunked.state.params, single.state.params)
     assert int(chunked.state.step) == 10
     # The chunks run unguarded first (optimistic): the guarded chunks give the same run.
-    guarded = fg.fit(step, state, X, Y, optimistic=False, **kw)
+    guarded = fg.fit(step, state, data, options=fg.FitOptions(optimistic=False), **kw)
     np.testing.assert_allclose(guarded.history.step_loss, h1.step_loss, rtol=1e-6)
     _assert_trees(guarded.state.params, chunked.state.params, rtol=1e-6)
     # The caller's state is untouched (the chunks donate a copy of it).
@@ -66,21 +67,21 @@ def test_chunks_of_steps_equal_one_call_per_step_with_the_monitor_and_clipping()
 
 def test_a_loader_and_another_pytree_layout_train_as_the_arrays():
     step, state = _setup()
-    arrays = fg.fit(step, state, X, Y, epochs=3, batch_size=8, seed=4, progress=False)
-    # The same batches from a loader: fg.batches yields the order fit draws on the device.
-    loader = fg.fit(step, state, lambda e: fg.batches(X, Y, batch_size=8, seed=4, epoch=e),
-                    epochs=3, progress=False)
+    data = fg.Batches(X, Y, batch_size=8, seed=4)
+    arrays = fg.fit(step, state, data, epochs=3, progress=False)
+    # The same batches from a loader: Batches.epoch yields the order fit draws on the device.
+    loader = fg.fit(step, state, data.epoch, epochs=3, progress=False)
     np.testing.assert_allclose(loader.history.step_loss, arrays.history.step_loss, rtol=1e-5)
     _assert_trees(loader.state.params, arrays.state.params)
     # A (features, labels) tuple with a loss that reads it so: the same run.
     tuple_step = fg.make_train_step(lambda p, b: _loss(p, {"x": b[0], "y": b[1]}),
                                     optax.adam(1e-2))
-    as_tuple = fg.fit(tuple_step, state, (X, Y), epochs=3, batch_size=8, seed=4,
+    as_tuple = fg.fit(tuple_step, state, fg.Batches((X, Y), batch_size=8, seed=4), epochs=3,
                       progress=False)
     np.testing.assert_allclose(as_tuple.history.step_loss, arrays.history.step_loss,
                                rtol=1e-5)
     # A list of batches (re-iterable) and a generator for one epoch.
-    listed = list(fg.batches(X, Y, batch_size=8, seed=4, epoch=0))
+    listed = list(data.epoch(0))
     one = fg.fit(step, state, listed, epochs=1, progress=False)
     gen = fg.fit(step, state, (b for b in listed), epochs=1, progress=False)
     np.testing.assert_allclose(one.history.step_loss, arrays.history.step_loss[:6], rtol=1e-5)
@@ -98,16 +99,17 @@ def test_a_nan_inside_a_chunk_is_located_to_its_step_and_examples():
     bad_row = 29
     x = _nan_rows([bad_row])
     with pytest.warns(RuntimeWarning, match="non-finite value at step"):
-        got = fg.fit(step, state, x, Y, epochs=1, batch_size=8, progress=False)
+        got = fg.fit(step, state, fg.Batches(x, Y, batch_size=8), epochs=1, progress=False)
     report = got.nonfinite
     assert bad_row in report.examples and len(report.examples) == 8
     # The batch with the NaN row in the host order of epoch 0 is the one reported.
     batches = [np.flatnonzero(np.isnan(b["x"][:, 0])).size for b in
-               fg.batches(x, Y, batch_size=8, seed=0, epoch=0)]
+               fg.Batches(x, Y, batch_size=8, seed=0).epoch(0)]
     assert report.batch == batches.index(1) == report.step
     # The state returned is the state before that step: the same as one call per step.
     with pytest.warns(RuntimeWarning, match="non-finite value at step"):
-        single = fg.fit(step, state, x, Y, epochs=1, batch_size=8, chunk=1, progress=False)
+        single = fg.fit(step, state, fg.Batches(x, Y, batch_size=8), epochs=1, progress=False,
+                        options=fg.FitOptions(chunk=1))
     assert single.nonfinite.step == report.step and single.nonfinite.examples == report.examples
     assert int(got.state.step) == report.step
     _assert_trees(got.state.params, single.state.params)
@@ -118,8 +120,8 @@ def test_a_nan_inside_a_chunk_is_located_to_its_step_and_examples():
 def test_skip_trains_past_non_finite_batches_and_names_them():
     step, state = _setup()
     x = _nan_rows([5])
-    got = fg.fit(step, state, x, Y, epochs=3, batch_size=8, progress=False,
-                 on_nonfinite="skip")
+    got = fg.fit(step, state, fg.Batches(x, Y, batch_size=8), epochs=3, progress=False,
+                 options=fg.FitOptions(on_nonfinite="skip"))
     assert got.nonfinite is None and len(got.history.epochs) == 3
     skipped = got.history.skipped_batches
     assert [s["epoch"] for s in skipped] == [1, 2, 3]  # row 5 is in one batch of each epoch
@@ -138,8 +140,8 @@ def test_ctrl_c_stops_after_the_chunk_and_keeps_the_run(tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
         return {}
 
-    got = fg.fit(step, state, X, Y, epochs=5, batch_size=8, progress=False, evaluate=evaluate,
-                 checkpoint_dir=tmp_path / "ck")
+    got = fg.fit(step, state, fg.Batches(X, Y, batch_size=8), epochs=5, evaluate=evaluate,
+                 checkpoint=fg.Checkpointing(tmp_path / "ck"), progress=False)
     assert got.interrupted and len(got.history.epochs) == 2 and int(got.state.step) == 12
     assert latest_checkpoint_step(tmp_path / "ck") == 12
 
@@ -147,12 +149,14 @@ def test_ctrl_c_stops_after_the_chunk_and_keeps_the_run(tmp_path):
 def test_resume_after_a_stop_is_bit_for_bit_the_run_that_never_stopped(tmp_path):
     monitor = fg.grad_monitor(warmup=2)
     step, state = _setup(monitor=monitor)
-    kw = dict(batch_size=8, progress=False)
+    data = fg.Batches(X, Y, batch_size=8)
     # 10 epochs straight, against 5 epochs, a checkpoint, a restore and 5 more epochs.
-    straight = fg.fit(step, state, X, Y, epochs=10, **kw)
-    first = fg.fit(step, state, X, Y, epochs=5, checkpoint_dir=tmp_path, **kw)
+    straight = fg.fit(step, state, data, epochs=10, progress=False)
+    first = fg.fit(step, state, data, epochs=5, checkpoint=fg.Checkpointing(tmp_path),
+                   progress=False)
     assert int(first.state.step) == 30
-    resumed = fg.fit(step, state, X, Y, epochs=10, checkpoint_dir=tmp_path, resume=True, **kw)
+    resumed = fg.fit(step, state, data, epochs=10, progress=False,
+                     checkpoint=fg.Checkpointing(tmp_path, resume=True))
     _assert_trees(resumed.state, straight.state, exact=True)
     assert resumed.history.step_loss == straight.history.step_loss
     assert resumed.history.epochs == straight.history.epochs
@@ -166,16 +170,17 @@ def test_resume_mid_epoch_from_a_loader(tmp_path):
     interrupt = [True]
 
     def loader(epoch):
-        for i, b in enumerate(fg.batches(X, Y, batch_size=8, seed=1, epoch=epoch)):
+        for i, b in enumerate(fg.Batches(X, Y, batch_size=8, seed=1).epoch(epoch)):
             if epoch == 1 and i == 3 and interrupt[0]:
                 interrupt[0] = False
                 os.kill(os.getpid(), signal.SIGINT)
             yield b
 
-    kw = dict(epochs=3, chunk=1, progress=False)
-    stopped = fg.fit(step, state, loader, checkpoint_dir=tmp_path, **kw)
+    kw = dict(epochs=3, options=fg.FitOptions(chunk=1), progress=False)
+    stopped = fg.fit(step, state, loader, checkpoint=fg.Checkpointing(tmp_path), **kw)
     assert stopped.interrupted and int(stopped.state.step) == 9
-    resumed = fg.fit(step, state, loader, checkpoint_dir=tmp_path, resume=True, **kw)
+    resumed = fg.fit(step, state, loader, checkpoint=fg.Checkpointing(tmp_path, resume=True),
+                     **kw)
     straight = fg.fit(step, state, loader, **kw)
     _assert_trees(resumed.state, straight.state, exact=True)
     assert resumed.history.step_loss == straight.history.step_loss
@@ -183,31 +188,27 @@ def test_resume_mid_epoch_from_a_loader(tmp_path):
 
 def test_an_evaluation_split_gives_its_mean_loss():
     step, state = _setup()
-    got = fg.fit(step, state, X, Y, epochs=1, batch_size=8, progress=False,
-                 evaluate={"x": X[:20], "y": Y[:20]})
+    got = fg.fit(step, state, fg.Batches(X, Y, batch_size=8), epochs=1,
+                 evaluate={"x": X[:20], "y": Y[:20]}, progress=False)
     params = got.state.params
     by_hand = float(_loss(params, {"x": X[:20], "y": Y[:20]}))  # mean over the 20 rows
     assert got.history.epochs[0]["eval/loss"] == pytest.approx(by_hand, rel=1e-5)
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda s, st: fg.fit(s, st, {"x": X, "y": Y[:5]}, epochs=1, batch_size=8),
+    (lambda s, st: fg.fit(s, st, fg.Batches({"x": X, "y": Y[:5]}, batch_size=8), epochs=1),
      r"data\['y'\] has 5 rows but data\['x'\] has 48"),
+    (lambda s, st: fg.fit(s, st, {"x": X, "y": Y[:5]}, epochs=1),  # the shape first, then
+     r"fit: data\['y'\] has 5 rows but data\['x'\] has 48"),  # how to batch it
     (lambda s, st: fg.fit(s, st, {"x": X, "y": Y}, epochs=1),
-     r"array data needs batch_size="),
+     r"fit: data is a pytree of arrays.*fg.Batches\(data, batch_size=32\)"),
     (lambda s, st: fg.fit(s, st, iter([{"x": X, "y": Y}]), epochs=2),
      r"an iterator .* used up after one pass, and epochs=2"),
-    (lambda s, st: fg.fit(s, st, [{"x": X, "y": Y}], epochs=1, batch_size=8),
-     r"batch_size applies to array data"),
     (lambda s, st: fg.fit(s, st, [{"x": X[:8], "y": Y[:8]}, {"x": X[:8]}], epochs=1,
                           progress=False),
      r"batch 1 of epoch 1 of the loader has the structure"),
     (lambda s, st: fg.fit(s, st, [{"x": X[:8], "y": Y[:7]}], epochs=1, progress=False),
      r"batch 0 of epoch 1 of the loader: batch\['y'\] has 7 rows but batch\['x'\] has 8"),
-    (lambda s, st: fg.fit(s, st, X, Y, epochs=1, batch_size=8, on_nonfinite="ignore"),
-     r"on_nonfinite must be 'stop' or 'skip'"),
-    (lambda s, st: fg.fit(s, st, X, Y, epochs=1, batch_size=8, resume=True),
-     r"resume=True needs checkpoint_dir="),
 ])
 def test_bad_data_is_refused_clearly(call, match):
     step, state = _setup()
@@ -224,14 +225,15 @@ def test_accumulation_one_call_per_step_and_a_ctrl_c_at_an_epochs_end():
     tx = optax.adam(1e-2)
     step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
     state = fg.init_train_state(params, tx)
-    single = fg.fit(step, state, X, Y, epochs=1, batch_size=8, chunk=1, progress=False)
-    chunked = fg.fit(step, state, X, Y, epochs=1, batch_size=8, progress=False)
+    single = fg.fit(step, state, fg.Batches(X, Y, batch_size=8), epochs=1, progress=False,
+                    options=fg.FitOptions(chunk=1))
+    chunked = fg.fit(step, state, fg.Batches(X, Y, batch_size=8), epochs=1, progress=False)
     assert int(single.state.step) == int(chunked.state.step) == 3
     np.testing.assert_allclose(single.history.step_loss, chunked.history.step_loss, rtol=1e-5)
     # Ctrl-C while the last batch of epoch 1 is made: the epoch completes (its row is kept),
     # and the run stops before epoch 2.
     plain, state = _setup()
-    batches = list(fg.batches(X, Y, batch_size=16, seed=0, epoch=0))
+    batches = list(fg.Batches(X, Y, batch_size=16).epoch(0))
 
     def loader(epoch):
         for i, b in enumerate(batches):
@@ -254,8 +256,8 @@ def test_a_second_ctrl_c_still_keeps_the_run(tmp_path):
         return {}
 
     with pytest.raises(KeyboardInterrupt) as error:
-        fg.fit(step, state, X, Y, epochs=3, batch_size=8, progress=False, evaluate=evaluate,
-               checkpoint_dir=tmp_path)
+        fg.fit(step, state, fg.Batches(X, Y, batch_size=8), epochs=3, evaluate=evaluate,
+               checkpoint=fg.Checkpointing(tmp_path), progress=False)
     assert int(error.value.fit_result.state.step) == 6
     assert latest_checkpoint_step(tmp_path) == 6
 
@@ -264,21 +266,21 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
     step, state = _setup()
     x = _nan_rows([40])  # stops mid-epoch, checkpointed
     with pytest.warns(RuntimeWarning, match="non-finite"):
-        fg.fit(step, state, x, Y, epochs=2, batch_size=8, progress=False,
-               checkpoint_dir=tmp_path)
+        fg.fit(step, state, fg.Batches(x, Y, batch_size=8), epochs=2,
+               checkpoint=fg.Checkpointing(tmp_path), progress=False)
     with pytest.raises(ValueError, match=r"seed 1 \(the run had 0\), batch_size 16 \(the run "
                                          r"had 8\).*visit other examples"):
-        fg.fit(step, state, x, Y, epochs=2, batch_size=16, seed=1, progress=False,
-               checkpoint_dir=tmp_path, resume=True)
+        fg.fit(step, state, fg.Batches(x, Y, batch_size=16, seed=1), epochs=2,
+               checkpoint=fg.Checkpointing(tmp_path, resume=True), progress=False)
 
 
 @pytest.mark.parametrize("call, exc, match", [
     (lambda s, st: fg.fit(s, st, [], epochs=1, progress=False), ValueError,
      r"the loader yielded no batches in epoch 1"),
-    (lambda s, st: fg.fit(s, st.params, X, Y, epochs=1, batch_size=8), TypeError,
+    (lambda s, st: fg.fit(s, st.params, fg.Batches(X, Y, batch_size=8), epochs=1), TypeError,
      r"state must be a TrainState, from funcgrad.init_train_state"),
-    (lambda s, st: fg.fit(s, st, [X, Y], epochs=1, batch_size=8), ValueError,
-     r"a list is a sequence of batches, not \[x, y\]"),
+    (lambda s, st: fg.fit(s, st, X, Y, epochs=1), TypeError,
+     r"y is no longer an argument: .*fg.Batches\(x, y, batch_size=32\)"),
 ])
 def test_empty_loaders_and_misplaced_arguments_are_named(call, exc, match):
     step, state = _setup()

@@ -66,12 +66,12 @@ def _assert_same_run(a, b):
         np.testing.assert_array_equal(u, v)
 
 
-def _both(step, state, *args, **kw):
+def _both(step, state, data, **kw):
     """The run with several epochs per dispatch and with one; and their log lines."""
     lines_many, lines_one = [], []
-    many = fg.fit(step, state, *args, progress=False, log=lines_many.append, **kw)
-    one = fg.fit(step, state, *args, progress=False, log=lines_one.append,
-                 evaluate=lambda params: {}, **kw)
+    many = fg.fit(step, state, data, progress=lines_many.append, **kw)
+    one = fg.fit(step, state, data, progress=lines_one.append, evaluate=lambda params: {},
+                 **kw)
     return many, one, lines_many, lines_one
 
 
@@ -83,7 +83,8 @@ def test_several_epochs_per_dispatch_are_the_run_of_one_epoch_per_dispatch(step_
     loss = (fg.accumulate(_per_example, step_kwargs["accumulate"],
                           tail=step_kwargs.get("tail", "apply")) if step_kwargs else _loss)
     step, state = _setup(loss)
-    many, one, lines_many, lines_one = _both(step, state, X, Y, epochs=4, batch_size=10)
+    many, one, lines_many, lines_one = _both(step, state, fg.Batches(X, Y, batch_size=10),
+                                             epochs=4)
     assert calls == [4]  # the 4 epochs in one call (and none for one epoch per dispatch)
     _assert_same_run(many, one)
     assert lines_many == lines_one  # the same lines, alerts included, in the same order
@@ -102,11 +103,11 @@ def test_a_nan_in_a_later_epoch_of_a_dispatch_is_found_as_one_by_one(calls):
 
     step, state = _setup(loss)
     with pytest.warns(RuntimeWarning, match="non-finite value at step") as caught:
-        many = fg.fit(step, state, X, Y, epochs=4, batch_size=10, progress=False)
+        many = fg.fit(step, state, fg.Batches(X, Y, batch_size=10), epochs=4, progress=False)
     assert calls == [4]  # dispatched together, then run again one by one
     with pytest.warns(RuntimeWarning, match="non-finite value at step") as caught_one:
-        one = fg.fit(step, state, X, Y, epochs=4, batch_size=10, progress=False,
-                     evaluate=lambda params: {})
+        one = fg.fit(step, state, fg.Batches(X, Y, batch_size=10), epochs=4,
+                     evaluate=lambda params: {}, progress=False)
     assert many.nonfinite.epoch == 2 and many.nonfinite.step > 5
     assert repr(many.nonfinite) == repr(one.nonfinite)  # step, batch, examples: all of it
     assert str(caught[0].message) == str(caught_one[0].message)
@@ -115,19 +116,19 @@ def test_a_nan_in_a_later_epoch_of_a_dispatch_is_found_as_one_by_one(calls):
 
 def test_checkpoints_cut_the_dispatches_and_resume_is_bit_for_bit(tmp_path, calls):
     step, state = _setup()
-    kw = dict(batch_size=10, progress=False)
-    straight = fg.fit(step, state, X, Y, epochs=6, **kw)  # 6 epochs in one dispatch
+    data = fg.Batches(X, Y, batch_size=10)
+    straight = fg.fit(step, state, data, epochs=6, progress=False)  # 6 epochs in one dispatch
     saved = []
-    first = fg.fit(step, state, X, Y, epochs=4, checkpoint_dir=tmp_path, every=2,
-                   log=lambda line: line.startswith("epoch") and saved.append(
-                       latest_checkpoint_step(tmp_path)), **kw)
+    first = fg.fit(step, state, data, epochs=4, checkpoint=fg.Checkpointing(tmp_path, every=2),
+                   progress=lambda line: line.startswith("epoch") and saved.append(
+                       latest_checkpoint_step(tmp_path)))
     # Epochs 1-2 and 3-4 in two dispatches, each checkpointed at its end (5 steps an epoch);
     # the log lines of a dispatch come out after its last epoch is recorded.
     assert calls == [6, 2, 2]
     assert int(first.state.step) == 20 and latest_checkpoint_step(tmp_path) == 20
     assert saved == [None, None, 10, 10]
-    resumed = fg.fit(step, state, X, Y, epochs=6, checkpoint_dir=tmp_path, every=2,
-                     resume=True, **kw)
+    resumed = fg.fit(step, state, data, epochs=6, progress=False,
+                     checkpoint=fg.Checkpointing(tmp_path, every=2, resume=True))
     assert calls[3:] == [2]  # epochs 5-6
     _assert_same_run(resumed, straight)
 
@@ -139,21 +140,21 @@ def test_ctrl_c_stops_after_the_dispatch_and_keeps_its_epochs(tmp_path, calls):
         if line.startswith("epoch   1"):
             os.kill(os.getpid(), signal.SIGINT)
 
-    got = fg.fit(step, state, X, Y, epochs=6, batch_size=10, progress=False, log=log,
-                 checkpoint_dir=tmp_path / "ck", every=2)
+    got = fg.fit(step, state, fg.Batches(X, Y, batch_size=10), epochs=6,
+                 checkpoint=fg.Checkpointing(tmp_path / "ck", every=2), progress=log)
     assert calls[0] == 2  # epochs 1-2 in one call (the next one may be launched already)
     assert got.interrupted and [row["epoch"] for row in got.history.epochs] == [1, 2]
     assert int(got.state.step) == 10 == len(got.history.step_loss)
     assert latest_checkpoint_step(tmp_path / "ck") == 10
     # The two epochs are those of the run that was not stopped.
-    whole = fg.fit(step, state, X, Y, epochs=2, batch_size=10, progress=False)
+    whole = fg.fit(step, state, fg.Batches(X, Y, batch_size=10), epochs=2, progress=False)
     _assert_same_run(got._replace(interrupted=False), whole)
 
 
 def test_one_program_serves_every_number_of_epochs(calls):
     # A new number of epochs must not compile a new program (seconds each on a CPU).
     step, state = _setup()
-    runs = [fg.fit(step, state, X, Y, epochs=k, batch_size=10, progress=False)
+    runs = [fg.fit(step, state, fg.Batches(X, Y, batch_size=10), epochs=k, progress=False)
             for k in (2, 3)]
     assert calls == [2, 3]
     programs = [shape for runner in step._fit_runners.values() for shape in runner._programs]

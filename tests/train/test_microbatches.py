@@ -18,7 +18,7 @@ from funcgrad.train.step import make_train_step
 def test_group_microbatches_yields_every_example_once_with_the_short_group_last():
     # 10 examples in micro-batches of 3: sizes 3, 3, 3, 1; groups of 3: (3, 3, 3) and (1,).
     x = np.arange(10, dtype=np.float32)[:, None]
-    groups = list(group_microbatches(fg.batches(x, np.arange(10), batch_size=3, seed=0), 3))
+    groups = list(group_microbatches(fg.Batches(x, np.arange(10), batch_size=3).epoch(0), 3))
     assert [g.data["x"].shape for g in groups] == [(3, 3, 1), (1, 3, 1)]
     np.testing.assert_array_equal(groups[1].mask, [[True, False, False]])
     real = np.concatenate([g.data["x"][g.mask] for g in groups])

@@ -446,9 +446,9 @@ def test_fit_logs_the_alerts_of_a_net_whose_relus_are_all_dead():
     monitor = fg.grad_monitor(vanish_steps=3)
     lines = []
     step = fg.make_train_step(_mlp_loss, optax.chain(monitor, tx))
-    result = fg.fit(step, step.init(params), data.x_train[:128],
-                    data.y_train[:128], epochs=1, batch_size=32, progress=False,
-                    log=lines.append)
+    result = fg.fit(step, step.init(params),
+                    fg.Batches(data.x_train[:128], data.y_train[:128], batch_size=32), epochs=1,
+                    progress=lines.append)
     alerts = [(a.step, a.kind, a.where) for a in result.history.alerts]
     assert [(s, k) for s, k, _ in alerts] == [(0, "dead_relu"), (2, "vanishing")]
     assert alerts[0][2].startswith("relu 0 at mlp.py:") and alerts[1][2] == "params[0]"
@@ -482,8 +482,9 @@ def test_a_frozen_layer_is_not_vanishing_and_accumulation_reports_per_update():
                               optax.chain(fg.grad_monitor(vanish_steps=2), tx), trainable=mask)
     recorded = lambda state: fg.recorded(state.opt_state)["monitor_state"]
     assert recorded(step.init(params)).names[1] == ("params[1]",)
-    result = fg.fit(step, step.init(params), data.x_train[:256], data.y_train[:256],
-                    epochs=1, batch_size=32, progress=False)
+    result = fg.fit(step, step.init(params),
+                    fg.Batches(data.x_train[:256], data.y_train[:256], batch_size=32),
+                    epochs=1, progress=False)
     assert result.history.alerts == []
     assert result.history.layer_names == ("params[1]",)
     assert int(recorded(result.state).step) == 4
@@ -519,8 +520,9 @@ def test_a_converged_model_raises_no_vanishing_alert():
     tx = fg.make_optimizer("adam", 3e-2)
     monitor = fg.grad_monitor(vanish_floor=1e-4, vanish_steps=10)
     step = fg.make_train_step(_mlp_loss, optax.chain(monitor, tx))
-    result = fg.fit(step, step.init(params), data.x_train[:32],
-                    data.y_train[:32], epochs=300, batch_size=32, progress=False)
+    result = fg.fit(step, step.init(params),
+                    fg.Batches(data.x_train[:32], data.y_train[:32], batch_size=32), epochs=300,
+                    progress=False)
     h = result.history
     assert h.step_loss[-1] < 1e-4 < 2.0 < h.step_loss[0]          # converged
     norms = np.asarray(h.step_layer_norm)
@@ -551,8 +553,9 @@ def test_a_deep_sigmoid_net_still_raises_vanishing_alerts():
     tx = fg.make_optimizer("sgd", 0.1)
     monitor = fg.grad_monitor(vanish_steps=5)
     step = fg.make_train_step(loss_fn, optax.chain(monitor, tx))
-    result = fg.fit(step, step.init(params), data.x_train[:256],
-                    data.y_train[:256], epochs=30, batch_size=256, progress=False)
+    result = fg.fit(step, step.init(params),
+                    fg.Batches(data.x_train[:256], data.y_train[:256], batch_size=256),
+                    epochs=30, progress=False)
     vanishing = [(a.step, a.where) for a in result.history.alerts if a.kind == "vanishing"]
     assert (4, "params[0]") in vanishing                 # the 5th step completes the streak
     assert len(vanishing) == len(set(w for _, w in vanishing))   # one alert per layer's streak

@@ -91,8 +91,8 @@ def test_step_errors_are_clear():
     with pytest.raises(TypeError, match="takes a TrainState"):
         step((params, None, 0), batch)
     with pytest.raises(ValueError, match="epochs must be a positive int"):
-        fg.fit(step, fg.init_train_state(params, optax.adam(1e-3)), np.zeros((2, 6)),
-               np.zeros(2), epochs=0, batch_size=1)
+        fg.fit(step, fg.init_train_state(params, optax.adam(1e-3)),
+               fg.Batches(np.zeros((2, 6)), np.zeros(2), batch_size=1), epochs=0)
 
 
 def sqrt_problem(params, batch):
@@ -155,8 +155,8 @@ def test_nonfinite_raise_makes_fit_raise():
                               nonfinite="raise")
     x, y = np.ones((4, 2), np.float32), np.zeros(4, np.int32)
     with pytest.raises(FloatingPointError, match="non-finite value at step 0"):
-        fg.fit(step, fg.init_train_state(SQRT_PARAMS, tx), x, y, epochs=1, batch_size=2,
-               progress=False)
+        fg.fit(step, fg.init_train_state(SQRT_PARAMS, tx), fg.Batches(x, y, batch_size=2),
+               epochs=1, progress=False)
     with pytest.raises(ValueError, match=r"nonfinite must be one of \('skip', 'zero', 'raise'\)"):
         fg.make_train_step(sqrt_problem, tx, nonfinite="ignore")
 
@@ -201,8 +201,8 @@ def test_detect_anomaly_names_the_line_and_costs_nothing_when_off():
     assert (report.phase, report.primitive) == ("forward", "sqrt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        result = fg.fit(step, fg.init_train_state(params, tx), batch["x"], batch["y"], epochs=1,
-                        batch_size=2, progress=False)
+        result = fg.fit(step, fg.init_train_state(params, tx),
+                        fg.Batches(batch["x"], batch["y"], batch_size=2), epochs=1, progress=False)
     assert result.nonfinite.anomaly.primitive == "sqrt" and "sqrt" in str(result.nonfinite)
     assert result.nonfinite.to_dict()["anomaly"]["phase"] == "forward"
 

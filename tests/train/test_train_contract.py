@@ -225,7 +225,7 @@ def test_fit_evaluates_with_the_running_statistics():
         seen.append(np.asarray(model_state["mean"]))
         return {"count": float(model_state["count"])}
 
-    result = fg.fit(step, state, data["x"], data["y"], epochs=2, batch_size=8,
+    result = fg.fit(step, state, fg.Batches(data["x"], data["y"], batch_size=8), epochs=2,
                     evaluate=evaluate, progress=False)
     assert [row["eval/count"] for row in result.history.epochs] == [2.0, 4.0]
     np.testing.assert_array_equal(seen[-1], result.state.model_state["mean"])

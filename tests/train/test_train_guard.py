@@ -103,8 +103,8 @@ def test_fit_stops_and_names_the_leaf_and_the_fix():
     tx = fg.make_optimizer("adam")
     x, y = np.ones((8, 2), np.float32), np.zeros(8, np.int32)
     with pytest.warns(RuntimeWarning) as caught:
-        result = fg.fit(fg.make_train_step(unused_leaf_loss, tx),
-                        fg.init_train_state(params, tx), x, y, epochs=1, batch_size=4)
+        result = fg.fit(fg.make_train_step(unused_leaf_loss, tx), fg.init_train_state(params, tx),
+                        fg.Batches(x, y, batch_size=4), epochs=1)
     report = result.nonfinite
     assert report is not None and report.step == 0
     assert math.isfinite(report.loss) and math.isfinite(report.grad_norm)

@@ -8,8 +8,9 @@
   programs that run them;
 * `_record`: the host's side of a chunk: its rows into the history, the monitor's alerts,
   the report of a non-finite step;
-* `sources`: what `fit` trains on (arrays or a loader); `placement`: where the data and the
-  state live;
+* `options`: what `fit` is told besides its data, one value each (`Checkpointing`,
+  `Progress`, `FitOptions`); `placement`: where the data and the state live (what `fit`
+  trains on, a `funcgrad.Batches` or a loader, comes through `funcgrad.train.batching`);
 * `history`: what a run records and returns (`History`, `FitResult`, `NonFiniteReport`,
   `format_epoch`); `evaluate`: the per-epoch evaluation; `resume`: checkpoints and resume;
   `_checks`: the checks of what `fit` is given.
@@ -23,3 +24,6 @@ from funcgrad.train.loop.history import FitResult as FitResult
 from funcgrad.train.loop.history import History as History
 from funcgrad.train.loop.history import NonFiniteReport as NonFiniteReport
 from funcgrad.train.loop.history import format_epoch as format_epoch
+from funcgrad.train.loop.options import Checkpointing as Checkpointing
+from funcgrad.train.loop.options import FitOptions as FitOptions
+from funcgrad.train.loop.options import Progress as Progress

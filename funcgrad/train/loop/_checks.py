@@ -1,4 +1,4 @@
-"""`fit`'s checks of what it is given: the step, `evaluate` and `log` must be functions, the
+"""`fit`'s checks of what it is given: the step and `evaluate` must be functions, the
 step's first call must return ``(TrainState, metrics)`` with a loss and a norm, and an
 accumulating step's groups must fit the data. Each error names the argument and the fix."""
 from __future__ import annotations
@@ -61,7 +61,7 @@ def check_accumulation(n: int, batch_size: int, accumulate: int, tail: str | Non
             f"one group of {n_batches} micro-batch{'es' if n_batches > 1 else ''}, so training "
             f"makes one update per epoch over all {n} examples (a full-batch step). For more "
             f"updates use accumulate <= {max(1, n_batches // 2)} or a smaller batch_size.",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=4)  # fit's caller (past fit's moved-keyword wrapper)
 
 
 def called(step: Callable, state: TrainState, args: tuple, *, first: bool):
@@ -98,22 +98,19 @@ def called(step: Callable, state: TrainState, args: tuple, *, first: bool):
     return out
 
 
-def check_callables(step, evaluate, log) -> None:
-    """A TypeError naming the argument when `step`, `evaluate` or `log` cannot be called (a
-    string such as "adam" or "print" failed later as "'str' object is not callable")."""
+def check_callables(step, evaluate) -> None:
+    """A TypeError naming the argument when `step` or `evaluate` cannot be called (a string
+    such as "adam" failed later as "'str' object is not callable")."""
     expected = {"step": "a function (state, batch) -> (TrainState, metrics), e.g. "
                         "funcgrad.make_train_step(loss_fn, optimizer)",
                 "evaluate": "a function of the params returning {name: number}, e.g. "
-                            "lambda params: {'accuracy': accuracy(params)}",
-                "log": "a function of one line of text, e.g. print (not the string 'print')"}
-    for name, value in (("step", step), ("evaluate", evaluate), ("log", log)):
+                            "lambda params: {'accuracy': accuracy(params)}"}
+    for name, value in (("step", step), ("evaluate", evaluate)):
         if value is not None and not callable(value) or name == "step" and value is None:
             shown = f" ({value!r})" if isinstance(value, str) else ""
             raise TypeError(f"fit: {name} must be {expected[name]}; got a "
                             f"{type(value).__name__}{shown}.")
 
-
-#: What `fit` puts before each name `evaluate` returns, in the epoch rows, the log and
 
 
 def _kind(value: Any) -> str:

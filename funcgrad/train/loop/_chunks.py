@@ -9,8 +9,9 @@ so the host reads them once per chunk:
 * `ChunkRunner.gathered`: the data lives on the device; step i of the chunk takes the rows
   ``order[(start + i) * size : (start + i + 1) * size]`` of every leaf (``size`` = batch size,
   times K with accumulation: K micro-batches of one update); the order is a permutation drawn
-  on the device in the same call (`epoch_order`), and the epoch's last, smaller batch (or
-  partial group) is one more step of the last chunk: one dispatch per epoch.
+  on the device in the same call (`funcgrad.train.batching.device_order`; ``range(n)`` for
+  a `funcgrad.Batches` without shuffle), and the epoch's last, smaller batch (or partial
+  group) is one more step of the last chunk: one dispatch per epoch.
 * `ChunkRunner.epochs`: several whole epochs in one call (an outer ``lax.scan`` over
   `gathered`'s epoch), when nothing on the host needs an epoch's numbers before the next.
 * `ChunkRunner.stacked`: the batches come from a loader, stacked on the host into
@@ -36,24 +37,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from funcgrad.train.loop.sources import split_for_accumulation
+from funcgrad.train.batching import device_order, split_for_accumulation
 from funcgrad.train.transforms import recorded
 
 PyTree = Any
-
-
-def epoch_order(seed: int, epoch: int, n: int) -> jax.Array:
-    """The example order of one epoch: a permutation of ``range(n)``, int32, drawn on the
-    default device from ``fold_in(key(seed), epoch)`` (threefry: the same on every backend).
-    `funcgrad.train.data.batches` yields the same order from the host."""
-    return _order(jax.random.key(seed), np.int32(epoch), n)
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _order(key: jax.Array, epoch: jax.Array, n: int) -> jax.Array:
-    return jax.random.permutation(jax.random.fold_in(key, epoch), n).astype(jnp.int32)
 
 
 class ChunkRunner:
@@ -273,12 +261,17 @@ class ChunkRunner:
     def _gathered(self, state, data, key, epoch, start, count, *, length, size, tail,
                   batch_size):
         n = jax.tree.leaves(data)[0].shape[0]
-        order = _order(key, epoch, n)
+        # No key: the examples in order (fg.Batches(..., shuffle=False)).
+        order = jnp.arange(n, dtype=jnp.int32) if key is None else device_order(key, epoch, n)
 
         def batch_at(i):
             return self._batch_of(data, jax.lax.dynamic_slice(order, ((start + i) * size,),
                                                               (size,)))
-        last = self._tail_of(data, order[n - tail:], batch_size) if tail else None
+        # The tail follows the chunk's full steps (rows after it, fg.Batches(...,
+        # drop_last=True)'s last partial batch, are not visited).
+        last = (self._tail_of(data, jax.lax.dynamic_slice(order, ((start + count) * size,),
+                                                          (tail,)), batch_size)
+                if tail else None)
         return self._placed(*self._loop(state, batch_at if size <= n else None, count,
                                         length, last))
 

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funcgrad.train.batching import split_for_accumulation, take_rows
 from funcgrad.train.loop._checks import called
-from funcgrad.train.loop._chunks import ChunkRunner, epoch_order
+from funcgrad.train.loop._chunks import ChunkRunner
 from funcgrad.train.loop._dispatches import LOADER_CHUNK, MAX_CHUNK, Dispatches, base_key
 from funcgrad.train.loop._record import Recorder, fetched, host_row, with_ran
 from funcgrad.train.loop.history import NonFiniteReport
@@ -28,7 +29,6 @@ from funcgrad.train.loop.placement import (
     place_state,
     stack_batches,
 )
-from funcgrad.train.loop.sources import split_for_accumulation, take_rows
 from funcgrad.train.microbatches import Microbatches, group_microbatches, stack_microbatches
 from funcgrad.train.state import TrainState
 
@@ -40,10 +40,10 @@ class _Run(Recorder, Dispatches):
     """One `fit` run's loop state: the current train state, step count, history, and how to
     run an epoch (chunks of steps on the device, or one call per batch)."""
 
-    def __init__(self, *, step, raw, source, history, log, accumulate, chunk, skip_bad, seed,
+    def __init__(self, *, step, raw, source, history, log, accumulate, chunk, skip_bad,
                  chunked, optimistic, epochs, epochs_per_dispatch=None):
         self.step, self.source, self.history, self.log = step, source, history, log
-        self.accumulate, self.chunk, self.skip_bad, self.seed = accumulate, chunk, skip_bad, seed
+        self.accumulate, self.chunk, self.skip_bad = accumulate, chunk, skip_bad
         self.runner = _runner(step, raw, skip_bad) if chunked else None
         # Unguarded chunks first (no per-step selects), re-run guarded when one had a bad step.
         unguarded = step.unguarded
@@ -53,8 +53,11 @@ class _Run(Recorder, Dispatches):
         mesh = mesh_of(step) if chunked else None
         self.data = (place_data(source.tree, mesh) if chunked and source.tree is not None
                      else None)
-        # The order's base key, on the device once (replicated over a data-parallel mesh).
-        self.key = place_state(base_key(seed), mesh, check=False)
+        # The order's base key, on the device once (replicated over a data-parallel mesh);
+        # None: the examples in order (a Batches without shuffle), or a loader.
+        batches = source.batches
+        self.key = (place_state(base_key(batches.seed), mesh, check=False)
+                    if batches is not None and batches.shuffle else None)
         # A loader on several processes: each yields its own rows of every global batch.
         self.step_mesh = mesh_of(step)
         self.per_process = per_process_loader(source, self.step_mesh)
@@ -85,7 +88,8 @@ class _Run(Recorder, Dispatches):
         return self._loader_epoch(epoch, skip, stopper, position)
 
     def _array_epoch(self, epoch, skip, stopper, position):
-        n, k, b = self.source.n, self.accumulate, self.source.batch_size
+        batches, k = self.source.batches, self.accumulate
+        n, b = batches.used, batches.batch_size  # the examples an epoch visits (drop_last)
         size = b * k
         full, tail = n // size, n % size
         host_order = None
@@ -93,7 +97,7 @@ class _Run(Recorder, Dispatches):
         def order():  # the host's copy of the epoch's order: for reports and calls
             nonlocal host_order
             if host_order is None:
-                host_order = np.asarray(epoch_order(self.seed, epoch - 1, n))
+                host_order = batches.order(epoch - 1)
             return host_order
 
         def call_of(rows_):
@@ -158,7 +162,7 @@ class _Run(Recorder, Dispatches):
             return None
         # One call per step (a step that is not jitted or not made by make_train_step).
         while done * size < n:
-            rows_ = order()[done * size:(done + 1) * size]
+            rows_ = order()[done * size:min((done + 1) * size, n)]
             args = call_of(rows_)
             taken = (len(args[0].mask) if isinstance(args[0], Microbatches) else k) if k > 1 else 1
             report = self._call(args, epoch, done * k, taken, tuple(int(r) for r in rows_))
@@ -178,7 +182,7 @@ class _Run(Recorder, Dispatches):
         if i < active:
             rows_ = order()[(start + i) * size:(start + i + 1) * size]
             return (start + i) * k, k, tuple(int(r) for r in rows_), call_of(rows_)
-        rows_ = order()[len(order()) - tail:]
+        rows_ = order()[full * size:full * size + tail]
         return full * k, -(-len(rows_) // b), tuple(int(r) for r in rows_), call_of(rows_)
 
     def _loader_epoch(self, epoch, skip, stopper, position):

@@ -20,10 +20,10 @@ import numpy as np
 from funcgrad._paths import key_paths, slash_path
 from funcgrad.debug.dead_relu import UNKNOWN_AXIS_NOTE
 from funcgrad.train.alerts import monitor_alerts
+from funcgrad.train.batching import take_rows
 from funcgrad.train.loop._checks import called
 from funcgrad.train.loop._chunks import alert_flag
 from funcgrad.train.loop.history import NonFiniteReport
-from funcgrad.train.loop.sources import take_rows
 from funcgrad.train.monitor import MonitorMetrics
 from funcgrad.train.state import TrainState
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad.train.data import rows
+from funcgrad.train.batching import Batches, rows
 
 #: What `fit` puts before each name `evaluate` returns, in the epoch rows, the log and
 #: metrics.json: evaluation numbers never share a key with the training numbers.
@@ -18,7 +18,9 @@ EVAL_PREFIX = "eval/"
 
 def evaluator_of(evaluate: Any, step: Any, batch_size: int | None):
     """``evaluator(state) -> {name: number}`` for `evaluate` (a function, or an evaluation
-    split whose mean loss under the step's loss is "loss"), or None."""
+    split whose mean loss under the step's loss is "loss": a pytree of arrays, taken
+    `batch_size` rows at a time, or a `Batches`, taken its own batch size at a time, every
+    row in order), or None."""
     if evaluate is None:
         return None
     if callable(evaluate):
@@ -32,6 +34,8 @@ def evaluator_of(evaluate: Any, step: Any, batch_size: int | None):
             "and no key (dropout and BatchNorm must run in evaluation mode: pass a function "
             "evaluate(params, model_state) -> {'loss': ..., 'accuracy': ...} instead).")
     tree = evaluate
+    if isinstance(evaluate, Batches):
+        tree, batch_size = evaluate.data, evaluate.batch_size
     try:
         n = rows(tree, "evaluate")
     except ValueError as error:

@@ -25,7 +25,7 @@ class NonFiniteReport(NamedTuple):
       step: index of the offending step (0-based, counted over the whole run, like
         ``TrainState.step``: the number of steps applied before it).
       epoch: epoch of that step, numbered from 1 as in `fit`'s log lines, rows and progress
-        bar (its batch order is ``funcgrad.train.data.batches(..., epoch=epoch - 1)``).
+        bar (its batches are ``funcgrad.Batches(...).epoch(epoch - 1)``).
       batch: index of the (first) batch of that step within its epoch (0-based); a step whose
         loss accumulates K micro-batches (`funcgrad.accumulate`) takes batches ``batch ..
         batch + batches - 1``.
@@ -157,9 +157,9 @@ class History:
       layer_names, step_layer_norm: with a monitored step (``make_train_step(monitor=)``),
         the layers (``params[0]``, ...) and, per applied step, each layer's gradient norm.
       alerts: the monitor's `funcgrad.train.monitor.Alert`s, in step order.
-      skipped_batches: with ``fit(..., on_nonfinite="skip")``, one dict per non-finite step
-        that was skipped and trained past: "step", "epoch", "batch", "loss", "grad_norm",
-        "examples" (the rows of array data, else None).
+      skipped_batches: with ``fit(..., options=FitOptions(on_nonfinite="skip"))``, one dict
+        per non-finite step that was skipped and trained past: "step", "epoch", "batch",
+        "loss", "grad_norm", "examples" (the rows of a `Batches`, else None).
     """
     epochs: list[dict[str, float]] = dataclasses.field(default_factory=list)
     step_loss: list[float] = dataclasses.field(default_factory=list)
@@ -211,7 +211,7 @@ class FitResult(NamedTuple):
       nonfinite: a `NonFiniteReport` if training stopped on a non-finite value, else None.
       interrupted: True when Ctrl-C (SIGINT) stopped the run: `state` and `history` are
         those of the last completed chunk of steps (and were checkpointed with
-        ``checkpoint_dir``).
+        ``checkpoint=``).
     """
     state: TrainState
     history: History

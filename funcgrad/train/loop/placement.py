@@ -170,8 +170,9 @@ def local_batches_agree(batches: Sequence[PyTree], last: bool, *, epoch: int, st
         "must yield as many batches per epoch, with the same leaves, shapes and dtypes: "
         f"B / {count} rows each for a global batch of B (fg.process_rows(B, mesh)). Pad a "
         "short last batch to the full size and mask the padding (a loss that weights rows by "
-        "a 0/1 mask and divides by its sum), or drop it on every process (fg.batches(..., "
-        "drop_last=True)); or give fit the whole dataset as arrays on every process.")
+        "a 0/1 mask and divides by its sum), or drop it on every process (fg.Batches(..., "
+        "drop_last=True)); or give fit the whole dataset as arrays on every process "
+        "(fg.Batches).")
 
 
 def global_batches(local: PyTree, mesh: Any, axis: str, *, row_axis: int) -> PyTree:

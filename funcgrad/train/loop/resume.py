@@ -3,9 +3,10 @@
 A checkpoint (`funcgrad.train.checkpoint`, orbax) holds the whole `TrainState`, the run's
 position (``epoch``, ``step_in_epoch``, ``run_step``, ``epoch_first`` and the settings that
 decide which examples the rest of an epoch visits) and its `History`. `fit` saves every
-``every`` epochs, at a non-finite stop, on Ctrl-C, after a crash and at the end; ``resume=
-True`` restores the newest one, checks the settings and continues bit for bit (when the
-resumed run's dispatches compile to the same programs, see `funcgrad.fit`).
+``Checkpointing.every`` epochs, at a non-finite stop, on Ctrl-C, after a crash and at the
+end; ``Checkpointing(..., resume=True)`` restores the newest one, checks the settings and
+continues bit for bit (when the resumed run's dispatches compile to the same programs, see
+`funcgrad.fit`). `funcgrad.train.loop.options.Checkpointing` says where and when.
 """
 from __future__ import annotations
 
@@ -17,16 +18,17 @@ from funcgrad.train.loop.history import History
 
 
 def check_resumed(position: Mapping[str, Any], settings: Mapping[str, Any], directory) -> None:
-    """ValueError when a resumed run's seed, batch size, data size or accumulation differ
-    from the checkpointed run's: the rest of its epoch would visit other examples."""
+    """ValueError when a resumed run's batching (seed, batch size, data size, shuffle,
+    drop_last) or accumulation differ from the checkpointed run's: the rest of its epoch would
+    visit other examples."""
     changed = [f"{k} {v!r} (the run had {position[k]!r})" for k, v in settings.items()
                if k in position and position[k] != v]
     if changed:
         raise ValueError(
-            f"fit: resume=True from {directory} with {', '.join(changed)}: the rest of the "
+            f"fit: resuming from {directory} with {', '.join(changed)}: the rest of the "
             "run would visit other examples than the run that was stopped (some twice, some "
-            "never). Resume with the run's own data and settings, or pass a new "
-            "checkpoint_dir to start over.")
+            "never). Resume with the run's own data and settings, or checkpoint into a new "
+            "directory to start over.")
 
 
 def save(directory, state, position, history) -> None:
