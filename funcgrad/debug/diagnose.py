@@ -38,7 +38,7 @@ The structural questions are answered from the program, not from the numbers:
     where the path was cut (primitive and source line). A ``custom_vjp`` rule whose pullback
     gives an input a cotangent that ignores the output cotangent (``bwd`` returned None or
     zeros) while the function's output depends on that input cuts the path there: the row
-    names the function, its ``bwd`` and their lines (`funcgrad.check._custom_rules`).
+    names the function, its ``bwd`` and their lines (`funcgrad.debug._custom_rules`).
 Only ``numerically_zero`` and ``nonfinite`` need the numbers: the gradient itself, and the
 ReLU units' activations (a unit is *dead for this batch* when its pre-activation is <= 0 for
 every example, so its derivative, relu'(z) = 0 for z <= 0 in JAX, is zero for every example;
@@ -51,111 +51,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad import _jax_internals as ji
-from funcgrad._jaxpr import arg_names, check_array_args, leaf_paths, source_line
+from funcgrad._dependence import DIFF, STOP, ZERO, Path, flow
+from funcgrad._dependence import ZERO_DERIVATIVE_PRIMITIVES as ZERO_DERIVATIVE_PRIMITIVES
+from funcgrad._jaxpr import arg_names, check_array_args, leaf_paths
 from funcgrad._library_objects import is_inexact_array, left_out_fields, split_equinox_args
 from funcgrad._traced import traced_values
-from funcgrad.check._custom_rules import dropped_inputs
+from funcgrad.debug._custom_rules import dropped_inputs
 from funcgrad.debug._relu_sites import ReluSite as ReluSite
 from funcgrad.debug._relu_sites import _relu_sites
 
 STATUSES = ("connected", "unused", "blocked_by_stop_gradient", "blocked_by_zero_derivative_op",
             "numerically_zero", "nonfinite", "not_differentiable", "static")
-
-#: Primitives with a floating output whose derivative is zero wherever it is defined. Any
-#: primitive with an integer or boolean output (comparisons, argmax, casts to int, ...) cuts the
-#: derivative as well, by its dtype.
-ZERO_DERIVATIVE_PRIMITIVES = frozenset({"round", "floor", "ceil", "sign", "is_finite",
-                                        "nextafter", "stop_gradient"})
-
-_DIFF, _STOP, _ZERO = 3, 2, 1  # kinds of path from a leaf, best first
-
-
-class _Path(NamedTuple):
-    kind: int
-    where: str  # the primitive and line that cut the path ("" for a differentiable path)
-
-
-def _merge(*deps: dict[int, _Path]) -> dict[int, _Path]:
-    out: dict[int, _Path] = {}
-    for d in deps:
-        for leaf, path in d.items():
-            if leaf not in out or path.kind > out[leaf].kind:
-                out[leaf] = path
-    return out
-
-
-def _cut(deps: dict[int, _Path], kind: int, where: str) -> dict[int, _Path]:
-    return {leaf: (p if p.kind <= kind else _Path(kind, where)) for leaf, p in deps.items()}
-
-
-def _flow(jaxpr, in_deps: list[dict[int, _Path]], where: str = "",
-          drops: dict | None = None) -> list[dict[int, _Path]]:
-    """For each output of `jaxpr`, the leaves it depends on and the best kind of path.
-
-    `drops` (from `funcgrad.check._custom_rules.dropped_inputs`): custom_vjp calls whose rule drops
-    the cotangent of some inputs; a path through such an input is cut there (_ZERO)."""
-    env: dict[Any, dict[int, _Path]] = {}
-    for var, deps in zip(jaxpr.invars, in_deps):
-        env[var] = deps
-
-    def read(v):
-        return {} if ji.is_literal(v) else env.get(v, {})
-
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        if drops and id(eqn) in drops:
-            ins = [_cut(d, _ZERO, drops[id(eqn)][k]) if k in drops[id(eqn)] else d
-                   for k, d in enumerate(ins)]
-        for var, deps in zip(eqn.outvars, _transfer(eqn, ins, source_line(eqn) or where,
-                                                    drops)):
-            env[var] = deps
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _transfer(eqn, ins, where, drops=None):
-    name, kind = ji.name(eqn), ji.kind(eqn)
-    at = f"{name} at {where}" if where else name
-    called = ji.body(eqn)  # jit, checkpoint, and a custom rule's primal program
-    if called is not None:
-        sub, consts = called
-        n = len(sub.invars)
-        return _flow(sub, ins[len(ins) - n:], where, drops)
-    if kind == "scan":
-        s = ji.scan(eqn)
-        nc, nk = s.num_consts, s.num_carry
-        consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
-        while True:  # fixpoint over the carry; kinds only grow, so this ends
-            outs = _flow(s.body, [*consts, *carry, *xs], where, drops)
-            new = [_merge(c, o) for c, o in zip(carry, outs[:nk])]
-            if new == carry:
-                return outs[:nk] + outs[nk:]
-            carry = new
-    if kind == "cond":
-        index = _cut(ins[0], _ZERO, f"the branch index of cond at {where}")
-        branches = [_flow(b, ins[1:], where, drops) for b, _ in ji.cond_branches(eqn)]
-        return [_merge(index, *outs) for outs in zip(*branches)]
-    merged = _merge(*ins)
-    if kind == "stop_gradient":
-        return [_cut(merged, _STOP, at)]
-    outs = []
-    for var in eqn.outvars:
-        dtype = getattr(var.aval, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
-            detail = f"{name} (to {dtype}) at {where}" if name == "convert_element_type" else at
-            outs.append(_cut(merged, _ZERO, f"{detail}, whose output is {dtype}"))
-        elif name in ZERO_DERIVATIVE_PRIMITIVES:
-            outs.append(_cut(merged, _ZERO, at))
-        else:
-            outs.append(merged)
-    return outs
-
 
 @dataclasses.dataclass(frozen=True)
 class LeafExplanation:
@@ -280,10 +192,10 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
                          f"{got}. {fix}")
     floating = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in p_leaves]
     n_all = len(closed.jaxpr.invars)
-    in_deps = [({i: _Path(_DIFF, "")} if i < len(p_leaves) and floating[i] else {})
+    in_deps = [({i: Path(DIFF, "")} if i < len(p_leaves) and floating[i] else {})
                for i in range(n_all)]
-    drops = dropped_inputs(closed.jaxpr, _flow, _Path(_DIFF, ""))
-    primal = _flow(closed.jaxpr, in_deps, drops=drops)[0]
+    drops = dropped_inputs(closed.jaxpr)
+    primal = flow(closed.jaxpr, in_deps, drops=drops)[0]
 
     diff_idx = [i for i, f in enumerate(floating) if f]
 
@@ -302,8 +214,8 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     lin = jax.make_jaxpr(lambda primals, tangents: jax.linearize(of_floats, primals)[1](tangents))(
         float_leaves, float_leaves)
     n_diff = len(diff_idx)
-    reach = _flow(lin.jaxpr, [{} for _ in range(n_diff)]
-                  + [{j: _Path(_DIFF, "")} for j in range(n_diff)])[0]
+    reach = flow(lin.jaxpr, [{} for _ in range(n_diff)]
+                  + [{j: Path(DIFF, "")} for j in range(n_diff)])[0]
     try:
         loss, grads = jax.jit(jax.value_and_grad(of_floats))(float_leaves)
     except ValueError as error:
@@ -338,11 +250,11 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
             status, detail = "unused", "the loss does not depend on this leaf (PyTorch: grad None)"
         elif j in reach and np.any(g != 0):
             status, detail = "connected", ""
-        elif j in reach and primal[i].kind == _DIFF:
+        elif j in reach and primal[i].kind == DIFF:
             status, detail = "numerically_zero", _numeric_detail(relus)
-        elif primal[i].kind == _STOP:
+        elif primal[i].kind == STOP:
             status, detail = "blocked_by_stop_gradient", f"cut by {primal[i].where}"
-        elif primal[i].kind == _ZERO:
+        elif primal[i].kind == ZERO:
             status, detail = "blocked_by_zero_derivative_op", f"cut by {primal[i].where}"
         else:  # our analysis saw a differentiable path, JAX's rules gave a symbolic zero
             status, detail = ("blocked_by_zero_derivative_op",
