@@ -2,6 +2,7 @@
 (random tangents), each with one meaning per keyword, the rarely changed settings in one
 `CheckOptions`; the reports equal those of the old ``check_grads(mode=...)`` calls, and every
 former keyword raises a TypeError that names where it went."""
+import dataclasses
 import inspect
 import json
 import math
@@ -92,7 +93,7 @@ def test_each_former_keyword_names_its_new_home(name):
     with pytest.raises(TypeError, match=rf"^check_grads: {name}= is no longer a keyword; "):
         fg.check_grads(f, jnp.ones(2), **{name: None})
     home = _MOVED_KEYWORDS[name]
-    if name in {f.name for f in __import__("dataclasses").fields(fg.CheckOptions)}:
+    if name in {field.name for field in dataclasses.fields(fg.CheckOptions)}:
         assert f"options=funcgrad.CheckOptions({name}=" in home
     elif name in ("num_directions", "block_size"):
         assert f"funcgrad.check_directional(fn, *args, {name}=" in home
