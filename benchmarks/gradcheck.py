@@ -106,7 +106,7 @@ def _flop_limit(params, x64, y, repeats):
 def _localise_large(seed=0):
     """Directional mode on a 512 -> 1024 -> 512 -> 10 tanh MLP (1,055,242 params) with one
     element of dW[1] doubled by a custom_vjp: seconds to find and locate it (first call), with
-    tangents over each whole leaf (``check_grads(mode="directional")``) and with the blocks
+    tangents over each whole leaf (``check_directional``) and with the blocks
     `audit` picks within its default evaluation budget, and the resolution each states for
     the leaf."""
     def make(bug):
@@ -134,8 +134,8 @@ def _localise_large(seed=0):
     g = jax.grad(loss)(params, x, y, make(None))
     bug = tuple(int(i) for i in np.unravel_index(np.argmax(np.abs(g[1]["w"])), g[1]["w"].shape))
     start = time.perf_counter()
-    report = fg.check_grads(lambda params, x, y: loss(params, x, y, make(bug)), params, x, y,
-                            mode="directional")
+    report = fg.check_directional(lambda params, x, y: loss(params, x, y, make(bug)), params,
+                                  x, y)
     seconds = time.perf_counter() - start
     [bad] = report.failures
     start = time.perf_counter()
@@ -172,8 +172,8 @@ def main() -> None:
         first, med, rep = _timed(functools.partial(fg.check_grads, _loss, params, x, y),
                                  args.repeats)
         results["funcgrad full"] = (first, med, max(r.max_abs_error for r in rep.rows), rep.ok)
-        first, med, rep = _timed(functools.partial(fg.check_grads, _loss, params, x, y,
-                                                   mode="directional", num_directions=1),
+        first, med, rep = _timed(functools.partial(fg.check_directional, _loss, params, x, y,
+                                                   num_directions=1),
                                  args.repeats)
         results["funcgrad directional (1 dir)"] = (
             first, med, max(r.max_abs_error for r in rep.rows), rep.ok)

@@ -20,12 +20,14 @@ if TYPE_CHECKING:
     from funcgrad._jax_version import JaxVersionWarning as JaxVersionWarning
     from funcgrad._traced import TracedValueError as TracedValueError
     from funcgrad.check import LiftError as LiftError
+    from funcgrad.check.audit import audit as audit
     from funcgrad.check.custom import CustomVJP as CustomVJP
     from funcgrad.check.custom import DroppedCotangentWarning as DroppedCotangentWarning
     from funcgrad.check.custom import custom_vjp as custom_vjp
-    from funcgrad.check.grads import audit as audit
+    from funcgrad.check.directional import check_directional as check_directional
     from funcgrad.check.grads import check_grads as check_grads
     from funcgrad.check.manual import two_layer_grads as two_layer_grads
+    from funcgrad.check.options import CheckOptions as CheckOptions
     from funcgrad.check.report import GradCheckReport as GradCheckReport
     from funcgrad.check.report import LeafCheck as LeafCheck
     from funcgrad.debug.anomaly import AnomalyReport as AnomalyReport

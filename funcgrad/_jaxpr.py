@@ -1,6 +1,6 @@
 """Small, shared readers of jaxprs and argument pytrees (private).
 
-Used by `funcgrad.check.grads`, `funcgrad.debug.graph` and `funcgrad.debug.diagnose` to name leaves
+Used by `funcgrad.check`, `funcgrad.debug.graph` and `funcgrad.debug.diagnose` to name leaves
 by pytree path (``params[0]['w']``), to say where an equation came from (``file.py:12``) and to find
 the jaxprs nested in an equation's parameters (jit, custom_jvp/vjp, scan, cond, remat, while).
 Everything here that reads JAX's internals calls `funcgrad._jax_internals`.

@@ -381,10 +381,9 @@ def case_rtol(case: Case) -> float:
     return max([rtol_of(leaf) for leaf in jax.tree.leaves(case.args)], default=1e-5)
 
 
-def run_check_grads(case: Case, **kwargs) -> Outcome:
+def run_check_grads(case: Case, check=fg.check_grads) -> Outcome:
     def run():
-        report = fg.check_grads(case.fn(), *case.args, argnums=case.argnums,
-                                has_aux=case.has_aux, **kwargs)
+        report = check(case.fn(), *case.args, argnums=case.argnums, has_aux=case.has_aux)
         if _must_refuse(case):
             return None if not report.ok else f"accepted out={case.out} plant={case.plant}: " \
                 f"{report}"
@@ -400,7 +399,7 @@ def _must_refuse(case: Case) -> bool:
 
 
 def run_directional(case: Case) -> Outcome:
-    return run_check_grads(case, mode="directional")
+    return run_check_grads(case, check=fg.check_directional)
 
 
 def run_audit(case: Case) -> Outcome:

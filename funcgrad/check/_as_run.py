@@ -1,6 +1,6 @@
 """fn as the caller runs it (x64 off), built once per function and argument signature.
 
-Private to `funcgrad.check.grads`. The check traces fn with float64 inputs under x64; where fn
+Private to `funcgrad.check`. The check traces fn with float64 inputs under x64; where fn
 depends on the float width (``jax.random.bernoulli(key, 0.5, s)`` draws 32 random bits per
 element with x64 off and 64 with it on: another mask), that is another function. `as_run`
 traces fn's program in the caller's dtypes and computes its value; `as_the_user_runs_it`

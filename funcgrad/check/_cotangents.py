@@ -1,18 +1,34 @@
-"""The custom_vjp check's comparison of what a ``bwd`` rule returned with the primal arguments:
-one cotangent per differentiable argument, each of the argument's structure, shape and dtype
-(`funcgrad.custom_vjp`)."""
+"""What a custom VJP rule's ``bwd`` returned, checked against the primal inputs of its call
+(private to `funcgrad.check`): one cotangent per differentiable input, each with its input's
+pytree structure, shape and dtype (`funcgrad.check.custom.BWD_CONTRACT`), a wrong one named by
+input name and pytree path.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import source_info_util
 
-if TYPE_CHECKING:
-    from funcgrad.check.custom import _Spec
+# Lines of this file are never "the user's line" (as for funcgrad.check.custom).
+source_info_util.register_exclusion(__file__)
 
-def type_str(x) -> str:
+
+class Spec:
+    """What the check needs about one call: names and the differentiable primal arguments."""
+
+    def __init__(self, fun_name, bwd_name, names, primals, nondiff_names):
+        self.fun_name, self.bwd_name = fun_name, bwd_name
+        self.names, self.primals, self.nondiff_names = names, primals, nondiff_names
+
+    @property
+    def where(self) -> str:
+        return f"custom_vjp: the bwd rule {self.bwd_name} of {self.fun_name}"
+
+
+def _type_str(x) -> str:
     """``float32[2,3]`` for a JAX value (weak types shown as the dtype JAX will use)."""
     aval = jax.typeof(x)
     return f"{aval.dtype}[{','.join(str(d) for d in aval.shape)}]"
@@ -23,7 +39,7 @@ def describe(x) -> str:
     if x is None:
         return "None"
     try:
-        return type_str(x)
+        return _type_str(x)
     except TypeError:
         pass
     leaves = jax.tree.leaves(x)
@@ -32,7 +48,7 @@ def describe(x) -> str:
     return str(jax.tree.structure(x)).replace("PyTreeDef", "pytree ")
 
 
-def check_cotangents(spec: _Spec, cts: Any) -> Any:
+def check_cotangents(spec: Spec, cts: Any) -> Any:
     """Returns `cts` unchanged after checking it against `spec.primals`; raises otherwise."""
     n = len(spec.primals)
     expected = ", ".join(f"{name}: {describe(p)}" for name, p in zip(spec.names, spec.primals))
@@ -58,9 +74,9 @@ def check_cotangents(spec: _Spec, cts: Any) -> Any:
     for name, primal, ct in zip(spec.names, spec.primals, cts):
         if ct is None:
             continue
-        pairs = match_structure(spec, name, primal, ct)
+        pairs = _match_structure(spec, name, primal, ct)
         for path, p, c in pairs:
-            check_leaf(name + path, p, c, shape_errors, kind_errors)
+            _check_leaf(name + path, p, c, shape_errors, kind_errors)
     if kind_errors or shape_errors:
         errors = kind_errors + shape_errors
         lines = "\n".join(f"  {e}" for e in errors)
@@ -71,7 +87,7 @@ def check_cotangents(spec: _Spec, cts: Any) -> Any:
     return cts
 
 
-def match_structure(spec, name, primal, ct):
+def _match_structure(spec, name, primal, ct):
     """``(path, primal leaf, cotangent)`` for each non-None cotangent leaf; TypeError on a
     structure mismatch. A None in `ct` may stand for any subtree of `primal`."""
     triples = []
@@ -82,12 +98,12 @@ def match_structure(spec, name, primal, ct):
     try:
         jax.tree_util.tree_map_with_path(pair, ct, primal, is_leaf=lambda x: x is None)
         # A leaf of `ct` opposite a subtree of `primal` passes tree_map (a prefix match).
-        collapsed = [(path, p) for path, c, p in triples if c is not None and not is_leaf(p)]
+        collapsed = [(path, p) for path, c, p in triples if c is not None and not _is_leaf(p)]
         mismatch = bool(collapsed)
     except (ValueError, TypeError):
         collapsed, mismatch = [], True
     if mismatch:
-        missing, extra = path_differences(primal, ct)
+        missing, extra = _path_differences(primal, ct)
         detail = "".join(
             [f"; missing: {', '.join(name + m for m in missing)}" if missing else "",
              f"; not in the input: {', '.join(name + e for e in extra)}" if extra else "",
@@ -96,27 +112,27 @@ def match_structure(spec, name, primal, ct):
         raise TypeError(
             f"{spec.where} returned a cotangent for {name} with the wrong pytree structure"
             f"{detail}.\n  expected: {jax.tree.structure(primal)} "
-            f"(leaves: {describe_leaves(primal)})\n"
-            f"  received: {jax.tree.structure(ct)} (leaves: {describe_leaves(ct)})\n"
+            f"(leaves: {_describe_leaves(primal)})\n"
+            f"  received: {jax.tree.structure(ct)} (leaves: {_describe_leaves(ct)})\n"
             "Return the cotangent in the input's own containers (the same dict keys, tuple vs "
             "list, lengths), with None for a subtree that gets no gradient."
             "\nSee funcgrad.check.custom.BWD_CONTRACT.")
     return [(jax.tree_util.keystr(path), p, c) for path, c, p in triples if c is not None]
 
 
-def is_leaf(x) -> bool:
+def _is_leaf(x) -> bool:
     """True for an array or scalar; False for a container, including None (no leaves)."""
     leaves = jax.tree.leaves(x)
     return len(leaves) == 1 and leaves[0] is x
 
 
-def describe_leaves(tree) -> str:
+def _describe_leaves(tree) -> str:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
     return ", ".join(f"{jax.tree_util.keystr(path) or '.'}: {describe(x)}"
                      for path, x in flat) or "none"
 
 
-def path_differences(primal, ct):
+def _path_differences(primal, ct):
     """Primal leaf paths that no cotangent entry covers, and cotangent entries at no primal path."""
     key = lambda path: tuple(jax.tree_util.keystr((k,)) for k in path)
     primal_paths = [key(p) for p, _ in jax.tree_util.tree_flatten_with_path(primal)[0]]
@@ -130,12 +146,12 @@ def path_differences(primal, ct):
     return missing, extra
 
 
-def check_leaf(where, primal, ct, shape_errors, kind_errors):
+def _check_leaf(where, primal, ct, shape_errors, kind_errors):
     p_aval = jax.typeof(primal)
     try:
         c_aval = jax.typeof(ct)
     except TypeError:
-        kind_errors.append(f"{where}: expected an array {type_str(primal)}, got a "
+        kind_errors.append(f"{where}: expected an array {_type_str(primal)}, got a "
                            f"{type(ct).__name__}")
         return
     floating = jnp.issubdtype(p_aval.dtype, jnp.inexact)  # extended dtypes (keys) are not
@@ -143,11 +159,11 @@ def check_leaf(where, primal, ct, shape_errors, kind_errors):
     want_str = f"{want}[{','.join(str(d) for d in p_aval.shape)}]"
     if not floating and c_aval.dtype != jax.dtypes.float0:
         kind_errors.append(
-            f"{where}: the primal is {type_str(primal)}, which has no gradient; return None "
-            f"for it (or np.zeros({tuple(p_aval.shape)}, jax.dtypes.float0)), got {type_str(ct)}")
+            f"{where}: the primal is {_type_str(primal)}, which has no gradient; return None "
+            f"for it (or np.zeros({tuple(p_aval.shape)}, jax.dtypes.float0)), got {_type_str(ct)}")
     elif c_aval.shape != p_aval.shape or c_aval.dtype != want:
         shape_errors.append(f"{where}: expected {want_str} (the primal's shape and dtype), "
-                            f"got {type_str(ct)}")
+                            f"got {_type_str(ct)}")
     elif isinstance(ct, (np.ndarray, np.generic)) and floating and np.dtype(ct.dtype) != want:
         # jax.typeof reports the dtype JAX would convert it to; eager jax.grad would hand the
         # NumPy array itself back as the gradient.

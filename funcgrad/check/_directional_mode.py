@@ -1,6 +1,6 @@
-"""Directional mode of `funcgrad.check.grads` (private): random unit tangents per leaf, or per block
-of a leaf (`funcgrad.check._directions`), compared with jvp and <grad, v>; a failing leaf is
-bisected over element ranges (O(log n) evaluations) to name the element.
+"""The directional check of `funcgrad.check_directional` (private): random unit tangents per
+leaf, or per block of a leaf (`funcgrad.check._directions`), compared with jvp and <grad, v>; a
+failing leaf is bisected over element ranges (O(log n) evaluations) to name the element.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from funcgrad.check._shared import (
     _segments,
     _sg_note,
 )
+from funcgrad.check.options import CheckOptions
 from funcgrad.check.report import LeafCheck, classify_elements, coarse_note
 
 
@@ -132,15 +133,18 @@ def _jvps(spec, theta, leaves, cotangents, plan, chunk):
         raise
 
 
-def _run_directional(prob, tol, modes, k, seed, chunk_size, allowed, progress=None,
-                     block_size=None):
-    del progress
+def run_directional(prob, tol, options: CheckOptions, allowed, k: int,
+                    block_size: int | None):
+    """The directional check of `prob` at `tol` = (eps, rtol, atol) with `k` tangents per
+    block of at most `block_size` elements (None: per leaf): one `LeafCheck` row per leaf
+    (`allowed`: may it differ because of stop_gradient) and the report's notes."""
     spec, theta, leaves, cots = prob["spec"], prob["theta"], prob["leaves"], prob["cotangents"]
     eps, rtol, atol = tol
+    modes = options.modes
     n = theta.shape[0]
     blocks, first = _directions.split_blocks(_segments(prob), block_size)
-    plan = _tangent_plan(seed, n, blocks, k)  # k per block, then k over all leaves together
-    chunk = int(chunk_size or max(1, min(plan.lo.size, _CHUNK_ELEMENTS // max(n, 1))))
+    plan = _tangent_plan(options.seed, n, blocks, k)  # k per block, then k over all leaves
+    chunk = int(options.chunk_size or max(1, min(plan.lo.size, _CHUNK_ELEMENTS // max(n, 1))))
     on_device = tuple(jnp.asarray(a) for a in plan)
     f0, fp, fm, grad, out = (np.asarray(a) for a in _directional_kernel(
         spec, theta, leaves, cots, on_device, eps=eps, chunk=chunk, rev="rev" in modes))

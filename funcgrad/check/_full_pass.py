@@ -1,6 +1,6 @@
 """Full mode's 2n perturbed forward passes, run in blocks so a long check shows its progress.
 
-Private to `funcgrad.check.grads`. The perturbations e_i (one per element of the flat parameter
+Private to `funcgrad.check`. The perturbations e_i (one per element of the flat parameter
 vector theta) run in vmapped chunks of c; chunks are grouped into at most `_MAX_BLOCKS` equal
 blocks, each one call of the same compiled kernel (the block's number is an argument, so nothing is
 recompiled per block, and the last block is padded with indices >= n that perturb nothing).
@@ -123,8 +123,8 @@ def _announce(n, spent, left, blocks, progress):
     return a bar over the remaining blocks (or None)."""
     slow = spent + left > SLOW_SECONDS
     if slow:
-        print(f"check_grads: full mode perturbs each of {n:,} elements twice ({2 * n:,} forward "
-              f"passes): roughly {_duration(left)} left. mode='directional' (or funcgrad.audit, "
+        print(f"check_grads perturbs each of {n:,} elements twice ({2 * n:,} forward passes): "
+              f"roughly {_duration(left)} left. funcgrad.check_directional (or funcgrad.audit, "
               "which picks it for large models) checks random tangents and bisects a failure "
               "to its element in seconds.", file=sys.stderr)
     return _bar(blocks) if progress or (progress is None and slow) else None

@@ -1,5 +1,5 @@
 """The gradient check's jaxpr interpreter: a program evaluated again, changed in ways that
-finite differences need (private to `funcgrad.check.grads`).
+finite differences need (private to `funcgrad.check`).
 
 Three changes, any combination (`Flags`):
 

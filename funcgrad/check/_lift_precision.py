@@ -1,5 +1,5 @@
 """Which float a checked function computes in, and lifting it to float64 for the check
-(private to `funcgrad.check.grads`; the lifting interpreter is `funcgrad.check._lift`).
+(private to `funcgrad.check`; the lifting interpreter is `funcgrad.check._lift`).
 
 A function that rounds to bfloat16 (or float32 under float64 inputs) on the differentiated path
 has central differences no better than its rounding allows: checked as computed, a 10% error in
@@ -133,7 +133,8 @@ class LiftError(RuntimeError):
     """check_grads could not build the float64 version of a narrower-precision function: a
     fault of funcgrad's lifting interpreter, not of the checked function. Raised rather than
     falling back to a check at the narrow dtype's tolerances, which would pass errors the
-    requested check would catch; ``lift_precision=False`` checks the function as computed."""
+    requested check would catch; ``CheckOptions(lift_precision=False)`` checks the function as
+    computed."""
 
 
 #: `_not_liftable`'s verdicts, per lifted spec (fn included, by identity), derivative and the
@@ -193,11 +194,12 @@ def _lifting_fails_or_narrows(lifted, prob, rev) -> str | None:
             return None    # while_loop under grad): the check run reports it in fn's terms
         import jax as _jax
         raise LiftError(
-            f"check_grads could not lift fn's {prob['dtype_used']} computation to float64 "
+            f"{prob['who']} could not lift fn's {prob['dtype_used']} computation to float64 "
             f"({type(error).__name__}: {str(error).splitlines()[0][:200]}) on jax "
             f"{_jax.__version__}. This is a fault of funcgrad's lifting, not of fn: please "
             "report it. To check fn at its own precision meanwhile (errors below that "
-            "precision's tolerances pass unseen), pass lift_precision=False.") from error
+            "precision's tolerances pass unseen), pass "
+            "options=funcgrad.CheckOptions(lift_precision=False).") from error
     for traced in jaxprs:
         left = narrowest_float(traced.jaxpr)
         if left not in (None, "float64"):

@@ -1,6 +1,6 @@
 """The error of a gradient check's central differences: a round-off floor, and probes measuring it.
 
-Private to `funcgrad.check.grads`. The central difference D(h) = (f(x+h) - f(x-h)) / 2h of a
+Private to `funcgrad.check`. The central difference D(h) = (f(x+h) - f(x-h)) / 2h of a
 function evaluated with absolute error at most e carries a round-off error at most e/h and a
 truncation error h²/6·|f'''| (Nocedal & Wright, Numerical Optimization, 2nd ed., §8.1, eq. 8.5). A
 check must not fail an element on that error, and must not excuse a real one by scaling its floor

@@ -1,6 +1,6 @@
 """The scalar objective a gradient check differentiates: a user function seen as R^n -> R.
 
-Private to `funcgrad.check.grads`. The differentiated leaves are flattened into one float64 vector
+Private to `funcgrad.check`. The differentiated leaves are flattened into one float64 vector
 ``theta``; the function's output is reduced to a scalar by a fixed random cotangent when it is
 not a scalar (so the check compares uᵀJ, a vector-Jacobian product, with its finite difference);
 order k > 1 checks the gradient of ``<u_k, grad of order k-1>`` (Hessian-vector products).
@@ -32,7 +32,7 @@ class Spec(NamedTuple):
     inline_custom_rules: bool = False  # custom_jvp/custom_vjp replaced by their primal
     # The differentiated leaves' own dtypes, when fn only runs with them (a flax nn.RNN's carry
     # is made in its param dtype): theta's float64 pieces are cast back before fn sees them,
-    # and lifting then lifts fn's arithmetic to float64 (funcgrad.check.grads._setup).
+    # and lifting then lifts fn's arithmetic to float64 (funcgrad.check._problem.setup).
     cast_to: tuple[str, ...] | None = None
 
 

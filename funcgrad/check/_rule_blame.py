@@ -1,4 +1,4 @@
-"""Which custom rule a failed gradient check points at (private to `funcgrad.check.grads`).
+"""Which custom rule a failed gradient check points at (private to `funcgrad.check`).
 
 A ``jax.custom_vjp`` activation whose backward is 1% too large fails the check on the parameter
 elements around it (``l2.weight`` row 5); the fault sits in the rule between two layers. When a

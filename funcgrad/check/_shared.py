@@ -1,4 +1,4 @@
-"""What both modes of `funcgrad.check.grads` share (private): the problem's leaf segments, the
+"""What the full and directional checks share (private): the problem's leaf segments, the
 output's finiteness and round-off scale, the stop_gradient see-through gradient and the custom
 rules' reference gradient (each a compiled kernel cached on the static spec), the masked
 difference kernel, and the report's notes on stop_gradient and custom_vjp.
@@ -35,7 +35,7 @@ def _check_finite_output(prob, out):
                 break
         point = ", ".join(f"{n}: {_describe(a)}" for n, a in zip(prob["names"], prob["args"]))
         raise ValueError(
-            f"check_grads: the function's output is not finite at the primal point: "
+            f"{prob['who']}: the function's output is not finite at the primal point: "
             f"{int(bad.sum())} non-finite element(s), the first at "
             f"{where}{list(index) if index else ''} = "
             f"{out[first]}. Finite differences need a finite output there; move the point or "
@@ -96,9 +96,10 @@ _NO_FWD_NOTE = ("fwd skipped: fn uses a custom_vjp function, which cannot be "
                 "forward-differentiated (jvp, jacfwd); rev checked only.")
 
 
-_FWD_ONLY_CUSTOM_VJP = ("check_grads: modes=('fwd',) but fn uses a custom_vjp function, which "
-                        "cannot be forward-differentiated (jvp, jacfwd): nothing is left to "
-                        "check. Use modes=('rev',) (the default checks rev and notes the skip).")
+_FWD_ONLY_CUSTOM_VJP = ("CheckOptions(modes=('fwd',)) but fn uses a custom_vjp function, "
+                        "which cannot be forward-differentiated (jvp, jacfwd): nothing is left "
+                        "to check. Use CheckOptions(modes=('rev',)) (the default checks rev and "
+                        "notes the skip).")
 
 
 def _sg_note(allowed, rows) -> str:
@@ -111,7 +112,7 @@ def _sg_note(allowed, rows) -> str:
                  "straight-through estimator): failed, since the check takes no stop_gradient "
                  "for granted (a weight detached by mistake trains no more). If it is "
                  "intended, declare it: "
-                 f"check_grads(..., allow_stop_gradient={cut!r}).")
+                 f"allow_stop_gradient={cut!r}.")
     if declared:
         text += f" Declared cut (allow_stop_gradient): {', '.join(declared)}."
     return text

@@ -28,7 +28,8 @@ import numpy as np
 from jax.extend import source_info_util
 
 from funcgrad import _user_line
-from funcgrad.check._cotangents import check_cotangents, describe
+from funcgrad._dependence import DIFF, Path, flow
+from funcgrad.check._cotangents import Spec, check_cotangents, describe
 
 # Lines of this file are never "the user's line": the custom_vjp_call a CustomVJP makes is
 # credited to the user's call of the function (explain_grads, find_nonfinite, trace).
@@ -202,7 +203,7 @@ class CustomVJP:
                              "positional argument(s).")
         names = _param_names(self.fun, len(args))
         diff = [i for i in range(len(args)) if i not in self.nondiff_argnums]
-        spec = _Spec(name, getattr(self.bwd, "__name__", repr(self.bwd)),
+        spec = Spec(name, getattr(self.bwd, "__name__", repr(self.bwd)),
                      tuple(names[i] for i in diff), tuple(args[i] for i in diff),
                      tuple(names[i] for i in self.nondiff_argnums))
         user_bwd, fun, declared, at = self.bwd, self.fun, self.zero_cotangents, self._defvjp_at
@@ -288,8 +289,6 @@ def _depends(fun, args, nondiff_argnums, leaves) -> list[bool]:
     tangent depends on a tangent of that leaf alone, read from the jaxpr of ``jax.jvp``
     (JAX drops symbolic-zero tangents at stop_gradient, round, comparisons, ...). False for
     every leaf when `fun` cannot be traced under jvp: no verdict, no warning."""
-    from funcgrad._flow import DIFF, Path, flow  # the shared dependence analysis
-
     diff = [i for i in range(len(args)) if i not in nondiff_argnums]
     avals = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype),
                           args[i]) for i in diff]
@@ -331,18 +330,6 @@ def _depends(fun, args, nondiff_argnums, leaves) -> list[bool]:
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-class _Spec:
-    """What the check needs about one call: names and the differentiable primal arguments."""
-
-    def __init__(self, fun_name, bwd_name, names, primals, nondiff_names):
-        self.fun_name, self.bwd_name = fun_name, bwd_name
-        self.names, self.primals, self.nondiff_names = names, primals, nondiff_names
-
-    @property
-    def where(self) -> str:
-        return f"custom_vjp: the bwd rule {self.bwd_name} of {self.fun_name}"
-
 
 def _positional(fun, name, args, kwargs):
     """The call's arguments as positions, defaults filled in (what ``jax.custom_vjp`` does)."""

@@ -278,7 +278,7 @@ def coarse_note(resolution: float | None, derivatives: np.ndarray) -> str | None
     return (f"low resolution: {resolution:.3g} is {100 * resolution / scale:.0f}% of this "
             f"leaf's largest derivative ({scale:.3g}), so errors up to that size cannot be seen "
             "here (a large constant added to f, or cancellation inside fn, raises the noise of "
-            "the finite differences; mode='directional' also dilutes one element's error)")
+            "the finite differences; check_directional also dilutes one element's error)")
 
 
 def _status(failed: bool, cut: bool, allowed: bool, kink: bool) -> str:
@@ -302,11 +302,12 @@ class GradCheckReport:
 
     Attributes:
       rows: one `LeafCheck` per differentiated leaf, in pytree order.
-      mode, modes, order: what was checked ("full"/"directional", ("rev", "fwd"), 1 or 2);
+      mode, modes, order: what was checked: "full" (`funcgrad.check_grads`) or "directional"
+        (`funcgrad.check_directional`), ("rev", "fwd"), 1 or 2;
         `modes` lists the modes actually checked (no "fwd" when it was skipped, see notes).
       dtype_used: the dtype the check's arithmetic ran in: float64, or the narrower float fn
         computes in when its casts were not lifted (see `lifted_from` and the notes).
-      eps, rtol, atol: the step and tolerances used (see `funcgrad.check.grads.TOLERANCES`).
+      eps, rtol, atol: the step and tolerances used (see `funcgrad.check.TOLERANCES`).
       skipped: integer/boolean leaves that were not differentiated, and the Python float
         fields of an equinox module that equinox treats as static (with the reason and fix).
       checked_args, unchecked_args: the positional arguments differentiated (`argnums`) and

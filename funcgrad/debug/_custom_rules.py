@@ -1,4 +1,5 @@
-"""Custom VJP rules that drop a cotangent, found by probing each rule's pullback (private).
+"""Custom VJP rules that drop a cotangent, found by probing each rule's pullback (private to
+`funcgrad.debug`).
 
 Used by `funcgrad.debug.diagnose`: a ``custom_vjp`` rule whose ``bwd`` returns None (or zeros that
 do not depend on the output cotangent) for a floating input that the function's output depends
@@ -12,36 +13,32 @@ import os
 import jax
 
 from funcgrad import _jax_internals as ji
+from funcgrad._dependence import DIFF, Path, flow
 from funcgrad._jaxpr import bind, is_float, source_line, sub_jaxprs
 
 
-def dropped_inputs(jaxpr, flow, diff_path) -> dict[int, dict[int, str]]:
+def dropped_inputs(jaxpr) -> dict[int, dict[int, str]]:
     """``{id(eqn): {input position: why}}`` for every ``custom_vjp_call`` in `jaxpr` (nested
     ones included) whose pullback gives an input a cotangent that does not depend on the
-    output cotangent, although the function's output depends on that input.
-
-    Args:
-      jaxpr: the program.
-      flow, diff_path: `funcgrad.debug.diagnose`'s dependence analysis (``flow(jaxpr, in_deps)``)
-        and its seed for a differentiable path (``diff_path``), passed in to avoid a cycle.
-    """
+    output cotangent, although the function's output depends on that input (read with the
+    dependence analysis of `funcgrad._dependence`)."""
     found: dict[int, dict[int, str]] = {}
-    _walk(jaxpr, flow, diff_path, found, "")
+    _walk(jaxpr, found, "")
     return found
 
 
-def _walk(jaxpr, flow, diff_path, found, where):
+def _walk(jaxpr, found, where):
     for eqn in jaxpr.eqns:
         here = source_line(eqn) or where
         if ji.kind(eqn) == "custom_vjp" and id(eqn) not in found:
-            drops = _probe(eqn, flow, diff_path, here)
+            drops = _probe(eqn, here)
             if drops:
                 found[id(eqn)] = drops
         for _, sub, _ in sub_jaxprs(eqn):
-            _walk(sub, flow, diff_path, found, here)
+            _walk(sub, found, here)
 
 
-def _probe(eqn, flow, diff_path, where) -> dict[int, str]:
+def _probe(eqn, where) -> dict[int, str]:
     """The inputs of one ``custom_vjp_call`` whose cotangent ignores the output cotangent."""
     ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
     outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
@@ -58,6 +55,7 @@ def _probe(eqn, flow, diff_path, where) -> dict[int, str]:
     except Exception:  # noqa: BLE001 - a rule that cannot be traced abstractly: no verdict
         return {}
     n_in = len(ins)
+    diff_path = Path(DIFF, "")
     seeds: list[dict] = [{} for _ in range(n_in)] + [{0: diff_path} for _ in outs]
     cts = flow(closed.jaxpr, seeds)
     sub, _ = ji.call_body(eqn)

@@ -57,7 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcgrad._flow import DIFF, STOP, ZERO, Path, flow
+from funcgrad._dependence import DIFF, STOP, ZERO, Path, flow
+from funcgrad._dependence import ZERO_DERIVATIVE_PRIMITIVES as ZERO_DERIVATIVE_PRIMITIVES
 from funcgrad._jaxpr import arg_names, check_array_args, leaf_paths
 from funcgrad._library_objects import is_inexact_array, left_out_fields, split_equinox_args
 from funcgrad._traced import traced_values
@@ -193,7 +194,7 @@ def explain_grads(loss_fn: Callable, params: Any, *args: Any,
     n_all = len(closed.jaxpr.invars)
     in_deps = [({i: Path(DIFF, "")} if i < len(p_leaves) and floating[i] else {})
                for i in range(n_all)]
-    drops = dropped_inputs(closed.jaxpr, flow, Path(DIFF, ""))
+    drops = dropped_inputs(closed.jaxpr)
     primal = flow(closed.jaxpr, in_deps, drops=drops)[0]
 
     diff_idx = [i for i, f in enumerate(floating) if f]

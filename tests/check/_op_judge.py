@@ -51,11 +51,15 @@ def resolution(report, row, plant: Plant, n: int, k: int) -> tuple[float, str]:
     return bound / directional_quantile(n, k), "fallback (atol*max(1,|f|)+rtol*|g|)/q99"
 
 
-def check_correct(op: Op, dtype: str, mode: str, order: int = 1, **kwargs) -> dict:
-    """check_grads on the unmodified op: the report must be ok."""
+#: The check each mode names.
+CHECKS = {"full": fg.check_grads, "directional": fg.check_directional}
+
+
+def check_correct(op: Op, dtype: str, mode: str, order: int = 1) -> dict:
+    """check_grads (or check_directional) on the unmodified op: the report must be ok."""
     xs = op.inputs(DTYPES[dtype])
-    report = fg.check_grads(objective(op, DTYPES[dtype]), *xs, argnums=tuple(range(len(xs))),
-                            mode=mode, order=order, **kwargs)
+    report = CHECKS[mode](objective(op, DTYPES[dtype]), *xs, argnums=tuple(range(len(xs))),
+                          options=fg.CheckOptions(order=order))
     bad = [r for r in report.rows if not r.ok]
     return {"op": op.name, "dtype": dtype, "mode": mode, "order": order, "ok": report.ok,
             "statuses": [r.status for r in report.rows],
@@ -85,8 +89,9 @@ def check_planted(op: Op, dtype: str, mode: str, deltas=(0.0, 1e-2, 1e-4),
     out = []
     for delta in deltas:
         scales = plant.scales(op, delta)
-        report = fg.check_grads(phi, *xs, scales, argnums=argnums, mode=mode,
-                                num_directions=num_directions)
+        report = (fg.check_grads(phi, *xs, scales, argnums=argnums) if mode == "full" else
+                  fg.check_directional(phi, *xs, scales, argnums=argnums,
+                                       num_directions=num_directions))
         row = report.rows[plant.arg]
         res, source = resolution(report, row, plant, n, num_directions)
         e = plant.error(delta)

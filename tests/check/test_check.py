@@ -10,6 +10,9 @@ import pytest
 import funcgrad as fg
 from funcgrad.check.testing import assert_grads_close
 
+#: The two checks, by the mode their reports name.
+CHECKS = {"full": fg.check_grads, "directional": fg.check_directional}
+
 # --- a dense layer with a hand-written backward, optionally wrong ------------------------
 
 def make_dense(bug=None):
@@ -78,8 +81,7 @@ def test_correct_function_passes(mode, dtype, structure):
     with jax.enable_x64(dtype == jnp.float64):
         params, x, y = _mlp(dtype=dtype)
         tree = STRUCTURES[structure](params)
-        report = fg.check_grads(lambda p, x, y: plain_loss(_as_list(p), x, y), tree, x, y,
-                                mode=mode)
+        report = CHECKS[mode](lambda p, x, y: plain_loss(_as_list(p), x, y), tree, x, y)
     assert report.ok, str(report)
     assert report.dtype_used == "float64"  # float32 inputs are promoted for the check
     assert len(report.rows) == 4 and all(r.status == "ok" for r in report.rows)
@@ -110,7 +112,8 @@ def test_float32_work_off_the_differentiated_path_keeps_the_check_in_float64():
     # checked as computed, it sets the tolerances.
     cast = lambda p, x, y: plain_loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), x, y)
     assert fg.check_grads(cast, params, x, y).lifted_from == "float32"
-    assert fg.check_grads(cast, params, x, y, lift_precision=False).dtype_used == "float32"
+    as_computed = fg.CheckOptions(lift_precision=False)
+    assert fg.check_grads(cast, params, x, y, options=as_computed).dtype_used == "float32"
 
 
 def test_has_aux_and_argnums_tuple_name_each_argument():
@@ -136,7 +139,7 @@ def test_non_scalar_output_checks_vjp_with_a_random_cotangent():
 def test_doubled_element_is_located_to_leaf_and_element(mode):
     params, x, y = _mlp()
     buggy = functools.partial(mlp_loss, dense=make_dense(("double", (2, 1))))
-    report = fg.check_grads(buggy, params, x, y, mode=mode)
+    report = CHECKS[mode](buggy, params, x, y)
     assert not report.ok
     [bad] = report.failures
     assert bad.path == "params[0]['w']" and bad.worst_index == (2, 1)
@@ -188,8 +191,8 @@ def test_directional_mode_localises_in_a_large_model():
 
     g = jax.grad(loss)(params, x, y, make_dense())
     target = tuple(int(i) for i in np.unravel_index(np.argmax(np.abs(g[1]["w"])), g[1]["w"].shape))
-    report = fg.check_grads(functools.partial(loss, dense=make_dense(("double", target))),
-                            params, x, y, mode="directional")
+    report = fg.check_directional(functools.partial(loss, dense=make_dense(("double", target))),
+                                  params, x, y)
     assert [r.path for r in report.failures] == ["params[1]['w']"]
     bad = report.failures[0]
     assert bad.worst_index == target
@@ -227,27 +230,27 @@ def test_an_accidental_stop_gradient_fails_and_is_named(mode):
         return jnp.sum(jax.lax.stop_gradient(p["a"]) * p["b"])
 
     p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
-    report = fg.check_grads(f, p, mode=mode)
+    report = CHECKS[mode](f, p)
     assert not report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"]
     assert [r.path for r in report.failures] == ["p['a']"]
     assert "FAILED" in str(report) and "allow_stop_gradient=[\"p['a']\"]" in str(report)
     with pytest.raises(AssertionError, match="stop_gradient"):
         report.raise_if_failed()
     with pytest.raises(AssertionError, match="stop_gradient"):
-        assert_grads_close(f, p, mode=mode)
+        assert_grads_close(f, p)
     if mode == "full":  # the worst element shows the cut: JAX 0, finite differences b[0] = 3
         assert report.rows[0].worst_index == (0,)
         assert (report.rows[0].analytic, report.rows[0].numeric) == pytest.approx((0.0, 3.0))
     # Declared, by path (or prefix) or for every leaf, it passes.
     for allow in (["p['a']"], "p['a']", True):
-        declared = fg.check_grads(f, p, mode=mode, allow_stop_gradient=allow)
+        declared = CHECKS[mode](f, p, allow_stop_gradient=allow)
         assert declared.ok and [r.status for r in declared.rows] == [
             "stop_gradient_declared", "ok"], str(declared)
     with pytest.raises(ValueError, match=r"names .p\['c'\]..*p\['a'\], p\['b'\]"):
         fg.check_grads(f, p, allow_stop_gradient=["p['c']"])
-    with pytest.warns(DeprecationWarning, match="allow_stop_gradient"):
-        old = fg.check_grads(f, p, mode=mode, respect_stop_gradient=True)
-    assert old.ok
+    with pytest.raises(TypeError, match="respect_stop_gradient= is no longer a keyword; it is "
+                                        "allow_stop_gradient=True"):
+        fg.check_grads(f, p, respect_stop_gradient=True)
 
 
 def test_a_declared_stop_gradient_does_not_excuse_another_leaf():
@@ -283,9 +286,9 @@ def test_stop_gradient_inside_remat_scan_and_cond_is_named(f, mode):
     # branch: JAX's d/da is 0 where the central difference sees b (or 2b), so only the
     # see-through gradient, rebuilt through these primitives, explains the difference.
     p = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, -1.0])}
-    report = fg.check_grads(f, p, mode=mode)
+    report = CHECKS[mode](f, p)
     assert not report.ok and [r.status for r in report.rows] == ["stop_gradient", "ok"], str(report)
-    declared = fg.check_grads(f, p, mode=mode, allow_stop_gradient=True)
+    declared = CHECKS[mode](f, p, allow_stop_gradient=True)
     assert declared.ok and [r.status for r in declared.rows] == ["stop_gradient_declared", "ok"]
 
 
@@ -314,12 +317,13 @@ def _cube_by_while(p):
 def test_a_while_loop_is_checked_in_forward_mode_alone(mode):
     # Hand: d/dp sum(p**3) = 3 p**2 = [6.75, 0.75] at p = [1.5, -0.5]; fwd alone checks it.
     p = jnp.array([1.5, -0.5])
-    report = fg.check_grads(_cube_by_while, p, modes=("fwd",), mode=mode)
+    report = CHECKS[mode](_cube_by_while, p, options=fg.CheckOptions(modes=("fwd",)))
     assert report.ok and report.modes == ("fwd",)
     if mode == "full":  # the worst element's jvp is 3 p**2 there
         i = report.rows[0].worst_index[0]
         np.testing.assert_allclose(report.rows[0].analytic, 3 * float(p[i]) ** 2, rtol=1e-9)
-    with pytest.raises(ValueError, match=r"while_loop.*modes=\('fwd',\)"):
+    with pytest.raises(ValueError,
+                       match=r"while_loop.*options=funcgrad\.CheckOptions\(modes=\('fwd',\)\)"):
         fg.check_grads(_cube_by_while, p)
 
 
@@ -332,16 +336,17 @@ def test_forward_mode_alone_checks_every_element_and_catches_a_wrong_jvp():
     square.defjvp(lambda pr, t: (square(pr[0]),
                                  2 * pr[0] * t[0] * jnp.array([1.0, 1.5, 1.0])))
     report = fg.check_grads(lambda x: jnp.sum(square(x)), jnp.array([1.0, 2.0, -1.0]),
-                            modes=("fwd",))
+                            options=fg.CheckOptions(modes=("fwd",)))
     assert not report.ok and report.rows[0].worst_index == (1,)
     # Hand: analytic 3 * 2 = 6 where the central difference gives 2 * 2 = 4.
     np.testing.assert_allclose([report.rows[0].analytic, report.rows[0].numeric], [6.0, 4.0],
                                rtol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"modes": ("fwd",)}, {"modes": ("rev",)},
-                                    {"mode": "directional"}], ids=["both", "fwd", "rev", "dir"])
-def test_stop_gradient_inside_a_while_loop_is_named(kwargs):
+@pytest.mark.parametrize("mode, modes", [("full", ("rev", "fwd")), ("full", ("fwd",)),
+                                         ("full", ("rev",)), ("directional", ("rev", "fwd"))],
+                         ids=["both", "fwd", "rev", "dir"])
+def test_stop_gradient_inside_a_while_loop_is_named(mode, modes):
     # f(a) = sum over 3 iterations of sg(a)**2, plus sum(a): JAX's gradient is 1 per element,
     # the central difference 6a + 1. Without stop_gradient the loop depends on a, so the
     # see-through gradient can only be taken in forward mode.
@@ -350,17 +355,20 @@ def test_stop_gradient_inside_a_while_loop_is_named(kwargs):
     def f(a):
         return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + sg(a) ** 2),
                                   (0, jnp.zeros(3)))[1].sum() + a.sum()
-    report = fg.check_grads(f, jnp.array([1.0, 2.0, 3.0]), **kwargs)
+    options = fg.CheckOptions(modes=modes)
+    report = CHECKS[mode](f, jnp.array([1.0, 2.0, 3.0]), options=options)
     assert not report.ok and [r.status for r in report.rows] == ["stop_gradient"], str(report)
-    declared = fg.check_grads(f, jnp.array([1.0, 2.0, 3.0]), allow_stop_gradient=True, **kwargs)
+    declared = CHECKS[mode](f, jnp.array([1.0, 2.0, 3.0]), allow_stop_gradient=True,
+                            options=options)
     assert declared.ok and [r.status for r in declared.rows] == ["stop_gradient_declared"]
 
 
 def test_second_order_through_a_while_loop_is_a_clear_error():
     wl = lambda a: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1])),
                                       (0, a))[1].sum()
-    with pytest.raises(ValueError, match=r"order=2 checks the gradient.*modes=\('fwd',\)"):
-        fg.check_grads(wl, jnp.ones(3), modes=("fwd",), order=2)
+    with pytest.raises(ValueError,
+                       match=r"order=2 checks the gradient.*CheckOptions\(modes=\('fwd',\)\)"):
+        fg.check_grads(wl, jnp.ones(3), options=fg.CheckOptions(modes=("fwd",), order=2))
 
 
 def test_empty_leaves_are_skipped_not_failed():
@@ -369,7 +377,7 @@ def test_empty_leaves_are_skipped_not_failed():
     f = lambda p: jnp.sum(p["a"] ** 2) + jnp.sum(p["e"])
     p = {"a": jnp.ones(2), "e": jnp.zeros((0,))}
     for mode in ("full", "directional"):
-        report = fg.check_grads(f, p, mode=mode)
+        report = CHECKS[mode](f, p)
         assert report.ok and [r.path for r in report.rows] == ["p['a']"]
         assert any("p['e']" in s and "empty" in s for s in report.skipped)
     with pytest.raises(ValueError, match=r"no floating leaf to differentiate.*skipped: e \(shape"):
@@ -386,7 +394,8 @@ def test_forward_mode_alone_in_directional_mode_locates_the_element():
         return x * x
     square.defjvp(lambda pr, t: (square(pr[0]), 2 * pr[0] * t[0] * scale))
     x = jnp.linspace(0.5, 2.0, 64)
-    report = fg.check_grads(lambda x: jnp.sum(square(x)), x, modes=("fwd",), mode="directional")
+    report = fg.check_directional(lambda x: jnp.sum(square(x)), x,
+                                  options=fg.CheckOptions(modes=("fwd",)))
     row = report.rows[0]
     assert not report.ok and row.worst_index == (37,)
     np.testing.assert_allclose([row.analytic, row.numeric], [3 * float(x[37]), 2 * float(x[37])],
@@ -394,8 +403,10 @@ def test_forward_mode_alone_in_directional_mode_locates_the_element():
 
 
 def test_forward_mode_alone_with_a_custom_vjp_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"modes=\('fwd',\) but fn uses a custom_vjp"):
-        fg.check_grads(lambda p: mlp_loss(p, *_mlp()[1:]), _mlp()[0], modes=("fwd",))
+    with pytest.raises(ValueError,
+                       match=r"CheckOptions\(modes=\('fwd',\)\) but fn uses a custom_vjp"):
+        fg.check_grads(lambda p: mlp_loss(p, *_mlp()[1:]), _mlp()[0],
+                       options=fg.CheckOptions(modes=("fwd",)))
 
 
 # --- second order -----------------------------------------------------------------------
@@ -412,7 +423,7 @@ SECOND_ORDER = {
 @pytest.mark.parametrize("name", list(SECOND_ORDER))
 def test_order_two_passes_from_float32_inputs(name):
     fn, args = SECOND_ORDER[name]
-    report = fg.check_grads(fn, *args, order=2)
+    report = fg.check_grads(fn, *args, options=fg.CheckOptions(order=2))
     assert report.ok and report.order == 2 and report.dtype_used == "float64", str(report)
 
 
@@ -432,7 +443,7 @@ def test_order_two_catches_a_wrong_hessian():
     cube.defjvp(lambda p, t: (cube(p[0]), 3 * frozen_sq(p[0]) * t[0]))
     x = jnp.array([0.7, -1.2])
     assert fg.check_grads(lambda x: jnp.sum(cube(x)), x).ok
-    second = fg.check_grads(lambda x: jnp.sum(cube(x)), x, order=2)
+    second = fg.check_grads(lambda x: jnp.sum(cube(x)), x, options=fg.CheckOptions(order=2))
     [bad] = second.failures
     assert bad.analytic == pytest.approx(0.0, abs=1e-12) and abs(bad.numeric) > 1.0
 
@@ -444,7 +455,8 @@ def test_function_forcing_float32_is_checked_with_float32_tolerances_as_computed
     lifted = fg.check_grads(f, jnp.linspace(-1, 1, 5))  # the default: float32 lifted
     assert lifted.ok and lifted.dtype_used == "float64" and lifted.lifted_from == "float32"
     assert (lifted.eps, lifted.rtol, lifted.atol) == fg.check.TOLERANCES["float64"]
-    report = fg.check_grads(f, jnp.linspace(-1, 1, 5), lift_precision=False)
+    report = fg.check_grads(f, jnp.linspace(-1, 1, 5),
+                            options=fg.CheckOptions(lift_precision=False))
     assert report.ok and report.dtype_used == "float32"
     assert (report.eps, report.rtol, report.atol) == fg.check.TOLERANCES["float32"]
     assert any("computes in float32" in n for n in report.notes)
@@ -465,12 +477,12 @@ def test_errors_are_clear():
     with pytest.raises(ValueError,
                        match=r"not finite at the primal point.*first at output\[1\] = -inf"):
         fg.check_grads(lambda x: jnp.log(x), jnp.array([1.0, 0.0, 2.0]))
-    with pytest.raises(ValueError, match="mode must be 'full' or 'directional'"):
+    with pytest.raises(TypeError, match="mode= is no longer a keyword"):
         fg.check_grads(jnp.sum, jnp.ones(2), mode="fast")
     with pytest.raises(ValueError, match="argnums=3 is out of range"):
         fg.check_grads(jnp.sum, jnp.ones(2), argnums=3)
     with pytest.raises(ValueError, match="order must be 1 or 2"):
-        fg.check_grads(jnp.sum, jnp.ones(2), order=3)
+        fg.check_grads(jnp.sum, jnp.ones(2), options=fg.CheckOptions(order=3))
     with pytest.raises(TypeError, match="fn must be callable"):
         fg.check_grads("loss", jnp.ones(2))
 
@@ -551,14 +563,17 @@ def test_directional_tangents_are_described_not_stored():
     assert plan.raw.shape == (k, n)            # what is stored: the draws, not (8, 11)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"num_directions": 0}, ValueError, "num_directions must be a positive int, got 0"),
-    ({"chunk_size": -2}, ValueError, "chunk_size must be a positive int or None, got -2"),
-    ({"argnums": True}, TypeError, "argnums must be an int or a non-empty tuple of ints"),
+@pytest.mark.parametrize("call, error, match", [
+    (lambda f, x: fg.check_directional(f, x, num_directions=0), ValueError,
+     "num_directions must be a positive int .*, got 0"),
+    (lambda f, x: fg.check_grads(f, x, options=fg.CheckOptions(chunk_size=-2)), ValueError,
+     "chunk_size must be a positive int or None, got -2"),
+    (lambda f, x: fg.check_grads(f, x, argnums=True), TypeError,
+     "argnums must be an int or a non-empty tuple of ints"),
 ], ids=["no_directions", "negative_chunk", "bool_argnums"])
-def test_bad_settings_are_named(kwargs, error, match):
+def test_bad_settings_are_named(call, error, match):
     with pytest.raises(error, match=match):
-        fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2), **kwargs)
+        call(lambda x: jnp.sum(x ** 2), jnp.ones(2))
 
 
 def test_non_array_and_static_arguments_get_the_partial_fix():
@@ -609,7 +624,7 @@ def test_tolerances_follow_a_float32_cast_inside_a_float64_function():
         return jnp.sum(jax.nn.softmax(h.astype(jnp.float32)).astype(h.dtype) * x)
 
     point = jax.random.normal(jax.random.key(1), (5,))
-    report = fg.check_grads(f, point, lift_precision=False)
+    report = fg.check_grads(f, point, options=fg.CheckOptions(lift_precision=False))
     assert report.ok and report.dtype_used == "float32"
     assert any("computes in float32" in n for n in report.notes)
     lifted = fg.check_grads(f, point)
@@ -629,7 +644,7 @@ def test_bad_steps_and_tolerances_are_refused(kwargs, error, match):
     # eps=0 used to fall back silently to the default step (eps or default), and eps=-1 ran
     # with a negative step: both "passed".
     with pytest.raises(error, match=match):
-        fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2), **kwargs)
+        fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2), options=fg.CheckOptions(**kwargs))
 
 
 def test_zero_tolerances_and_an_explicit_step_are_used_as_given():
@@ -637,8 +652,8 @@ def test_zero_tolerances_and_an_explicit_step_are_used_as_given():
     # up to rounding (~1e-10 at eps = 1e-3), so rtol = atol = 0 demands exact agreement and
     # fails on rounding, while the report carries the values given.
     with jax.enable_x64(True):
-        report = fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2, jnp.float64), eps=1e-3,
-                                rtol=0, atol=1e-9)
+        report = fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2, jnp.float64),
+                                options=fg.CheckOptions(eps=1e-3, rtol=0, atol=1e-9))
     assert (report.eps, report.rtol, report.atol) == (1e-3, 0.0, 1e-9) and report.ok
 
 
@@ -679,20 +694,20 @@ def test_a_long_full_check_announces_its_time_and_shows_progress(monkeypatch, ca
         return jnp.sum(jnp.sin(x))
     f.defvjp(lambda x: (f(x), x), lambda x, g: (g * jnp.cos(x) * scale,))
     x = jnp.linspace(-2.0, 2.0, 150)
-    one_call = fg.check_grads(f, x, progress=False)
-    assert "check_grads: full mode" not in capsys.readouterr().err  # quick: nothing printed
+    one_call = fg.check_grads(f, x, options=fg.CheckOptions(progress=False))
+    assert "check_grads perturbs" not in capsys.readouterr().err  # quick: nothing printed
     monkeypatch.setattr(_full_pass, "SLOW_SECONDS", 0.0)
-    blocked = fg.check_grads(f, x, chunk_size=2)
+    blocked = fg.check_grads(f, x, options=fg.CheckOptions(chunk_size=2))
     err = capsys.readouterr().err
-    assert "perturbs each of 150 elements twice (300 forward passes)" in err
-    assert "mode='directional'" in err and "left" in err
+    assert "check_grads perturbs each of 150 elements twice (300 forward passes)" in err
+    assert "funcgrad.check_directional" in err and "left" in err
     assert blocked.rows[0].worst_index == one_call.rows[0].worst_index == (77,)
     # The sums run in other vmap widths, so f differs in its last bits: ~1e-16 / 2e-6 ≈ 1e-10.
     assert blocked.rows[0].numeric == pytest.approx(one_call.rows[0].numeric, rel=1e-8)
     assert blocked.rows[0].analytic == pytest.approx(float(scale[77]) * np.cos(float(x[77])),
                                                      rel=1e-12)  # scale is float32 1.01
     with pytest.raises(TypeError, match="progress must be True, False or None"):
-        fg.check_grads(f, x, progress="yes")
+        fg.check_grads(f, x, options=fg.CheckOptions(progress="yes"))
 
 
 def test_unusable_outputs_and_argnums_get_clear_errors():

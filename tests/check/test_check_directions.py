@@ -60,13 +60,14 @@ def test_audit_blocks_catch_a_relative_1e4_error_that_whole_leaf_tangents_miss()
     full = fg.check_grads(buggy, params, x, y)
     assert full.rows[1].status == "fail" and full.rows[1].worst_index == j
 
-    whole = [fg.check_grads(buggy, params, x, y, mode="directional", seed=s) for s in range(4)]
+    whole = [fg.check_directional(buggy, params, x, y, options=fg.CheckOptions(seed=s))
+             for s in range(4)]
     assert sum(r.ok for r in whole) >= 3
     assert all(r.rows[1].resolution > 5 * e for r in whole)
 
     for seed in range(4):
         report = fg.audit(buggy, params, x, y, max_full_elements=100, max_evaluations=6000,
-                          seed=seed)
+                          options=fg.CheckOptions(seed=seed))
         [bad] = report.failures
         assert bad.path == "params[0]['w']" and bad.worst_index == j
         assert bad.resolution < e / 3
@@ -124,15 +125,16 @@ def test_an_error_just_above_the_stated_resolution_is_caught_and_one_far_below_i
                  lambda w, g: (g * (a * jnp.cos(w)).at[123].add(error),))
         return f
 
-    clean = fg.check_grads(make(0.0), w, mode="directional", block_size=50)
+    clean = fg.check_directional(make(0.0), w, block_size=50)
     [row] = clean.rows
     assert clean.ok and row.resolution is not None
     above = make(1.1 * row.resolution)
     for seed in range(8):
-        [bad] = fg.check_grads(above, w, mode="directional", block_size=50, seed=seed).rows
+        [bad] = fg.check_directional(above, w, block_size=50,
+                                     options=fg.CheckOptions(seed=seed)).rows
         assert bad.status == "fail" and bad.worst_index == (123,)
     assert row.resolution / 1000 < clean.atol
-    below = fg.check_grads(make(row.resolution / 1000), w, mode="directional", block_size=50)
+    below = fg.check_directional(make(row.resolution / 1000), w, block_size=50)
     assert below.ok
 
 
@@ -157,13 +159,12 @@ def test_the_smallest_block_size_within_the_budget_is_chosen():
     assert _directions.choose_block_size([100, 20], 4, 2, 23) is None
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"block_size": 0, "mode": "directional"}, "block_size must be a positive int"),
-    ({"block_size": 4}, "only with mode='directional'"),
-], ids=["zero", "full_mode"])
-def test_bad_block_sizes_are_named(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2), **kwargs)
+def test_bad_block_sizes_are_named():
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        fg.check_directional(lambda x: jnp.sum(x ** 2), jnp.ones(2), block_size=0)
+    with pytest.raises(TypeError, match=r"block_size= is no longer a keyword; .*"
+                                        r"funcgrad\.check_directional\(fn, \*args, block_size=B\)"):
+        fg.check_grads(lambda x: jnp.sum(x ** 2), jnp.ones(2), block_size=4)
 
 
 def test_audit_refuses_a_bad_evaluation_budget():
@@ -171,14 +172,12 @@ def test_audit_refuses_a_bad_evaluation_budget():
         fg.audit(lambda p: jnp.sum(p ** 2), jnp.ones(2), max_full_elements=1, max_evaluations=0)
 
 
-def test_audit_uses_a_given_block_size_when_directional_and_ignores_it_when_full():
-    # f(w) = sum(w³)/3 on 6 elements: full mode below max_full_elements (block_size ignored);
-    # above it, blocks of 2 -> 3 blocks, each with its own tangents: 4·(3 + 1) = 16 tangents,
-    # and the row states the 2-element block's resolution.
+def test_blocks_of_two_state_a_two_element_resolution():
+    # f(w) = sum(w³)/3 on 6 elements in blocks of 2 -> 3 blocks, each with its own tangents:
+    # 4·(3 + 1) = 16 tangents, and the row states the 2-element block's resolution.
     f = lambda w: jnp.sum(w ** 3) / 3
     w = jnp.linspace(0.5, 1.0, 6)
-    assert fg.audit(f, w, block_size=2).mode == "full"
-    report = fg.audit(f, w, max_full_elements=1, block_size=2)
+    report = fg.check_directional(f, w, block_size=2)
     [row] = report.rows
     assert report.mode == "directional" and report.ok
     # For B = 2, v_j = cos(theta) with theta uniform: P(|v_j| < c) = 2·arcsin(c)/pi = p/2, so
@@ -191,5 +190,5 @@ def test_audit_uses_a_given_block_size_when_directional_and_ignores_it_when_full
     assert row.resolution >= report.atol / c
     assert row.resolution < (report.atol + 1e-9) / c + 1e-5
     # The whole 6-element leaf's tangents see less: c is about 0.2/sqrt(6) = 0.08 < 0.245.
-    whole = fg.check_grads(f, w, mode="directional")
+    whole = fg.check_directional(f, w)
     assert whole.rows[0].resolution > 2 * row.resolution

@@ -126,9 +126,10 @@ Y32 = jnp.array([0.3 + 3.8e-4, 0.7], jnp.float32)
 
 def test_float32_rem_near_its_jump_is_judged_with_the_smaller_step():
     # Checked as computed, in float32 (lifted to float64, eps = 1e-6 would not reach the jump).
-    jax_rule = fg.check_grads(_rem32(jax.lax.rem), Y32, lift_precision=False)
+    as_computed = fg.CheckOptions(lift_precision=False)
+    jax_rule = fg.check_grads(_rem32(jax.lax.rem), Y32, options=as_computed)
     assert jax_rule.ok and jax_rule.dtype_used == "float32", str(jax_rule)
-    report = fg.check_grads(_rem32(rem_with_rule()), Y32, lift_precision=False)
+    report = fg.check_grads(_rem32(rem_with_rule()), Y32, options=as_computed)
     [row] = report.rows
     assert row.ok and row.status == "ok", str(report)
     assert row.worst_index == (0,) and row.analytic == -9.0
@@ -175,6 +176,6 @@ def test_heavy_cancellation_passes_in_directional_mode_too():
     # 20 x 1.2e-10 / 2e-6 = 1.2e-3, typically sqrt(40) x 3.4e-11 / 2e-6 = 1.1e-4 (1.6e-4 seen),
     # 1000x the floor from |f|. The tangents that miss the floor are measured, not failed.
     x = jax.random.uniform(jax.random.key(0), (20,), minval=-3, maxval=3)
-    report = fg.check_grads(_cancelling(sin_with_rule()), x, mode="directional")
+    report = fg.check_directional(_cancelling(sin_with_rule()), x)
     assert report.ok and report.rows[0].status == "ok", str(report)
     assert report.rows[0].max_abs_error > 1e-5  # the round-off was there to be measured

@@ -82,7 +82,7 @@ def test_a_correct_bfloat16_function_passes_at_float64_tolerances():
 def test_opting_out_checks_as_computed_and_states_the_resolution():
     w, x, c = _point()
     report = fg.check_grads(bf16_layer(make_tanh(bug=((0, 1), 1.1))), w, x, c,
-                            lift_precision=False)
+                            options=fg.CheckOptions(lift_precision=False))
     assert report.lifted_from is None and report.dtype_used == "bfloat16"
     assert report.ok  # the 10% bug hides under bfloat16 tolerances: what lifting is for
     assert any("relative errors below 0.2, and any error at all in a derivative smaller than 0.2"
@@ -136,7 +136,8 @@ def test_a_custom_jvp_inside_a_bfloat16_scan_is_lifted_too():
     good = fg.check_grads(f(make_sin(1.0)), x)
     assert good.ok and good.lifted_from == "bfloat16", str(good)
     for mode in ("full", "directional"):
-        bad = fg.check_grads(f(make_sin(1.1)), x, mode=mode)
+        bad = {"full": fg.check_grads, "directional": fg.check_directional}[mode](
+            f(make_sin(1.1)), x)
         assert not bad.ok and bad.lifted_from == "bfloat16", mode
         # analytic = 1.1^2 x the true derivative (the rule runs at both steps), 1.1 as the
         # rule's bfloat16 trace stored it (1.1015625): a literal keeps its rounded value.
@@ -181,7 +182,7 @@ def test_where_lifting_cannot_reach_the_check_falls_back_and_says_what_it_could_
         report.raise_if_failed(strict=True)
     # Opting out (lift_precision=False) is what was asked: not weaker.
     asked = fg.check_grads(lambda x: jnp.sum(host_sin(x.astype(jnp.float32))),
-                           jnp.array([0.1, 0.5]), lift_precision=False)
+                           jnp.array([0.1, 0.5]), options=fg.CheckOptions(lift_precision=False))
     assert asked.ok and asked.weaker is None
 
 
@@ -198,7 +199,8 @@ def test_a_lift_that_breaks_inside_funcgrad_raises_instead_of_passing_at_low_pre
 
     monkeypatch.setattr(_lift, "_lifted_bind", broken)
     w, x, c = _point()
-    with pytest.raises(fg.LiftError, match="lift_precision=False"):
+    with pytest.raises(fg.LiftError,
+                       match=r"options=funcgrad\.CheckOptions\(lift_precision=False\)"):
         fg.check_grads(bf16_layer(make_tanh(bug=((0, 1), 1.1))), w, x, c)
 
 
@@ -319,8 +321,8 @@ def test_a_three_way_tie_is_held_to_jax_s_own_share():
 
 def test_a_tie_in_directional_mode_is_held_to_the_convention_too():
     v = jnp.array([1.0, 3.0, 3.0, -2.0])
-    assert fg.check_grads(custom_max(0.5), v, mode="directional").ok
-    assert not fg.check_grads(custom_max(0.55), v, mode="directional").ok
+    assert fg.check_directional(custom_max(0.5), v).ok
+    assert not fg.check_directional(custom_max(0.55), v).ok
 
 
 def test_a_correct_bfloat16_flax_model_with_dropout_and_layernorm_passes_lifted():
@@ -395,7 +397,7 @@ def test_a_float32_while_loop_under_rev_is_fn_s_own_error_not_a_lift_error():
         body = lambda s: (s[0] * w.astype(jnp.float32), s[1] + 1)  # noqa: E731
         return jax.lax.while_loop(lambda s: s[1] < 3, body, (w.astype(jnp.float32), 0))[0].sum()
 
-    with pytest.raises(ValueError, match="while_loop.*modes=\\('fwd',\\)"):
+    with pytest.raises(ValueError, match="while_loop.*CheckOptions\\(modes=\\('fwd',\\)\\)"):
         fg.check_grads(f, jnp.ones(3, jnp.float32))
 
 

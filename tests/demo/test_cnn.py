@@ -145,7 +145,7 @@ def test_gradients_match_finite_differences(key):
     # The loss under the contract, bound to a model state and key as the analysis tools take it.
     bound = fg.Loss(cnn_loss, has_state=True, takes_key=True).bind(model_state=state,
                                                                    key=dropout_key)
-    report = fg.check_grads(bound, params, batch, progress=False)
+    report = fg.check_grads(bound, params, batch, options=fg.CheckOptions(progress=False))
     assert report.ok, report
     assert {row.path for row in report.rows} == {
         f"params['{layer}']['{leaf}']" for layer, leaf in [

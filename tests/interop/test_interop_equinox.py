@@ -140,7 +140,7 @@ def test_reports_name_leaves_by_equinox_paths():
     loss = m.loss(_ce, train=True).bind(m.model_state, jax.random.key(2))
     names = ["params.conv.weight", "params.conv.bias", "params.bn.weight", "params.bn.bias",
              "params.out.weight", "params.out.bias"]
-    report = fg.check_grads(loss, m.params, batch, mode="directional")
+    report = fg.check_directional(loss, m.params, batch)
     assert [r.path for r in report.rows] == names and report.ok
     monitor = fg.grad_monitor()
     _, metrics = monitor.update(monitor.init(m.params), jax.grad(loss)(m.params, batch))

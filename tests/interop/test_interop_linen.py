@@ -160,7 +160,7 @@ def test_reports_name_leaves_by_linen_paths(setup):
     names = ["params['BatchNorm_0']['bias']", "params['BatchNorm_0']['scale']",
              "params['Conv_0']['bias']", "params['Conv_0']['kernel']",
              "params['Dense_0']['bias']", "params['Dense_0']['kernel']"]
-    report = fg.check_grads(loss, m.params, batch, mode="directional")
+    report = fg.check_directional(loss, m.params, batch)
     assert [r.path for r in report.rows] == names and report.ok
     explanation = fg.explain_grads(loss, m.params, batch)
     assert [r.path for r in explanation.rows] == names

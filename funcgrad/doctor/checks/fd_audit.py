@@ -14,8 +14,14 @@ from funcgrad.doctor._finding import Finding
 NAME = "fd_audit"
 
 
+def _quiet():
+    """The check's options: no progress bar or time estimate (the doctor prints its own)."""
+    from funcgrad.check.options import CheckOptions
+    return CheckOptions(progress=False)
+
+
 def check(ctx: Context) -> Finding:
-    from funcgrad.check.grads import audit
+    from funcgrad.check.audit import audit
 
     loss = ctx.subject.scalar_loss()
     at_start = float(jax.jit(loss)(ctx.subject.params, ctx.tiny))
@@ -25,7 +31,7 @@ def check(ctx: Context) -> Finding:
                        "and data", {"loss": at_start})
     report = audit(loss, ctx.subject.params, ctx.tiny,
                    max_full_elements=ctx.options.max_full_elements,
-                   max_evaluations=ctx.options.max_evaluations, progress=False)
+                   max_evaluations=ctx.options.max_evaluations, options=_quiet())
     trained = dict(zip(ctx.paths, ctx.trained))
     failed = [r for r in report.failures if trained.get(r.path, True)]
     evidence = {"mode": report.mode, "dtype": report.dtype_used, "leaves": len(report.rows),
@@ -67,7 +73,7 @@ def _persisting(ctx: Context, loss, failed: list, evidence: dict) -> list:
     (a ReLU pre-activation within the step of 0) makes a correct gradient disagree with its
     finite differences at that point only; a wrong rule or a stop_gradient disagrees at every
     point. Only the failed leaves are re-checked (the others fixed), so it costs little."""
-    from funcgrad.check.grads import audit
+    from funcgrad.check.audit import audit
 
     rows = ctx.options.tiny_rows
     other = ctx.subject.data.rows(rows, start=rows)
@@ -97,7 +103,7 @@ def _persisting(ctx: Context, loss, failed: list, evidence: dict) -> list:
         if not math.isfinite(float(jax.jit(part)(sub, other))):
             return failed
         again = audit(part, sub, other, max_full_elements=ctx.options.max_full_elements,
-                      max_evaluations=ctx.options.max_evaluations, progress=False)
+                      max_evaluations=ctx.options.max_evaluations, options=_quiet())
     except Exception:  # noqa: BLE001 - the second look is a refinement; keep the first verdict
         return failed
     position = {r.path: i for i, r in enumerate(again.rows)}  # rows in the order of `sub`

@@ -1,11 +1,11 @@
-"""Which inputs of a jaxpr each output depends on, and through what kind of path.
+"""Which differentiated leaves each value of a program depends on, and through what kind of path:
+differentiable, cut by ``stop_gradient``, or cut by an op whose derivative is zero (shared by
+`funcgrad.explain_grads` and the checked `funcgrad.custom_vjp`; private).
 
-The dependence analysis shared by `funcgrad.explain_grads` (why a gradient is zero) and
-`funcgrad.check_custom_vjp` (which inputs a custom rule's output depends on): for each output,
-the input leaves it depends on and the best kind of path from each, a differentiable one
-(`DIFF`) over one through ``stop_gradient`` (`STOP`) over one through an op whose derivative
-is zero (`ZERO`), with the primitive and line that cut it. It enters ``jit``, custom rules,
-``checkpoint``, ``scan`` (a fixpoint over the carry), ``cond`` and ``while``.
+A forward dependence analysis of a jaxpr: each input carries ``{leaf: Path}``, the best kind of
+path from that leaf (DIFF > STOP > ZERO) and where it was cut (the primitive and its source
+line); calls (jit, checkpoint, custom rules' primal programs) are entered, ``scan`` runs to a
+fixpoint over its carry, ``cond`` merges its branches and cuts at its index.
 """
 from __future__ import annotations
 
