@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from funcgrad.demo.mlp import mlp_apply as mlp_apply
     from funcgrad.demo.mlp import mlp_init as mlp_init
     from funcgrad.demo.mlp import softmax_cross_entropy as softmax_cross_entropy
-    from funcgrad.doctor._options import DoctorOptions as DoctorOptions
+    from funcgrad.doctor import DoctorOptions as DoctorOptions
     from funcgrad.memory.checkpointing import RematPlan as RematPlan
     from funcgrad.memory.checkpointing import plan_remat as plan_remat
     from funcgrad.memory.checkpointing import remat as remat

@@ -198,21 +198,9 @@ def test_no_module_is_over_500_lines():
     assert not stale, f"delete these from _ALLOWED_LONG: {stale}"
 
 
-#: Private names used across packages while others rework those rooms (issue 33, point 6):
-#: (importing module, imported module, name). Temporary: delete an entry when it is gone.
-_ALLOWED_PRIVATE = {
-    ("funcgrad.cli._resume", "funcgrad.train.checkpoint", "_check_like"),
-    ("funcgrad.cli._resume", "funcgrad.train.checkpoint", "_latest_meta"),
-    ("funcgrad.cli.doctor", "funcgrad.doctor._doctor", "doctor_file"),
-    ("funcgrad.cli.doctor", "funcgrad.doctor._finding", "CHECKS"),
-    ("funcgrad.cli.doctor", "funcgrad.doctor._model_file", "EXPECTED_FILE"),
-    ("funcgrad.cli.doctor", "funcgrad.doctor._model_file", "ModelFileError"),
-    ("funcgrad.doctor._model_file", "funcgrad.interop._model", "Model"),
-    ("funcgrad.doctor._subject", "funcgrad.train._keywords", "step_from_keywords"),
-    ("funcgrad.doctor._subject", "funcgrad.train.masks", "_leaf_flags"),
-    ("funcgrad.doctor._subject", "funcgrad.train.state", "_trainable_of"),
-    ("funcgrad.doctor.checks.overfit", "funcgrad.train._keywords", "step_from_keywords"),
-}
+#: Private names used across packages, as (importing module, imported module, name): none
+#: (issue 33, point 6). A new one fails the test below.
+_ALLOWED_PRIVATE: set[tuple[str, str, str]] = set()
 
 
 def _private_imports() -> set[tuple[str, str, str]]:

@@ -78,8 +78,8 @@ def _resumed_settings(train_parser: argparse.ArgumentParser, args: argparse.Name
     config = saved.get("config") or {}
     checkpoints = os.path.join(args.resume, "checkpoints")
     try:
-        from funcgrad.train.checkpoint import _latest_meta
-        latest = _latest_meta(checkpoints)
+        from funcgrad.train.checkpoint import latest_meta
+        latest = latest_meta(checkpoints)
     except (ImportError, OSError, ValueError) as e:
         train_parser.error(f"argument --resume: cannot read the checkpoints in {checkpoints}: "
                            f"{str(e).splitlines()[0]}")
@@ -161,11 +161,11 @@ def _given_flags(train_parser: argparse.ArgumentParser, argv: list[str]) -> set[
 def _check_resumable(args: argparse.Namespace, state, resumed: tuple[int, dict]) -> None:
     """ValueError, in the flags' terms, when the --resume checkpoint is not of the state these
     flags build (another model or optimizer: its metrics.json is another run's, or missing)."""
-    from funcgrad.train.checkpoint import _check_like
+    from funcgrad.train.checkpoint import check_like
 
     step, meta = resumed
     try:
-        _check_like(meta, state, step, f"--resume {args.resume}",
+        check_like(meta, state, step, f"--resume {args.resume}",
                     theirs="the flags' state", hint=False)
     except ValueError as e:
         metrics = os.path.join(args.resume, "metrics.json")

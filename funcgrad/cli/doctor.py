@@ -14,7 +14,7 @@ from funcgrad.cli._flags import _Parser, _positive, _seed
 
 def _names(text: str) -> list[str]:
     """A comma-separated list of check names (validated against CHECKS)."""
-    from funcgrad.doctor._finding import CHECKS
+    from funcgrad.doctor import CHECKS
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     wrong = [n for n in names if n not in CHECKS]
@@ -29,8 +29,7 @@ def add_parser(sub: Any) -> _Parser:
     """Adds the ``doctor`` command and its flags to `sub` (the top-level subparsers)."""
     import textwrap
 
-    from funcgrad.doctor._finding import CHECKS
-    from funcgrad.doctor._model_file import EXPECTED_FILE
+    from funcgrad.doctor import CHECKS, EXPECTED_FILE
 
     d = sub.add_parser(
         "doctor", help="run the gradient-debugging checklist on a model file",
@@ -64,7 +63,7 @@ def add_parser(sub: Any) -> _Parser:
 
 def run(parser: _Parser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``funcgrad doctor`` with its parsed `args`; returns the exit status."""
-    from funcgrad.doctor._model_file import ModelFileError
+    from funcgrad.doctor import ModelFileError
 
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"argument --out: {args.out} exists and is not a folder")

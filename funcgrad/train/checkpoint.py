@@ -213,7 +213,7 @@ def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
-def _latest_meta(directory: str | os.PathLike) -> tuple[int, dict] | None:
+def latest_meta(directory: str | os.PathLike) -> tuple[int, dict] | None:
     """(step, JSON metadata) of the latest complete checkpoint in `directory` (its position,
     history and leaf descriptions; the module docstring), without restoring any array; None
     when it holds none. ValueError if that checkpoint is not funcgrad's."""
@@ -241,7 +241,7 @@ def _funcgrad_meta(ocp, checkpointer, path: str, where: str) -> dict:
     return meta
 
 
-def _check_like(meta: dict, like: TrainState, step: int, where: str, *,
+def check_like(meta: dict, like: TrainState, step: int, where: str, *,
                 theirs: str = "like", hint: bool = True) -> list[dict]:
     """The saved leaf entries, after checking `like` has the same paths, dtypes and shapes
     (ValueError naming the first difference, calling `like` `theirs`; with `hint`, how to
@@ -331,7 +331,7 @@ def restore_checkpoint(directory: str | os.PathLike, like: TrainState, *,
     path = os.path.join(directory, str(step))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         meta = _funcgrad_meta(ocp, checkpointer, path, where)
-        _check_like(meta, like, step, where)
+        check_like(meta, like, step, where)
         leaves, treedef = jax.tree.flatten(like)
         targets = {f"leaf{i}": _target(leaf) for i, leaf in enumerate(leaves) if np.size(leaf)}
         arrays = checkpointer.restore(path, args=ocp.args.Composite(
