@@ -31,7 +31,8 @@ def _setup(monitor=None, max_norm=None):
     params = fg.mlp_init(jax.random.key(0), (F, 16, C))
     pieces = ([] if monitor is None else [monitor]) + (
         [] if max_norm is None else [fg.clip_by_global_norm(max_norm)])
-    step = fg.make_train_step(_loss, optax.chain(*pieces, optax.adam(1e-2)))
+    tx = optax.chain(*pieces, optax.adam(1e-2)) if pieces else optax.adam(1e-2)
+    step = fg.make_train_step(_loss, tx)
     return step, step.init(params)
 
 
