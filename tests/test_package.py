@@ -41,7 +41,7 @@ def test_old_module_paths_still_import():
     import funcgrad.masks
     assert funcgrad.masks is sys.modules["funcgrad.train.masks"]
     assert funcgrad.masks.__spec__.name == "funcgrad.train.masks"
-    assert fg.monitor.grad_monitor is fg.grad_monitor and fg.testing is sys.modules[
+    assert fg.monitor.GradMonitor is fg.GradMonitor and fg.testing is sys.modules[
         "funcgrad.check.testing"]
 
 
