@@ -300,7 +300,7 @@ def test_train_step_matches_equinox_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    (m, tx, step), batches = _adam(), _batches()
+    (m, _, step), batches = _adam(), _batches()
     state = m.init_state(step, seed=0)
     _, at0 = step(state, batches[0])
     _, at1 = step(state._replace(step=jnp.ones((), jnp.int32)), batches[0])

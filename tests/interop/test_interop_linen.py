@@ -290,7 +290,7 @@ def test_train_step_matches_flax_train_state_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    (m, tx, step), batches = _adam(), _batches()
+    (m, _, step), batches = _adam(), _batches()
     state = m.init_state(step, seed=0)
     # The same params, statistics and batch at step 0 and at step 1: only the dropout key
     # (fold_in(key, step)) differs, so a different loss means a different mask.

@@ -239,7 +239,7 @@ def test_train_step_matches_nnx_optimizer_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    (m, tx, step), batches = _adam(), _batches()
+    (m, _, step), batches = _adam(), _batches()
     state = m.init_state(step)
     # Same params, statistics and batch; the dropout stream's count 0 and 1 (what a step
     # leaves it at): a different loss means a different mask.

@@ -69,7 +69,8 @@ def test_fit_logs_through_the_progress_bar():
     lines = []
     tx = optax.sgd(0.1)
     step = fg.make_train_step(half_squared_norm, tx)
-    fg.fit(step, step.init({"p": jnp.ones(2)}), np.zeros((4, 1)), np.zeros(4), epochs=2, batch_size=2, progress=True, log=lines.append)
+    fg.fit(step, step.init({"p": jnp.ones(2)}), np.zeros((4, 1)), np.zeros(4), epochs=2,
+           batch_size=2, progress=True, log=lines.append)
     # L = |p|^2/2 from p = (1, 1), lr 0.1: step losses 1.0 then 0.81 (p -> 0.9p); mean 0.905.
     assert len(lines) == 2 and lines[0].startswith("epoch   1  loss 0.9")
 
@@ -238,7 +239,8 @@ def test_fit_takes_python_lists():
     tx = optax.sgd(0.5)
     loss = lambda p, b: jnp.mean((b["x"] * p - b["y"]) ** 2)
     step = fg.make_train_step(loss, tx)
-    result = fg.fit(step, step.init(jnp.float32(0.0)), [1.0, 1.0], [1.0, 1.0], epochs=1, batch_size=2, progress=False)
+    result = fg.fit(step, step.init(jnp.float32(0.0)), [1.0, 1.0], [1.0, 1.0], epochs=1,
+                    batch_size=2, progress=False)
     np.testing.assert_allclose(result.state.params, 1.0)
 
 
