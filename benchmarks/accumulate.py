@@ -77,7 +77,7 @@ def main() -> None:
     data = fg.load_digits(seed=0)
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
     tx = optax.adam(1e-3)
-    state = fg.init_train_state(params, tx)
+    state = fg.make_train_step(_mean_loss, tx).init(params)  # the state of every step below
     rows = []
     for micro, count in [(m, c) for m in args.micro for c in COUNTS]:
         n = micro * count  # more than the 1,437 training digits for large n: wrap around

@@ -7,7 +7,7 @@ Loops, each recording the loss and the global gradient norm of every step, Adam,
   * "fit": ``funcgrad.fit`` with a step from ``make_train_step``, ``progress=False`` (the data
     on the device; each epoch's order, full batches and smaller last batch in one program, and
     the epochs of a call in one dispatch, nothing on the host needing them in between);
-  * "fit + monitor": the same with ``monitor=fg.grad_monitor()``;
+  * "fit + monitor": the same with ``optax.chain(fg.grad_monitor(), tx)``;
   * "hand scan": a hand-written ``jax.jit`` of ``lax.scan`` over one epoch's full batches
     (order drawn on the device, loss and ``optax.global_norm`` per step, read once per epoch);
     the fastest the loop can be written in JAX.
@@ -99,8 +99,7 @@ def case(name, sizes, batch, data, repeats, epochs, torch_ok):
     params = fg.mlp_init(jax.random.key(0), sizes)
     tx = optax.adam(1e-3)
     plain = fg.make_train_step(_loss_fn, tx)
-    monitor = fg.grad_monitor()
-    watched = fg.make_train_step(_loss_fn, tx, monitor=monitor)
+    watched = fg.make_train_step(_loss_fn, optax.chain(fg.grad_monitor(), tx))
     steps_fit = -(-n // batch)
     runs, per_epoch = {}, {}
 
@@ -109,9 +108,9 @@ def case(name, sizes, batch, data, repeats, epochs, torch_ok):
             fg.fit(step, state, fg.Batches(x, y, batch_size=batch), epochs=k, progress=False)
         return run
 
-    runs["fit"] = fit_run(plain, fg.init_train_state(params, tx))
+    runs["fit"] = fit_run(plain, plain.init(params))
     per_epoch["fit"] = steps_fit
-    runs["fit + monitor"] = fit_run(watched, fg.init_train_state(params, tx, monitor=monitor))
+    runs["fit + monitor"] = fit_run(watched, watched.init(params))
     per_epoch["fit + monitor"] = steps_fit
     hand, steps_hand = _hand_scan(tx, jnp.asarray(x), jnp.asarray(y), batch)
     carry = [params, tx.init(params), jax.random.key(0)]
@@ -155,7 +154,7 @@ def per_call(data, epochs_per_call, repeats):
     params = fg.mlp_init(jax.random.key(0), sizes)
     tx = optax.adam(1e-3)
     step = fg.make_train_step(_loss_fn, tx)
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     hand, steps_hand = _hand_scan(tx, jnp.asarray(x), jnp.asarray(y), batch)
     carry = [params, tx.init(params), jax.random.key(0)]
     steps_fit = -(-len(x) // batch)

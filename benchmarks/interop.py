@@ -196,7 +196,7 @@ def main():
         hand, same = _hand_steps(tx, loss_of)
         carry = (hand_params, tx.init(hand_params), hand_state, jnp.zeros((), jnp.int32))
         step = fg.make_train_step(loss, tx)
-        state = m.init_train_state(tx, seed=0)
+        state = m.init_state(step, seed=0)
         runs = {"hand": step_runner(hand, carry, batch, key),
                 "hand, same": step_runner(same, carry, batch, key),
                 "funcgrad": step_runner(step, state, batch)}

@@ -2,8 +2,9 @@
 
 Three steps on the same model, batch and optimizer (a ReLU MLP on digits, Adam):
   * "plain": ``funcgrad.make_train_step(loss_fn, tx)``;
-  * "monitor": ``make_train_step(loss_fn, tx, monitor=grad_monitor())``: per-leaf norm, mean
-    and std, per-layer norms, dead-ReLU fractions, baseline and vanishing streaks, in the step;
+  * "monitor": ``make_train_step(loss_fn, optax.chain(fg.grad_monitor(), tx))``: per-leaf
+    norm, mean and std, per-layer norms, dead-ReLU fractions, baseline and vanishing streaks,
+    in the step;
   * "plain, again": a second, separately built plain step. plain, again / plain is an A/A
     comparison: how far apart two identical steps measure on this machine in this run.
 The cases: the 64-128-10 MLP at batch 32 (the CLI's default) and 256, and a 64-1024-1024-10
@@ -21,7 +22,6 @@ import optax
 from _timing import medians, paired_ratio, rounds, step_args, step_runner, write_results
 
 import funcgrad as fg
-from funcgrad.train.monitor import grad_monitor
 
 LIMIT = 1.10
 
@@ -35,7 +35,6 @@ def main() -> None:
                      out="benchmarks/results/monitor.json")
 
     data = fg.load_digits(seed=0)
-    monitor = grad_monitor()
     rows = []
     small, large = (64, 128, 10), (64, 1024, 1024, 10)
     for sizes, batch_size in [(small, 32), (small, 256), (large, 32)]:
@@ -45,10 +44,11 @@ def main() -> None:
         steps, repeats = ((args.steps, args.repeats) if sizes == small else
                           (max(1, args.steps // 6), max(11, args.repeats // 4)))
         tx = optax.adam(1e-3)
-        state = fg.init_train_state(params, tx)
-        runs = {"plain": step_runner(fg.make_train_step(_loss_fn, tx), state, batch),
-                "monitor": step_runner(fg.make_train_step(_loss_fn, tx, monitor=monitor),
-                                       fg.init_train_state(params, tx, monitor=monitor), batch),
+        plain = fg.make_train_step(_loss_fn, tx)
+        watched = fg.make_train_step(_loss_fn, optax.chain(fg.grad_monitor(), tx))
+        state = plain.init(params)
+        runs = {"plain": step_runner(plain, state, batch),
+                "monitor": step_runner(watched, watched.init(params), batch),
                 "plain, again": step_runner(fg.make_train_step(_loss_fn, tx), state, batch)}
         times = rounds(runs, steps, repeats, warmup=20 if sizes == small else 3)
         t = medians(times)

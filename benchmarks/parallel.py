@@ -55,7 +55,7 @@ def worker(args: argparse.Namespace) -> None:
         count = sum(int(np.size(p)) for p in jax.tree.leaves(params))
         tx = optax.adam(1e-3)
         step = fg.data_parallel(fg.make_train_step(loss, tx), mesh)
-        state = fg.replicate(fg.init_train_state(params, tx), mesh)
+        state = fg.replicate(step.init(params), mesh)
         batch = fg.process_batch({"x": x[rows], "y": y[rows]}, mesh)
 
         # The all-reduce alone: per-device partial gradients (a leading axis of length n,
@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
             runs["allreduce"] = reducing
         else:  # the plain step beside the mesh step
             plain = fg.make_train_step(loss, tx)
-            runs["plain"] = step_runner(plain, fg.init_train_state(params, tx),
+            runs["plain"] = step_runner(plain, plain.init(params),
                                         {"x": jnp.asarray(x), "y": jnp.asarray(y)})
         times = rounds(runs, args.steps, 5 * args.repeats, warmup=5)
         t_step = medians(times)["step"]

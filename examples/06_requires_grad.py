@@ -2,7 +2,7 @@
 
 PyTorch sets ``requires_grad=False`` on a tensor; here a mask of bools over the params pytree
 says which leaves are trainable. Frozen leaves are passed to the loss as plain values, so no
-gradient work is done for them, and `freeze` gives them exactly zero optimizer updates.
+gradient work is done for them, and `train_only` gives them exactly zero optimizer updates.
 
     $ python examples/06_requires_grad.py
 """
@@ -14,7 +14,7 @@ from _check import Check
 
 import funcgrad as fg
 from funcgrad._jaxpr import sub_jaxprs
-from funcgrad.train.masks import freeze, requires_grad, trainable_mask, value_and_grad_trainable
+from funcgrad.train.masks import requires_grad, train_only, trainable_mask, value_and_grad_trainable
 
 
 def count_dot_generals(jaxpr) -> int:
@@ -55,7 +55,7 @@ def main() -> None:
     mask = trainable_mask(params, freeze="0/*")
     print(f"\ntrainable_mask(params, freeze='0/*') = {mask}")
 
-    tx = freeze(optax.adam(1e-2), mask)
+    tx = train_only(optax.adam(1e-2), mask)  # True = trained, as the mask reads
     grad_fn = value_and_grad_trainable(loss_fn, mask)
 
     @jax.jit
@@ -94,15 +94,16 @@ def main() -> None:
     c2.row("dot_generals, jax.value_and_grad", full, 5)
     c2.row("dot_generals, layer 0 frozen", part, 3)
 
-    # The same freeze in funcgrad's train step: the gradient of layer 0 is computed there (the
-    # step differentiates every leaf), but its update is exactly zero.
+    # The same optimizer in funcgrad's train step: it carries the mask, which the step takes as
+    # its trainable=, so layer 0 is not differentiated there either and its update is exactly
+    # zero.
     train_step = fg.make_train_step(loss_fn, tx)
     state = train_step.init(params)
     for _ in range(3):
         state, _ = train_step(state, batch)
     same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params[0]),
                                                     jax.tree.leaves(params[0])))
-    c2.row("train step + freeze: layer 0 kept", float(same), 1.0)
+    c2.row("train step + train_only: layer 0 kept", float(same), 1.0)
     c.failed += c2.failed
     c.done()
 

@@ -18,7 +18,7 @@ import optax
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.train.monitor import grad_monitor, monitor_alerts, with_dead_relu
+from funcgrad.train.monitor import GradMonitor, monitor_alerts, with_dead_relu
 
 STEPS = 30
 
@@ -40,7 +40,7 @@ def _train(loss_fn, params, batch, tx, monitor):
     @jax.jit
     def step(params, opt_state, mstate):
         (loss, dead), grads = value_and_grad(params, batch)
-        mstate, metrics = monitor.update(mstate, grads, loss=loss, dead_relu=dead)
+        mstate, metrics = monitor.measure(mstate, grads, loss=loss, dead_relu=dead)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, mstate, metrics
 
@@ -152,7 +152,7 @@ def main() -> None:
     #    baseline, sat too close to the threshold to hold on every machine). The baseline is
     #    the mean global norm of the first 5 steps; an alert fires on a step above 10x that.
     tanh = loss_for("tanh")
-    monitor = grad_monitor(warmup=5, explode_factor=10.0)
+    monitor = GradMonitor(warmup=5, explode_factor=10.0)
     params = _init(0, (64,) + (64,) * 8 + (10,), scale=3.0)
     history, metrics = _train(tanh, params, batch, optax.sgd(10.0), monitor)
     c = Check("1. deep tanh net (8 x 64, init 3x), SGD lr 10: explosion", right="2nd method")
@@ -187,7 +187,7 @@ def main() -> None:
     #    down; the first layers' norms sit far below the floor 1e-6, and below 1% of the global
     #    norm (the loss is still high: not a converged model), for 5 steps in a row.
     sigmoid = loss_for("sigmoid")
-    monitor = grad_monitor(vanish_floor=1e-6, vanish_steps=5)
+    monitor = GradMonitor(vanish_floor=1e-6, vanish_steps=5)
     params = _init(1, (64,) + (32,) * 12 + (10,), scale=1.0)
     history, metrics = _train(sigmoid, params, batch, optax.sgd(0.1), monitor)
     print()
@@ -205,7 +205,7 @@ def main() -> None:
     #    also reported as vanishing, and the units can never come back.
     relu = loss_for("relu")
     for bias, lr in [(-6.0, 1e-2), (-20.0, 1e-2)]:
-        monitor = grad_monitor(vanish_steps=5, dead_threshold=0.85)
+        monitor = GradMonitor(vanish_steps=5, dead_threshold=0.85)
         params = _init(2, (64, 128, 10), scale=math.sqrt(2.0), hidden_bias=bias)
         history, metrics = _train(relu, params, batch, optax.adam(lr), monitor)
         print()

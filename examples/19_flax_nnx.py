@@ -77,8 +77,9 @@ def main() -> None:
     m = from_nnx(model)  # a copy: nnx's loop below trains `model` itself, in place
     print(m)
     tx = optax.adam(1e-2)
-    monitor = fg.grad_monitor()
-    step = fg.make_train_step(m.loss(cross_entropy, train=True), tx, monitor=monitor)
+    # The monitor first in the chain: it measures the gradient and passes it to Adam unchanged.
+    step = fg.make_train_step(m.loss(cross_entropy, train=True),
+                              optax.chain(fg.grad_monitor(), tx))
     state = step.init(m.params, model_state=m.model_state)  # no key: nnx has its own Rngs
     losses, alerts = [], []
     for batch in batches:

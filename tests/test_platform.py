@@ -51,7 +51,8 @@ def test_without_f16c_float16_is_refused_with_the_reason_and_the_fix():
         from funcgrad._platform import dtype_compiles
         assert not dtype_compiles(jnp.float16) and dtype_compiles(jnp.bfloat16)
         for call in (lambda: fg.mixed_precision(lambda p, b: p["w"].sum(), jnp.float16),
-                     lambda: fg.init_train_state({"w": jnp.ones(2, jnp.float16)}, "sgd")):
+                     lambda: fg.make_train_step(lambda p, b: p["w"].sum(), "sgd").init(
+                         {"w": jnp.ones(2, jnp.float16)})):
             try:
                 call()
             except RuntimeError as e:
@@ -64,7 +65,7 @@ def test_without_f16c_float16_is_refused_with_the_reason_and_the_fix():
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
     assert len(refused) == 2 and proc.stdout.rstrip().endswith("DONE")
     assert "mixed_precision: compute_dtype is float16" in refused[0]
-    assert "init_train_state: params['w'] is float16" in refused[1]
+    assert "TrainStep.init: params['w'] is float16" in refused[1]
     assert all("jnp.bfloat16" in r and "F16C" in r for r in refused)
 
 

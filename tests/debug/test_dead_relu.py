@@ -54,10 +54,10 @@ def test_channel_first_conv_counts_channels_in_with_dead_relu_and_monitor():
     # The monitor reads the same masks: one dead channel out of eight.
     eqx = pytest.importorskip("equinox")
     params = eqx.filter(conv, eqx.is_array)
-    monitor = fg.grad_monitor(dead_threshold=0.1)
+    monitor = fg.GradMonitor(dead_threshold=0.1)
     grads = jax.grad(loss_fn)(conv, x)
-    _, metrics = monitor.update(monitor.init(eqx.filter(grads, eqx.is_array)),
-                                eqx.filter(grads, eqx.is_array), dead_relu=dead)
+    _, metrics = monitor.measure(monitor.init(eqx.filter(grads, eqx.is_array)),
+                                 eqx.filter(grads, eqx.is_array), dead_relu=dead)
     np.testing.assert_allclose(metrics.dead_fraction, [1 / 8])
     assert params is not None
 
@@ -275,12 +275,12 @@ def test_monitor_alerts_on_an_unknown_axis_site_only_when_every_value_is_dead():
         return jnp.sum(jax.nn.relu((x @ w) @ x.T))
 
     x = jnp.zeros((4, 3)).at[3].set(jnp.array([1.0, 2.0, 3.0]))
-    monitor = fg.grad_monitor(dead_threshold=0.5)
+    monitor = fg.GradMonitor(dead_threshold=0.5)
     kinds = []
     for w in (jnp.eye(3), -jnp.eye(3)):
         _, dead = fg.with_dead_relu(loss_fn)(w, x)
         grads = jax.grad(loss_fn)(w, x)
-        _, metrics = monitor.update(monitor.init(grads), grads, dead_relu=dead)
+        _, metrics = monitor.measure(monitor.init(grads), grads, dead_relu=dead)
         kinds.append([(a.kind, a.value) for a in fg.monitor_alerts(metrics)])
     # Before: 0.75 >= 0.5 raised a dead_relu alert for the w = I scores too.
     assert kinds == [[], [("dead_relu", 1.0)]]

@@ -52,8 +52,8 @@ TOOLS = {
     "with_dead_relu": lambda fn, *rest: fg.with_dead_relu(fn)(_P, *rest),
     # backward runs fn eagerly, where a Python if works; under fn's own jit it cannot.
     "backward": lambda fn, *rest: fg.backward(jax.jit(fn), _P, *rest),
-    "train_step": lambda fn, *rest: fg.make_train_step(
-        lambda params, batch: fn(params, *batch), _SGD)(fg.init_train_state(_P, _SGD), rest),
+    "train_step": lambda fn, *rest: (step := fg.make_train_step(
+        lambda params, batch: fn(params, *batch), _SGD))(step.init(_P), rest),
 }
 _OWN_TRACE = {"backward"}  # the value is traced by fn's own jit, not by the tool
 
@@ -169,7 +169,7 @@ def test_the_other_tools_accept_a_typed_key_and_integer_tokens():
             np.testing.assert_allclose(a, b, rtol=1e-6)
     # the train step, with the key and tokens in the batch: SGD moves params by -0.1 * grad.
     step = fg.make_train_step(lambda p, b: dropout_loss(p, *b), _SGD)
-    state, _ = step(fg.init_train_state(_PARAMS, _SGD), (_KEY, _TOKENS, _TRAIN))
+    state, _ = step(step.init(_PARAMS), (_KEY, _TOKENS, _TRAIN))
     for new, old, g in zip(jax.tree.leaves(state.params), jax.tree.leaves(_PARAMS), flat):
         np.testing.assert_allclose(new, old - 0.1 * g, rtol=1e-5, atol=1e-6)
 
@@ -186,8 +186,8 @@ def test_a_setting_inside_the_batch_is_named_by_its_leaf_path():
     with pytest.raises(TracedValueError, match=r"(?s)test_traced\.py:\d+ \(loss\).*"
                                                r"depends on batch\['n'\], which the train step "
                                                r"does not differentiate.*take batch\['n'\] out"):
-        step(fg.init_train_state(_P, _SGD), batch)
+        step(step.init(_P), batch)
     # Closed over, it trains: d/dw sum(4 w x) = 4 x = (0, 4, 8); SGD(0.1) moves w by -0.4 x.
     fixed = fg.make_train_step(lambda p, b: loss(p, {"x": b, "n": 2}), _SGD)
-    state, _ = fixed(fg.init_train_state(_P, _SGD), _X)
+    state, _ = fixed(fixed.init(_P), _X)
     np.testing.assert_allclose(state.params["w"], 1.0 - 0.4 * _X, rtol=1e-6)

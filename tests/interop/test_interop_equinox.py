@@ -142,8 +142,8 @@ def test_reports_name_leaves_by_equinox_paths():
              "params.out.weight", "params.out.bias"]
     report = fg.check_directional(loss, m.params, batch)
     assert [r.path for r in report.rows] == names and report.ok
-    monitor = fg.grad_monitor()
-    _, metrics = monitor.update(monitor.init(m.params), jax.grad(loss)(m.params, batch))
+    monitor = fg.GradMonitor()
+    _, metrics = monitor.measure(monitor.init(m.params), jax.grad(loss)(m.params, batch))
     assert metrics.leaf_names == tuple(names)
     assert metrics.layer_names == ("params.conv", "params.bn", "params.out")
 
@@ -282,7 +282,7 @@ def _eqx_loop(model, state, batches, tx, base_key):
 def test_train_step_matches_equinox_loop():
     (m, tx, step), batches = _adam(), _batches()
     model, state0 = m.rebuild(m.params, m.model_state)
-    state = m.init_train_state(tx, seed=0)
+    state = m.init_state(step, seed=0)
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)
@@ -300,8 +300,8 @@ def test_train_step_matches_equinox_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    (m, tx, step), batches = _adam(), _batches()
-    state = m.init_train_state(tx, seed=0)
+    (m, _, step), batches = _adam(), _batches()
+    state = m.init_state(step, seed=0)
     _, at0 = step(state, batches[0])
     _, at1 = step(state._replace(step=jnp.ones((), jnp.int32)), batches[0])
     assert float(at0["loss"]) != float(at1["loss"])
@@ -313,7 +313,7 @@ def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
 
 def test_mixed_precision_step_keeps_float32_statistics():
     (m, tx, step), batch = _adam(), _batches()[0]
-    state = m.init_train_state(tx, seed=0)
+    state = m.init_state(step, seed=0)
     full, at32 = step(state, batch)
     half, at16 = fg.make_train_step(fg.mixed_precision(m.loss(_ce, **_TRAIN), jnp.bfloat16), tx)(
         state, batch)
@@ -406,7 +406,7 @@ def test_the_fix_from_equinox_gives_trains_the_field():
 
     step = fg.make_train_step(m.loss(_squared_error), optax.sgd(0.1))
     batch = {"x": jnp.array([[3.0, 4.0]]), "y": jnp.array([[10.0]])}
-    state, _ = step(m.init_train_state(optax.sgd(0.1)), batch)
+    state, _ = step(m.init_state(step), batch)
     # By hand: linear(x) = 11, out = 0.5 * 11 + 0.25 = 5.75, d/d out = 2 (5.75 - 10) = -8.5;
     # d/d scale = -8.5 * 11 = -93.5, d/d shift = -8.5; SGD(0.1) adds 9.35 and 0.85.
     np.testing.assert_allclose(state.params.scale, 0.5 + 9.35, rtol=1e-6)

@@ -167,9 +167,9 @@ def test_reports_name_leaves_by_linen_paths(setup):
     # A conv bias followed by BatchNorm cancels in the batch mean: its gradient is 0 in
     # exact arithmetic; every other leaf is connected.
     assert explanation.status("params['Dense_0']['kernel']") == "connected"
-    monitor = fg.grad_monitor()
+    monitor = fg.GradMonitor()
     state = monitor.init(m.params)
-    _, metrics = monitor.update(state, jax.grad(loss)(m.params, batch))
+    _, metrics = monitor.measure(state, jax.grad(loss)(m.params, batch))
     assert metrics.leaf_names == tuple(names)
     assert metrics.layer_names == ("params['BatchNorm_0']", "params['Conv_0']",
                                    "params['Dense_0']")
@@ -270,7 +270,7 @@ def _batches():
 def test_train_step_matches_flax_train_state_loop():
     (m, tx, step), batches, module = _adam(), _batches(), NoBiasCNN()
     variables = m.rebuild(m.params, m.model_state)  # module.init's, as _train_model made them
-    state = m.init_train_state(tx, seed=0)
+    state = m.init_state(step, seed=0)
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)
@@ -290,8 +290,8 @@ def test_train_step_matches_flax_train_state_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    (m, tx, step), batches = _adam(), _batches()
-    state = m.init_train_state(tx, seed=0)
+    (m, _, step), batches = _adam(), _batches()
+    state = m.init_state(step, seed=0)
     # The same params, statistics and batch at step 0 and at step 1: only the dropout key
     # (fold_in(key, step)) differs, so a different loss means a different mask.
     _, at0 = step(state, batches[0])
@@ -306,7 +306,7 @@ def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
 
 def test_mixed_precision_step_keeps_float32_statistics():
     (m, tx, step), batch = _adam(), _batches()[0]
-    state = m.init_train_state(tx, seed=0)
+    state = m.init_state(step, seed=0)
     full, at32 = step(state, batch)
     half, at16 = fg.make_train_step(fg.mixed_precision(m.loss(_ce, **_TRAIN), jnp.bfloat16), tx)(
         state, batch)

@@ -140,8 +140,8 @@ def test_reports_name_leaves_by_nnx_paths():
              "params['conv1']['kernel']", "params['out']['bias']", "params['out']['kernel']"]
     report = fg.check_grads(loss, m.params, batch)
     assert [r.path for r in report.rows] == names and report.ok
-    monitor = fg.grad_monitor()
-    _, metrics = monitor.update(monitor.init(m.params), jax.grad(loss)(m.params, batch))
+    monitor = fg.GradMonitor()
+    _, metrics = monitor.measure(monitor.init(m.params), jax.grad(loss)(m.params, batch))
     assert metrics.leaf_names == tuple(names)
     # Grouped by module, not one "layer" per leaf.
     assert metrics.layer_names == ("params['bn1']", "params['conv1']", "params['out']")
@@ -219,7 +219,7 @@ def _nnx_loop(model, batches, tx):
 def test_train_step_matches_nnx_optimizer_loop():
     (m, tx, step), batches = _adam(), _batches()
     model = m.rebuild(m.params, m.model_state)  # a new module: nnx's loop trains it in place
-    state = m.init_train_state(tx)
+    state = m.init_state(step)
     assert state.key is None  # nnx draws from its own Rngs
     losses = []
     for batch in batches:
@@ -239,8 +239,8 @@ def test_train_step_matches_nnx_optimizer_loop():
 
 
 def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
-    (m, tx, step), batches = _adam(), _batches()
-    state = m.init_train_state(tx)
+    (m, _, step), batches = _adam(), _batches()
+    state = m.init_state(step)
     # Same params, statistics and batch; the dropout stream's count 0 and 1 (what a step
     # leaves it at): a different loss means a different mask.
     after, at0 = step(state, batches[0])
@@ -256,7 +256,7 @@ def test_dropout_masks_differ_between_steps_and_repeat_on_a_rerun():
 
 def test_mixed_precision_step_keeps_float32_statistics():
     (m, tx, step), batch = _adam(), _batches()[0]
-    state = m.init_train_state(tx, seed=0)
+    state = m.init_state(step, seed=0)
     full, at32 = step(state, batch)
     half, at16 = fg.make_train_step(fg.mixed_precision(m.loss(_ce, **_TRAIN), jnp.bfloat16), tx)(
         state, batch)

@@ -147,7 +147,7 @@ def test_trainable_mask_and_requires_grad_take_an_equinox_module():
     assert jax.tree.structure(mask) == jax.tree.structure(params)
     assert jax.tree.leaves(mask) == [False, False, True, True]  # conv.weight/bias, head.*
     # ... and freezes exactly the conv in a step on that part (frozen: bit for bit).
-    tx = fg.freeze(optax.sgd(0.1), mask)
+    tx = fg.train_only(optax.sgd(0.1), mask)
     grads = eqx.filter_grad(loss)(model, batch)
     new = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
     assert (new.conv.weight == params.conv.weight).all()
@@ -163,9 +163,9 @@ def test_trainable_mask_and_requires_grad_take_an_equinox_module():
 
 def test_monitor_init_takes_an_equinox_module_and_groups_by_its_layers():
     model, batch, loss = _eqx_problem()
-    monitor = fg.grad_monitor()
+    monitor = fg.GradMonitor()
     state = monitor.init(model)
-    _, metrics = monitor.update(state, eqx.filter_grad(loss)(model, batch))
+    _, metrics = monitor.measure(state, eqx.filter_grad(loss)(model, batch))
     assert metrics.layer_names == ("params.conv", "params.head")
     assert list(metrics.leaf_names) == _float_names(model)
 
@@ -174,7 +174,7 @@ def test_the_train_state_refuses_an_equinox_module_with_the_partition_fix():
     model, batch, loss = _eqx_problem()
     with pytest.raises(TypeError, match=r"equinox module \(_CNN\); its leaf params\.act is a "
                        r".*eqx\.partition\(model, eqx\.is_inexact_array\).*eqx\.combine"):
-        fg.init_train_state(model, optax.adam(1e-2))
+        fg.make_train_step(lambda p, b: loss(p, b), optax.adam(1e-2)).init(model)
     hand_made = fg.TrainState(params=model, opt_state=(), step=jnp.zeros((), jnp.int32))
     step = fg.make_train_step(lambda p, b: loss(p, (b["x"], b["y"])), optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"fit: params is an equinox module.*eqx\.partition"):
@@ -183,7 +183,7 @@ def test_the_train_state_refuses_an_equinox_module_with_the_partition_fix():
     # The fix the message gives trains: one step equals optax's update of eqx.filter_grad.
     params, static = eqx.partition(model, eqx.is_inexact_array)
     step = fg.make_train_step(lambda p, b: loss(eqx.combine(p, static), b), optax.adam(1e-2))
-    state, _ = step(fg.init_train_state(params, optax.adam(1e-2)), batch)
+    state, _ = step(step.init(params), batch)
     tx = optax.adam(1e-2)
     updates, _ = tx.update(eqx.filter_grad(loss)(model, batch), tx.init(params), params)
     _assert_same_grads(state.params, optax.apply_updates(params, updates), rtol=1e-6)
@@ -246,8 +246,8 @@ def test_the_monitor_groups_nnx_leaves_by_module():
     module, _, batch, loss = _nnx_problem()
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     grads = jax.grad(lambda p: loss(p, batch, rest))(params)
-    monitor = fg.grad_monitor()
-    _, metrics = monitor.update(monitor.init(params), grads)
+    monitor = fg.GradMonitor()
+    _, metrics = monitor.measure(monitor.init(params), grads)
     assert metrics.layer_names == ("params['bn1']", "params['l1']", "params['l2']")
     assert list(metrics.leaf_names) == _PARAM_NAMES
     # Layer norm = root-sum-of-squares of its leaves' norms (Pascanu et al. 2013's norm).
@@ -275,25 +275,25 @@ def test_an_nnx_state_with_rng_count_and_key_works_in_the_analysis_tools():
 def test_the_train_state_refuses_nnx_objects_with_the_fix():
     module, state, batch, loss = _nnx_problem()
     optimizer = nnx.Optimizer(module, optax.adam(1e-3), wrt=nnx.Param)
+    # (A state comes from a step, which refuses the nnx.Optimizer first.)
     for make in (lambda: fg.make_optimizer(optimizer),
-                 lambda: fg.init_train_state(nnx.state(module, nnx.Param), optimizer),
                  lambda: fg.make_train_step(loss, optimizer)):
         with pytest.raises(TypeError, match=r"optimizer is an nnx\.Optimizer.*optax\.adam"
                                             r"\(1e-3\).*funcgrad\.interop\.from_nnx"):
             make()
     with pytest.raises(TypeError, match=r"params is an nnx Module \(_Net\).*"
                                         r"nnx\.split\(module, nnx\.Param, \.\.\.\).*from_nnx"):
-        fg.init_train_state(module, optax.adam(1e-3))
+        fg.make_train_step(loss, optax.adam(1e-3)).init(module)
     # BatchStats given to the optimizer would never move as running statistics: refused.
     with pytest.raises(TypeError, match=r"params\['bn1'\]\['mean'\] \(BatchStat\).*"
                                         r"params\['drop'\]\['rngs'\]\['count'\] \(RngCount\).*"
                                         r"nnx\.split\(module, nnx\.Param, \.\.\.\)"):
-        fg.init_train_state(state, optax.adam(1e-3))
+        fg.make_train_step(loss, optax.adam(1e-3)).init(state)
     # A state of Params alone trains; one step equals optax's update of jax.grad.
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     loss_p = lambda p, b: loss(p, b, rest)
-    new, _ = fg.make_train_step(loss_p, optax.sgd(0.1))(
-        fg.init_train_state(params, optax.sgd(0.1)), batch)
+    step = fg.make_train_step(loss_p, optax.sgd(0.1))
+    new, _ = step(step.init(params), batch)
     grads = jax.grad(loss_p)(params, batch)
     _assert_same_grads(new.params, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
 
@@ -303,9 +303,11 @@ def test_a_whole_linen_variables_dict_is_refused_with_the_split():
     gradient is 0, so they never move): refused, naming from_linen and the split."""
     variables = {"params": {"w": jnp.ones((2,))}, "batch_stats": {"mean": jnp.zeros((2,))}}
     with pytest.raises(TypeError, match=r"'batch_stats'.*from_linen"):
-        fg.init_train_state(variables, optax.sgd(0.1))
-    fg.init_train_state(variables["params"], optax.sgd(0.1),
-                        model_state={"batch_stats": variables["batch_stats"]})
+        fg.make_train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1)).init(variables)
+    stateful = fg.make_train_step(
+        fg.Loss(lambda p, b, *, model_state: (jnp.sum(p["w"]), model_state), has_state=True),
+        optax.sgd(0.1))
+    stateful.init(variables["params"], model_state={"batch_stats": variables["batch_stats"]})
 
 
 # --- issue 25.2: a Python float field of an equinox module is named, never dropped ----------
@@ -384,11 +386,11 @@ def test_the_train_state_refusal_gives_the_fix_that_trains_a_python_float_field(
                        r"eqx\.partition.*from_equinox.*never train.*"
                        r"model = eqx\.tree_at\(lambda m: m\.scale, model, jnp\.asarray\(0\.5\)\)"
                        r".*eqx\.field\(static=True\)"):
-        fg.init_train_state(model, optax.sgd(0.1))
+        fg.make_train_step(loss, optax.sgd(0.1)).init(model)
     # The fix, then the partition the message gives: one SGD step moves scale by -0.1 x (-99).
     model = eqx.tree_at(lambda m: m.scale, model, jnp.asarray(0.5))
     params, static = eqx.partition(model, eqx.is_inexact_array)
     step = fg.make_train_step(lambda p, b: loss(eqx.combine(p, static), b), optax.sgd(0.1))
-    state, _ = step(fg.init_train_state(params, optax.sgd(0.1)), x)
+    state, _ = step(step.init(params), x)
     np.testing.assert_allclose(state.params.scale, 0.5 + 0.1 * 99.0, rtol=1e-6)
     np.testing.assert_allclose(state.params.w, [1.0 + 1.35, 2.0 + 1.8], rtol=1e-6)

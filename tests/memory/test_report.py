@@ -128,7 +128,7 @@ def test_a_train_step_is_compiled_as_given():
         return fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
 
     step = fg.make_train_step(loss, tx)
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     batch = {"x": np.ones((5, 8), np.float32), "y": np.zeros((5,), np.int32)}
     r = memory_report(step, state, batch)
     assert r.mode == "step" and r.residuals is None and r.forward_bytes is None

@@ -115,12 +115,18 @@ def compare(name: str, one, many, steps) -> None:
                                                   local(sm.params)))))
 
 
+#: The states of funcgrad's transformations (fg.grad_monitor, fg.clip_by_global_norm, ...).
+_RECORDS = (fg.MonitorState, fg.ClipState, fg.ZeroNonfiniteState)
+
+
 def _recorded(opt_state):
-    """The record_grads stage's state in an ``optax.chain(record_grads(), ...)`` state, also
-    under fg.freeze's partition (frozen leaves are empty nodes there: no leaves)."""
+    """The record_grads stage's state in an ``optax.chain(..., record_grads(), ...)`` state:
+    the first that is not a record of funcgrad's transformations (the monitor and the clip
+    come before it), also under fg.train_only's partition (frozen leaves are empty nodes
+    there: no leaves)."""
     if hasattr(opt_state, "inner_states"):  # optax.partition: the trained part
         opt_state = opt_state.inner_states["trainable"].inner_state
-    return opt_state[0]
+    return next(s for s in opt_state if not isinstance(s, _RECORDS))
 
 
 def data(rows: int, seed: int) -> dict:
@@ -149,10 +155,12 @@ def _step(loss, tx, mesh=None, shard_opt_state=False, *, has_state=False, takes_
             else fg.data_parallel(step, mesh, shard_opt_state=shard_opt_state))
 
 
-def both(loss, tx, state, **options):
-    """The one-device step and the mesh step with the same options, and the state."""
-    return ((_step(loss, tx, **options), state),
-            (_step(loss, tx, mesh=MESH, **options), state))
+def both(loss, tx, params, init=None, **options):
+    """The one-device step and the mesh step with the same options, and the state the
+    one-device step makes for `params` (``step.init(params, **init)``)."""
+    one = _step(loss, tx, **options)
+    state = one.init(params, **(init or {}))
+    return (one, state), (_step(loss, tx, mesh=MESH, **options), state)
 
 
 def scenario_step() -> None:
@@ -160,10 +168,11 @@ def scenario_step() -> None:
     step 2), then a masked token-weighted loss with unequal real tokens per process and a
     frozen layer; then the collectives of the compiled step."""
     params = fg.mlp_init(jax.random.key(0), (16, 32, 10))
-    tx = optax.chain(record_grads(), optax.adam(1e-2))
-    mon = fg.grad_monitor()
-    state = fg.init_train_state(params, tx, monitor=mon)
-    one, many = both(mlp_loss, tx, state, clip_norm=0.5, monitor=mon)
+    # The monitor sees the gradient, the clip scales it, record_grads keeps the clipped one.
+    tx = optax.chain(fg.grad_monitor(), fg.clip_by_global_norm(0.5), record_grads(),
+                     optax.adam(1e-2))
+    one, many = both(mlp_loss, tx, params)
+    state = one[1]
     steps = [data(16, s) for s in range(4)]
     steps[2]["x"][-1, 0] = np.nan  # the last row: process N-1's
     compare("clip_monitor_guard", one, many, steps)
@@ -186,8 +195,7 @@ def scenario_step() -> None:
               for _ in range(3)]
     tx2 = optax.chain(record_grads(), optax.sgd(0.1))
     frozen = fg.trainable_mask(params, freeze="0/*")
-    state2 = fg.init_train_state(params, tx2, trainable=frozen)
-    one, many = both(token_loss, tx2, state2, trainable=frozen)
+    one, many = both(token_loss, tx2, params, trainable=frozen)
     compare("token_weighted_frozen", one, many, tokens)
     # The mean of per-process means, which the step must not compute: how far it is.
     g = lambda b: jax.grad(token_loss)(params, b)
@@ -206,9 +214,9 @@ def scenario_step() -> None:
 def scenario_smoke() -> None:
     """A short parity run of the plain step and its collectives (the stress script's)."""
     params = fg.mlp_init(jax.random.key(0), (16, 32, 10))
-    tx = optax.chain(record_grads(), optax.adam(1e-2))
-    state = fg.init_train_state(params, tx)
-    one, many = both(mlp_loss, tx, state, clip_norm=0.5)
+    tx = optax.chain(fg.clip_by_global_norm(0.5), record_grads(), optax.adam(1e-2))
+    one, many = both(mlp_loss, tx, params)
+    state = one[1]
     compare("smoke", one, many, [data(12, s) for s in range(3)])  # 12 rows: 1 to 4 processes
     # The metrics a user reads on the host: scalars replicated on every process.
     _, metrics = many[0](fg.replicate(state, MESH), fg.process_batch(global_rows(data(12, 0)),
@@ -246,12 +254,11 @@ def scenario_accumulate() -> None:
         return optax.softmax_cross_entropy_with_integer_labels(
             fg.mlp_apply(params, batch["x"]), batch["y"])
 
-    tx = optax.chain(record_grads(), optax.sgd(0.1))
-    state = fg.init_train_state(params, tx)
-    one = fg.make_train_step(fg.accumulate(per_example, 2), tx, clip_norm=1.0)
-    many = fg.data_parallel(fg.make_train_step(fg.accumulate(per_example, 2), tx, clip_norm=1.0),
-                            MESH)
-    full = fg.make_train_step(lambda p, b: jnp.mean(per_example(p, b)), tx, clip_norm=1.0)
+    tx = optax.chain(fg.clip_by_global_norm(1.0), record_grads(), optax.sgd(0.1))
+    one = fg.make_train_step(fg.accumulate(per_example, 2), tx)
+    many = fg.data_parallel(fg.make_train_step(fg.accumulate(per_example, 2), tx), MESH)
+    full = fg.make_train_step(lambda p, b: jnp.mean(per_example(p, b)), tx)
+    state = one.init(params)
     s1, sm, sf = state, fg.replicate(state, MESH), state
 
     def row(s1, sm, m1, mm, **extra):
@@ -319,8 +326,8 @@ def scenario_accumulate() -> None:
 
     # (A loss scale needs a float16/bfloat16 compute dtype; scaled steps over devices are
     # scenario_state_keys_scale's.)
-    bn_state = fg.init_train_state(bn_params, tx, model_state=stats)
-    options = dict(has_state=True, clip_norm=1.0)
+    options = dict(has_state=True)  # tx clips, as above
+    bn_state = _step(bn_loss, tx, **options).init(bn_params, model_state=stats)
     rng = np.random.default_rng(5)
     stacked = {"x": rng.normal(size=(2, 8, 16)).astype(np.float32),
                "y": rng.integers(0, 10, size=(2, 8)).astype(np.int32)}
@@ -354,12 +361,11 @@ def scenario_state_keys_scale() -> None:
                                            key=key)
         return fg.softmax_cross_entropy(logits, batch["y"]), model_state
 
-    tx = optax.chain(record_grads(), optax.adam(1e-3))
+    tx = optax.chain(fg.clip_by_global_norm(1.0), record_grads(), optax.adam(1e-3))
     ls = fg.dynamic_loss_scale(init_scale=2.0**127, max_scale=2.0**127,  # overflows at first
                                growth_interval=2)
-    state = fg.init_train_state(cnn_params, tx, model_state=stats, seed=3, loss_scale=ls)
-    one, many = both(loss, tx, state, has_state=True, takes_key=True, loss_scale=ls,
-                     compute_dtype=jnp.bfloat16, clip_norm=1.0)
+    one, many = both(loss, tx, cnn_params, {"model_state": stats, "seed": 3}, has_state=True,
+                     takes_key=True, loss_scale=ls, compute_dtype=jnp.bfloat16)
     rng = np.random.default_rng(5)
     steps = [{"x": rng.normal(size=(8, 64)).astype(np.float32),
               "y": rng.integers(0, 10, size=8).astype(np.int32)} for _ in range(4)]
@@ -450,7 +456,7 @@ def scenario_uneven() -> None:
     params = fg.mlp_init(jax.random.key(0), (16, 8, 10))
     tx = optax.sgd(0.1)
     step = fg.data_parallel(fg.make_train_step(mlp_loss, tx), MESH)
-    state = fg.replicate(fg.init_train_state(params, tx), MESH)
+    state = fg.replicate(step.init(params), MESH)
     batch = fg.process_batch(global_rows(data(8, 0)), MESH)
     for _ in range(3 - (PID == 1)):
         state, metrics = step(state, batch)
@@ -476,11 +482,10 @@ def scenario_zero() -> None:
     holds its half of Adam's moments; the collectives: the gradient all-reduce and an
     all-gather of the sharded updates."""
     params = fg.mlp_init(jax.random.key(0), (16, 32, 10))
-    tx = optax.chain(record_grads(), optax.adam(1e-2))
-    state = fg.init_train_state(params, tx)
-    one = fg.make_train_step(mlp_loss, tx, clip_norm=0.5)
-    many = fg.data_parallel(fg.make_train_step(mlp_loss, tx, clip_norm=0.5), MESH,
-                            shard_opt_state=True)
+    tx = optax.chain(fg.clip_by_global_norm(0.5), record_grads(), optax.adam(1e-2))
+    one = fg.make_train_step(mlp_loss, tx)
+    many = fg.data_parallel(fg.make_train_step(mlp_loss, tx), MESH, shard_opt_state=True)
+    state = one.init(params)
     s1, sm = state, many.place_state(state)
     steps = [data(16, 30 + s) for s in range(4)]
     steps[2]["x"][-1, 0] = np.nan  # the last process's rows: the update is skipped
@@ -497,7 +502,7 @@ def scenario_zero() -> None:
                      "skipped": [int(m1["skipped"]), int(local(mm["skipped"]))],
                      "loss": [float(m1["loss"]), float(local(mm["loss"]))]})
     RESULT["zero"] = rows
-    mu = sm.opt_state[1][0].mu  # adam's first moment, as a list of layers
+    mu = sm.opt_state[-1][0].mu  # adam's first moment, as a list of layers
     RESULT["zero_shards"] = {
         "w0": [list(mu[0]["w"].shape), list(mu[0]["w"].addressable_data(0).shape)],
         "b1": [list(mu[1]["b"].shape), list(mu[1]["b"].addressable_data(0).shape)],
@@ -512,9 +517,11 @@ def scenario_zero() -> None:
     def per_example(params, batch):
         return optax.softmax_cross_entropy_with_integer_labels(
             fg.mlp_apply(params, batch["x"]), batch["y"])
-    one = fg.make_train_step(fg.accumulate(per_example, 2), tx, clip_norm=1.0)
-    many = fg.data_parallel(fg.make_train_step(fg.accumulate(per_example, 2), tx, clip_norm=1.0),
-                            MESH, shard_opt_state=True)
+    # Clipped at 1.0: a state of the same structure as the one above, which it continues.
+    tx = optax.chain(fg.clip_by_global_norm(1.0), record_grads(), optax.adam(1e-2))
+    one = fg.make_train_step(fg.accumulate(per_example, 2), tx)
+    many = fg.data_parallel(fg.make_train_step(fg.accumulate(per_example, 2), tx), MESH,
+                            shard_opt_state=True)
     stacked = {k: v.reshape(2, 8, *v.shape[1:]) for k, v in data(16, 40).items()}
     s1, _ = one(state, stacked)
     sm, _ = many(many.place_state(state), _split_rows(stacked))
@@ -543,7 +550,7 @@ def scenario_bad() -> None:
         errors["params"] = str(e)
     tx = optax.sgd(0.1)
     st = fg.data_parallel(fg.make_train_step(mlp_loss, tx), MESH)
-    state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (3, 2)), tx)
+    state = st.init(fg.mlp_init(jax.random.key(0), (3, 2)))
     for name, rows in (("numpy_batch", 6), ("indivisible", 5)):
         try:
             st(state, {"x": np.zeros((rows, 3), np.float32), "y": np.zeros(rows, np.int32)})
@@ -610,15 +617,15 @@ def scenario_fit() -> None:
     x, y = digits.x_train.astype(np.float32), digits.y_train.astype(np.int32)
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 1e-3)
-    for name, options, fit_options in (
-            ("optimistic", {"clip_norm": 1.0}, {}),
-            ("guarded_per_epoch", {}, {"options": fg.FitOptions(optimistic=False,
+    for name, chained, fit_options in (
+            ("optimistic", optax.chain(fg.clip_by_global_norm(1.0), tx), {}),
+            ("guarded_per_epoch", tx, {"options": fg.FitOptions(optimistic=False,
                                                                 chunk=16)})):
         runs = {}
         for where, mesh in (("one", None), ("mesh", MESH)):
-            step = _step(mlp_loss, tx, mesh=mesh, **options)
+            step = _step(mlp_loss, chained, mesh=mesh)
             start = time.perf_counter()
-            result = fg.fit(step, fg.init_train_state(params, tx),
+            result = fg.fit(step, step.init(params),
                             fg.Batches(x, y, batch_size=32, seed=1), epochs=3, progress=False,
                             **fit_options)
             runs[where] = (result, time.perf_counter() - start, step)
@@ -663,14 +670,15 @@ def scenario_resume() -> None:
     x, y = digits.x_train.astype(np.float32), digits.y_train.astype(np.int32)
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 1e-3)
-    step = fg.data_parallel(fg.make_train_step(mlp_loss, tx, clip_norm=1.0), MESH)
+    step = fg.data_parallel(
+        fg.make_train_step(mlp_loss, optax.chain(fg.clip_by_global_norm(1.0), tx)), MESH)
     data = fg.Batches(x, y, batch_size=32, seed=1)
     with run_folder("resume") as root:
-        whole = fg.fit(step, fg.init_train_state(params, tx), data, epochs=4, progress=False,
+        whole = fg.fit(step, step.init(params), data, epochs=4, progress=False,
                        checkpoint=fg.Checkpointing(os.path.join(root, "whole")))
-        first = fg.fit(step, fg.init_train_state(params, tx), data, epochs=2, progress=False,
+        first = fg.fit(step, step.init(params), data, epochs=2, progress=False,
                        checkpoint=fg.Checkpointing(os.path.join(root, "parts")))
-        resumed = fg.fit(step, fg.init_train_state(params, tx), data, epochs=4, progress=False,
+        resumed = fg.fit(step, step.init(params), data, epochs=4, progress=False,
                          checkpoint=fg.Checkpointing(os.path.join(root, "parts"), resume=True))
         saved = sorted(os.listdir(os.path.join(root, "parts")))
     a, b = local(whole.state), local(resumed.state)
@@ -699,12 +707,16 @@ def own_rows(batch: dict) -> dict:
     return {k: v[mine] for k, v in batch.items()}
 
 
-def _loader_fits(name: str, loss, options: dict, size: int, fit_options: dict):
+def _loader_fits(name: str, loss, options: dict, size: int, fit_options: dict,
+                 max_norm: float | None = None):
     """One-device `fit` (process 0 only: the second method, no collective) on the global
     batches, and the mesh step's `fit` with each process's loader yielding its own rows of
-    them; records their numbers under `name`. Returns the mesh run, its step and loader."""
+    them (Adam, clipped to `max_norm` when given); records their numbers under `name`.
+    Returns the mesh run, (params, optimizer) and the loader."""
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 1e-3)
+    if max_norm is not None:
+        tx = optax.chain(fg.clip_by_global_norm(max_norm), tx)
     batches = _digits_batches(420, size, EPOCHS)  # the last batch: 420 % size rows
     runs = {}
     for where, mesh in (("one", None), ("mesh", MESH)):
@@ -714,7 +726,7 @@ def _loader_fits(name: str, loss, options: dict, size: int, fit_options: dict):
         loader = ((lambda e: batches[e]) if mesh is None
                   else (lambda e: (own_rows(b) for b in batches[e])))
         start = time.perf_counter()
-        result = fg.fit(step, fg.init_train_state(params, tx), loader, epochs=EPOCHS,
+        result = fg.fit(step, step.init(params), loader, epochs=EPOCHS,
                         progress=False, **fit_options)
         runs[where] = (result, time.perf_counter() - start)
     many = runs["mesh"][0]
@@ -747,14 +759,13 @@ def scenario_fit_loader() -> None:
     RESULT["funcgrad"] = fg.__file__  # the copy under test (PYTHONPATH)
     digits = fg.load_digits(seed=0)
     split = {"x": digits.x_test.astype(np.float32), "y": digits.y_test.astype(np.int32)}
-    options = {"clip_norm": 1.0}
-    many, (params, tx), loader = _loader_fits("plain", mlp_loss, options, 32,
-                                              {"evaluate": split})
+    many, (params, tx), loader = _loader_fits("plain", mlp_loss, {}, 32, {"evaluate": split},
+                                              max_norm=1.0)
     with run_folder("loader") as root:
-        step = _step(mlp_loss, tx, mesh=MESH, **options)
-        fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1,
+        step = _step(mlp_loss, tx, mesh=MESH)  # tx: the clipped Adam of _loader_fits
+        fg.fit(step, step.init(params), loader, epochs=1,
                checkpoint=fg.Checkpointing(root), progress=False)
-        resumed = fg.fit(step, fg.init_train_state(params, tx), loader, epochs=EPOCHS,
+        resumed = fg.fit(step, step.init(params), loader, epochs=EPOCHS,
                          checkpoint=fg.Checkpointing(root, resume=True), progress=False)
     a, b = local(many.state), local(resumed.state)
     RESULT["resume"] = {
@@ -806,12 +817,12 @@ def scenario_fit_loader_bad() -> None:
         step = _step(loss, tx, mesh=MESH, **options)
         start = time.perf_counter()
         try:
-            fg.fit(step, fg.init_train_state(params, tx), loader, epochs=1, progress=False)
+            fg.fit(step, step.init(params), loader, epochs=1, progress=False)
         except ValueError as e:
             errors[name] = str(e)
         seconds[name] = time.perf_counter() - start
     step = fg.data_parallel(fg.make_train_step(mlp_loss, tx), MESH)
-    good = fg.fit(step, fg.init_train_state(params, tx), mine, epochs=1, progress=False)
+    good = fg.fit(step, step.init(params), mine, epochs=1, progress=False)
     RESULT["errors"], RESULT["error_seconds"] = errors, seconds
     RESULT["good_steps"] = int(local(good.state.step))
     # A NaN in process 1's rows of batch 3: both stop there, with the state from before it.
@@ -821,7 +832,7 @@ def scenario_fit_loader_bad() -> None:
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the report, also as a warning
-        stopped = fg.fit(step, fg.init_train_state(params, tx), nan, epochs=1, progress=False)
+        stopped = fg.fit(step, step.init(params), nan, epochs=1, progress=False)
     RESULT["nonfinite"] = {"step": stopped.nonfinite.step, "batch": stopped.nonfinite.batch,
                            "state_step": int(local(stopped.state.step)),
                            "finite": bool(np.isfinite(max_abs(local(stopped.state.params))))}
@@ -833,7 +844,7 @@ def scenario_fit_loader_bad() -> None:
     unused = fg.data_parallel(fg.make_train_step(lambda p, b: mlp_loss(p["mlp"], b), adam0), MESH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        got = fg.fit(unused, fg.init_train_state({"mlp": params, "u": jnp.zeros(1)}, adam0),
+        got = fg.fit(unused, unused.init({"mlp": params, "u": jnp.zeros(1)}),
                      mine, epochs=1, progress=False)
     RESULT["update"] = {"step": got.nonfinite.step, "loss": got.nonfinite.loss,
                         "state_step": int(local(got.state.step)), "text": got.nonfinite.update}
@@ -848,17 +859,18 @@ def scenario_fit_zero() -> None:
     params = fg.mlp_init(jax.random.key(0), (64, 32, 10))
     tx = fg.make_optimizer("adam", 1e-3)
     data = fg.Batches(x, y, batch_size=32, seed=1)
-    one = fg.fit(fg.make_train_step(mlp_loss, tx, clip_norm=1.0),
-                 fg.init_train_state(params, tx), data, epochs=EPOCHS, progress=False)
-    step = fg.data_parallel(fg.make_train_step(mlp_loss, tx, clip_norm=1.0), MESH,
-                            shard_opt_state=True)
-    many = fg.fit(step, fg.init_train_state(params, tx), data, epochs=EPOCHS, progress=False)
+    tx = optax.chain(fg.clip_by_global_norm(1.0), tx)
+    plain = fg.make_train_step(mlp_loss, tx)
+    one = fg.fit(plain, plain.init(params), data, epochs=EPOCHS, progress=False)
+    step = fg.data_parallel(fg.make_train_step(mlp_loss, tx), MESH, shard_opt_state=True)
+    many = fg.fit(step, step.init(params), data, epochs=EPOCHS, progress=False)
     with run_folder("zero") as root:
-        fg.fit(step, fg.init_train_state(params, tx), data, epochs=1, progress=False,
+        fg.fit(step, step.init(params), data, epochs=1, progress=False,
                checkpoint=fg.Checkpointing(root))
-        resumed = fg.fit(step, fg.init_train_state(params, tx), data, epochs=EPOCHS,
+        resumed = fg.fit(step, step.init(params), data, epochs=EPOCHS,
                          progress=False, checkpoint=fg.Checkpointing(root, resume=True))
-    mu = many.state.opt_state[0].mu[0]["w"]  # adam's first moment of the (64, 32) weight
+    # adam's first moment of the (64, 32) weight: adam's state follows the clip's
+    mu = many.state.opt_state[1][0].mu[0]["w"]
     a, b = gathered(many.state), gathered(resumed.state)
     p1 = local(one.state.params)
     RESULT["fit_zero"] = {
@@ -866,7 +878,7 @@ def scenario_fit_zero() -> None:
         "opt_state_err": max_diff(local(one.state.opt_state), a.opt_state),
         "losses": [one.history.step_loss, many.history.step_loss],
         "mu_shard": list(mu.addressable_data(0).shape),
-        "resumed_mu_shard": list(resumed.state.opt_state[0].mu[0]["w"]
+        "resumed_mu_shard": list(resumed.state.opt_state[1][0].mu[0]["w"]
                                  .addressable_data(0).shape),
         "bitwise": bitwise(a, b),
         "history_same": many.history.step_loss == resumed.history.step_loss}

@@ -42,11 +42,11 @@ def _setup(rows=8):
 
 def test_one_device_mesh_step_is_the_plain_step():
     params, tx, batch = _setup()
-    mon = fg.grad_monitor()
-    state = fg.init_train_state(params, tx, monitor=mon)
-    plain = fg.make_train_step(_loss, tx, clip_norm=0.1, monitor=mon)
+    tx = optax.chain(fg.grad_monitor(), fg.clip_by_global_norm(0.1), tx)
+    plain = fg.make_train_step(_loss, tx)
+    state = plain.init(params)
     mesh = fg.data_mesh()
-    meshed = fg.data_parallel(fg.make_train_step(_loss, tx, clip_norm=0.1, monitor=mon), mesh)
+    meshed = fg.data_parallel(fg.make_train_step(_loss, tx), mesh)
     assert meshed.mesh is mesh and meshed.data_axis == "data" and plain.mesh is None
     s1, s2 = state, fg.replicate(state, mesh)
     for _ in range(3):
@@ -101,9 +101,10 @@ def test_zero1_splits_the_first_axis_that_divides(shape, size, spec):
 
 def test_zero1_on_one_device_is_the_plain_step():
     params, tx, batch = _setup()
-    state = fg.init_train_state(params, tx)
-    plain = fg.make_train_step(_loss, tx, clip_norm=0.1)
-    zero = fg.data_parallel(fg.make_train_step(_loss, tx, clip_norm=0.1), fg.data_mesh(),
+    tx = optax.chain(fg.clip_by_global_norm(0.1), tx)
+    plain = fg.make_train_step(_loss, tx)
+    state = plain.init(params)
+    zero = fg.data_parallel(fg.make_train_step(_loss, tx), fg.data_mesh(),
                             shard_opt_state=True)
     assert zero.shard_opt_state and not plain.shard_opt_state
     s1, s2 = state, zero.place_state(state)
@@ -136,7 +137,7 @@ def test_batch_errors_and_placement_in_one_process():
     step = fg.data_parallel(fg.make_train_step(_loss, tx), mesh)
     with pytest.raises(ValueError, match=r"batch\['t'\] has 0 axes; every leaf of a sharded "
                                          r"batch needs at least 1.*loss's closure"):
-        step(fg.init_train_state(params, tx), {**batch, "t": jnp.float32(1)})
+        step(step.init(params), {**batch, "t": jnp.float32(1)})
 
 
 def test_process_agreement_and_global_batches_in_one_process():
@@ -164,7 +165,8 @@ def test_process_agreement_and_global_batches_in_one_process():
 def test_replicate_keeps_placed_leaves_and_typed_keys():
     params, tx, _ = _setup()
     mesh = fg.data_mesh()
-    state = fg.init_train_state(params, tx, seed=3)
+    keyed = fg.make_train_step(fg.Loss(lambda p, b, *, key: _loss(p, b), takes_key=True), tx)
+    state = keyed.init(params, seed=3)
     placed = fg.replicate(state, mesh)
     again = fg.replicate(placed, mesh)
     assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(again)))
@@ -251,8 +253,9 @@ SIMULATED = textwrap.dedent("""
     loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
     tx = optax.adam(1e-3)
     mesh = fg.data_mesh()
-    step = fg.data_parallel(fg.make_train_step(loss, tx, clip_norm=1.0), mesh)
-    state = fg.init_train_state(params, tx)
+    clipped = optax.chain(fg.clip_by_global_norm(1.0), tx)
+    step = fg.data_parallel(fg.make_train_step(loss, clipped), mesh)
+    state = step.init(params)
     batch = {"x": jax.ShapeDtypeStruct((32, 64), np.float32),
              "y": jax.ShapeDtypeStruct((32,), np.int32)}
     out = {"report": fg.collectives(step, state, batch).to_dict(),
@@ -270,10 +273,10 @@ SIMULATED = textwrap.dedent("""
                                     mesh)
     stacked = {"x": jax.ShapeDtypeStruct((16, 8, 64), np.float32, sharding=rows),
                "y": jax.ShapeDtypeStruct((16, 8), np.int32, sharding=rows)}
-    out["accumulating"] = fg.collectives(accumulating, state, stacked).to_dict()
+    out["accumulating"] = fg.collectives(accumulating, accumulating.init(params),
+                                         stacked).to_dict()
     # ZeRO-1: the compiled step's argument bytes per device, with and without.
-    zero = fg.data_parallel(fg.make_train_step(loss, tx, clip_norm=1.0), mesh,
-                            shard_opt_state=True)
+    zero = fg.data_parallel(fg.make_train_step(loss, clipped), mesh, shard_opt_state=True)
     placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           jax.eval_shape(lambda s: s, state), zero.state_shardings(state))
     out["zero"] = fg.collectives(zero, placed, batch).to_dict()

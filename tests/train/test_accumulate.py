@@ -194,7 +194,7 @@ def test_tail_policy_and_one_inner_update_per_applied_update(tail, updates, drop
     calls = []
     tx = _recording(optax.sgd(0.5), calls)
     step = make_train_step(fg.accumulate(per_example_loss, 2, tail=tail), tx)
-    state, metrics = step(fg.init_train_state(params, tx), mbs)
+    state, metrics = step(step.init(params), mbs)
     jax.effects_barrier()
 
     groups = [_concat(microbatches[0:2]), _concat(microbatches[2:4]), microbatches[4]][:updates]
@@ -217,8 +217,8 @@ def test_drop_with_fewer_micro_batches_than_accumulate_changes_nothing():
     params, batch = _params(), _examples(7)
     mbs = stack_microbatches(_split(batch, [4, 3]))
     tx = optax.adam(1e-2)
-    state = fg.init_train_state(params, tx)
     step = make_train_step(fg.accumulate(per_example_loss, 3, tail="drop"), tx)
+    state = step.init(params)
     new, metrics = step(state, mbs)
     assert _bits(new) == _bits(state)  # params, Adam moments, count, step: bit-identical
     assert metrics["loss"].shape == (0,) and int(metrics["dropped_examples"]) == 7  # 4 + 3
@@ -231,7 +231,7 @@ def test_adam_step_equals_the_hand_written_full_batch_loop():
     mbs = stack_microbatches(microbatches)
     tx = optax.adam(1e-2)
     step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
-    state, metrics = step(fg.init_train_state(params, tx), mbs)
+    state, metrics = step(step.init(params), mbs)
     ref, opt = params, tx.init(params)
     for group in [microbatches[0:2], microbatches[2:4], microbatches[4:]]:
         grads = full_grad(ref, _concat(group))
@@ -251,10 +251,9 @@ def test_clipping_applies_once_to_the_mean_gradient():
     def loss_fn(params, batch):
         return 0.5 * jnp.sum(params["p"] ** 2) * jnp.ones_like(batch["x"])
 
-    tx = optax.sgd(1.0)
-    step = make_train_step(fg.accumulate(loss_fn, 3), tx, clip_norm=0.5)
-    state, metrics = step(fg.init_train_state({"p": jnp.array([3.0, 4.0])}, tx),
-                          {"x": jnp.zeros((3, 2))})
+    tx = optax.chain(fg.clip_by_global_norm(0.5), optax.sgd(1.0))
+    step = make_train_step(fg.accumulate(loss_fn, 3), tx)
+    state, metrics = step(step.init({"p": jnp.array([3.0, 4.0])}), {"x": jnp.zeros((3, 2))})
     np.testing.assert_allclose(state.params["p"], [2.7, 3.6], rtol=1e-6)
     assert metrics["grad_norm"].shape == (1,) and float(metrics["grad_norm"][0]) == 5.0
 
@@ -272,8 +271,8 @@ def test_loss_scaled_accumulation_equals_the_unscaled_one():
     half = fg.accumulate(per_example_loss, 2)
     scaled = make_train_step(fg.mixed_precision(half, jnp.bfloat16, loss_scale=scale), tx)
     plain = make_train_step(fg.mixed_precision(half, jnp.bfloat16), tx)
-    s_state, s_metrics = scaled(fg.init_train_state(params, tx, loss_scale=scale), mbs)
-    p_state, p_metrics = plain(fg.init_train_state(params, tx), mbs)
+    s_state, s_metrics = scaled(scaled.init(params), mbs)
+    p_state, p_metrics = plain(plain.init(params), mbs)
     for a, b in zip(jax.tree.leaves(s_state.params), jax.tree.leaves(p_state.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(s_metrics["grad_norm"], p_metrics["grad_norm"], rtol=1e-6)
@@ -296,7 +295,7 @@ def test_an_overflowing_micro_batch_skips_its_whole_update_and_backs_off_once():
     step = make_train_step(
         fg.accumulate(fg.mixed_precision(loss_fn, jnp.bfloat16, loss_scale=scale), 2), tx)
     x = np.array([[1.0], [3e17], [1.0], [1.0]], np.float32)
-    state0 = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx, loss_scale=scale)
+    state0 = step.init({"w": jnp.ones((), jnp.float32)})
     state, metrics = step(state0, {"x": x[:2]})
     assert _bits(state.params) == _bits(state0.params)
     assert _bits(state.opt_state) == _bits(state0.opt_state)
@@ -327,7 +326,7 @@ def test_half_precision_accumulation_is_close_to_the_float32_full_batch(dtype):
     scale = fg.dynamic_loss_scale(init_scale=2.0**8)
     step = make_train_step(
         fg.accumulate(fg.mixed_precision(loss_fn, dtype, loss_scale=scale), 3), tx)
-    state, metrics = step(fg.init_train_state(params, tx, loss_scale=scale), mbs)
+    state, metrics = step(step.init(params), mbs)
     assert int(metrics["skipped"][0]) == 0
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state.params))
     grads = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
@@ -351,7 +350,7 @@ def test_detect_anomaly_names_the_micro_batch_and_the_line():
                  np.float32)
     tx = optax.sgd(0.1)
     step = fg.detect_anomaly(make_train_step(fg.accumulate(loss_fn, 2), tx))
-    state0 = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx)
+    state0 = step.init({"w": jnp.ones((), jnp.float32)})
     state, metrics = step(state0, {"x": x})
     report = metrics["anomaly"]
     assert (report.phase, report.primitive) == ("forward", "sqrt")
@@ -391,7 +390,7 @@ def test_detect_anomaly_under_a_loss_scale_names_the_real_nan_not_an_overflow():
     scale = fg.dynamic_loss_scale(init_scale=2.0**15)
     half = fg.mixed_precision(loss_fn, jnp.float16, loss_scale=scale)
     step = fg.detect_anomaly(make_train_step(fg.accumulate(half, 2), tx))
-    _, metrics = step(fg.init_train_state({"w": jnp.ones(())}, tx, loss_scale=scale), {"x": x})
+    _, metrics = step(step.init({"w": jnp.ones(())}), {"x": x})
     assert list(np.asarray(metrics["loss_scale"])) == [2.0**15, 2.0**14]
     report = metrics["anomaly"]
     assert report.context[0].startswith("micro-batch 1 (0-based) of the 2 of update 1")
@@ -402,7 +401,8 @@ def test_detect_anomaly_under_a_loss_scale_names_the_real_nan_not_an_overflow():
 def test_step_temp_memory_does_not_grow_with_micro_batches_or_updates():
     params = fg.mlp_init(jax.random.key(0), (64, 128, 10))
     tx = optax.adam(1e-3)
-    state = fg.init_train_state(params, tx)
+    # One state for every step below: they differ only in K, and K is no part of the state.
+    state = make_train_step(fg.accumulate(per_example_loss, 4), tx).init(params)
     temp = {}
     for num, k in [(4, 4), (16, 16), (16, 4), (64, 4)]:
         batch = _examples(32 * num, features=64, classes=10)
@@ -478,7 +478,7 @@ def test_multisteps_runs_the_inner_update_every_mini_step_and_keeps_the_tail():
     tx = _recording(optax.sgd(0.5), calls)
     mbs = stack_microbatches(microbatches)
     step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
-    state, metrics = step(fg.init_train_state(params, tx), mbs)
+    state, metrics = step(step.init(params), mbs)
     jax.effects_barrier()
     assert len(calls) == 3 and int(np.sum(metrics["examples"])) == 20
     # Where both applied the same two updates (equal micro-batches of 4: mean of the two
@@ -517,8 +517,9 @@ def test_leaves_with_different_leading_axes_are_named():
     (lambda: fg.accumulate(per_example_loss, 2, tail="keep"),
      r"tail must be one of \('apply', 'drop'\)"),
     (lambda: fg.accumulate(fg.accumulate(per_example_loss, 2), 2), "already accumulates"),
-    (lambda: make_train_step(fg.accumulate(per_example_loss, 2), optax.sgd(0.1),
-                             clip_norm=-1.0), "clip_norm must be a positive number"),
+    (lambda: make_train_step(fg.accumulate(per_example_loss, 2),
+                             optax.chain(fg.clip_by_global_norm(-1.0), optax.sgd(0.1))),
+     "max_norm must be a finite number > 0"),
 ], ids=["zero", "float", "unknown_tail", "twice", "negative_clip"])
 def test_step_argument_errors(make, match):
     with pytest.raises(ValueError, match=match):
@@ -539,7 +540,7 @@ def test_a_schedule_counts_updates_and_the_step_reports_the_rate_applied():
     parts = _split(batch, [4] * 6)
     tx = fg.make_optimizer("sgd", _halving)
     step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
-    state, metrics = step(fg.init_train_state(params, tx), stack_microbatches(parts))
+    state, metrics = step(step.init(params), stack_microbatches(parts))
     rates = [0.1, 0.05, 0.025]
     np.testing.assert_allclose(metrics["learning_rate"], rates, rtol=1e-7)
     hand = params
@@ -556,20 +557,17 @@ def test_the_rate_is_reported_wherever_the_state_holds_it():
     frozen = trainable_mask(params, freeze="0/*")
     # A user's own inject_hyperparams, a frozen layer (the freeze wraps the state), and the
     # step without accumulation: the first update's rate, 0.1 in each.
-    for step, state, args in [
-            (make_train_step(fg.accumulate(per_example_loss, 2), injected),
-             fg.init_train_state(params, injected), (mbs,)),
+    for step, args in [
+            (make_train_step(fg.accumulate(per_example_loss, 2), injected), (mbs,)),
             (make_train_step(fg.accumulate(per_example_loss, 2), injected, trainable=frozen),
-             fg.init_train_state(params, injected, trainable=frozen), (mbs,)),
-            (make_train_step(mean_loss, fg.make_optimizer("adam", _halving)),
-             fg.init_train_state(params, fg.make_optimizer("adam", _halving)), (batch,))]:
-        _, metrics = step(state, *args)
+             (mbs,)),
+            (make_train_step(mean_loss, fg.make_optimizer("adam", _halving)), (batch,))]:
+        _, metrics = step(step.init(params), *args)
         np.testing.assert_allclose(np.ravel(metrics["learning_rate"])[0], 0.1, rtol=1e-7)
     # (None of these warns: pytest makes a warning an error.) A constant rate: nothing to
     # report, no "learning_rate" and no warning.
-    tx = optax.adam(1e-3)
-    _, metrics = make_train_step(fg.accumulate(per_example_loss, 2), tx)(
-        fg.init_train_state(params, tx), mbs)
+    step = make_train_step(fg.accumulate(per_example_loss, 2), optax.adam(1e-3))
+    _, metrics = step(step.init(params), mbs)
     assert "learning_rate" not in metrics
 
 
@@ -588,7 +586,7 @@ def test_a_schedule_passed_straight_into_optax_is_said_once_and_still_applied():
     parts = _split(batch, [4] * 4)
     tx = optax.sgd(optax.linear_schedule(0.1, 0.01, 10))
     step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     with pytest.warns(UserWarning, match=_UNREAD.format(index=1)) as caught:
         new, metrics = step(state, stack_microbatches(parts))
         # A second call with another shape traces the step again: it is not said twice.
@@ -612,16 +610,17 @@ def test_fit_says_so_at_the_users_line_and_a_readable_rate_is_not_warned_about()
     # ScaleByScheduleState) -> opt_state[1]; without accumulation the same.
     tx = optax.adam(_halving)
     with pytest.warns(UserWarning, match=_UNREAD.format(index=1)) as caught:
-        result = fg.fit(make_train_step(mean_loss, tx), fg.init_train_state(_params(), tx),
-                        fg.Batches(x, y, batch_size=8), epochs=1, progress=False)
+        step = make_train_step(mean_loss, tx)
+        result = fg.fit(step, step.init(_params()), fg.Batches(x, y, batch_size=8), epochs=1,
+                        progress=False)
     assert caught[0].filename == __file__
     assert result.history.step_learning_rate == []
     # The same schedule made readable, both ways the warning names: no warning (an error
     # here), and fit records the two rates, 0.1 * 0.5**0 and 0.1 * 0.5**1.
     for readable in (optax.inject_hyperparams(optax.adam)(learning_rate=_halving),
                      fg.make_optimizer("adam", _halving)):
-        result = fg.fit(make_train_step(mean_loss, readable),
-                        fg.init_train_state(_params(), readable), fg.Batches(x, y, batch_size=8),
+        step = make_train_step(mean_loss, readable)
+        result = fg.fit(step, step.init(_params()), fg.Batches(x, y, batch_size=8),
                         epochs=1, progress=False)
         np.testing.assert_allclose(result.history.step_learning_rate, [0.1, 0.05], rtol=1e-7)
 
@@ -630,7 +629,7 @@ def test_fit_runs_a_scheduled_accumulating_step():
     x, y = _examples(32)["x"], _examples(32)["y"]
     tx = fg.make_optimizer("sgd", _halving)
     step = make_train_step(fg.accumulate(per_example_loss, 2), tx)
-    result = fg.fit(step, fg.init_train_state(_params(), tx), fg.Batches(x, y, batch_size=8),
+    result = fg.fit(step, step.init(_params()), fg.Batches(x, y, batch_size=8),
                     epochs=1, progress=False)
     # 4 batches of 8, 2 per update: 2 updates, the count the schedule saw; the last used 0.05.
     assert len(result.history.step_loss) == 2

@@ -50,18 +50,20 @@ def _noisy_mlp_loss(params, batch, *, key):
                                     batch["y"])
 
 
-def _mlp(optimizer=("adam", 1e-2), *, cast=None, takes_key=False, trainable=None, **options):
-    """A case: (step, make_state(**init_train_state options to change), five batches)."""
+def _mlp(optimizer=("adam", 1e-2), *, cast=None, takes_key=False, trainable=None,
+         monitor=None, loss_scale=None, **init):
+    """A case: (step, make_state(**step.init options to change), five batches)."""
     params, _, loss_fn = mlp_problem()
     params = params if cast is None else fg.cast_floating(params, cast)
     opt = fg.make_optimizer(*optimizer)
+    if monitor is not None:
+        opt = optax.chain(monitor, opt)
     mask = None if trainable is None else fg.trainable_mask(params, train=trainable)
     loss = fg.Loss(_noisy_mlp_loss, takes_key=True) if takes_key else loss_fn
-    if "loss_scale" in options:
-        loss = fg.mixed_precision(loss, jnp.bfloat16, loss_scale=options["loss_scale"])
-    step = fg.make_train_step(loss, opt, trainable=mask, monitor=options.get("monitor"))
-    make_state = lambda **like: fg.init_train_state(params, opt, trainable=mask,
-                                                    **{**options, **like})
+    if loss_scale is not None:
+        loss = fg.mixed_precision(loss, jnp.bfloat16, loss_scale=loss_scale)
+    step = fg.make_train_step(loss, opt, trainable=mask)
+    make_state = lambda **like: step.init(params, **{**init, **like})
     return step, make_state, _batches(5, (5, 6), 3)
 
 
@@ -71,8 +73,7 @@ def _cnn():
                    takes_key=True)
     opt = fg.make_optimizer("momentum", 1e-2)
     step = fg.make_train_step(loss, opt)
-    make_state = lambda seed=0: fg.init_train_state(params, opt, model_state=model_state,
-                                                    seed=seed)
+    make_state = lambda seed=0: step.init(params, model_state=model_state, seed=seed)
     return step, make_state, _batches(5, (4, 8, 8), 3)
 
 
@@ -118,9 +119,27 @@ def test_stop_save_restore_continue_equals_the_run_that_never_stopped(case, tmp_
     assert int(continued.step) == len(batches)
 
 
+def _sgd_step(**init):
+    """A step that is never called (nothing compiles): its `init` makes the states below.
+    SGD (no optimizer state); `init` the step.init options (model_state=, seed=, key=)."""
+    loss = lambda p, b: jnp.sum(p["p"] ** 2)
+    if "model_state" in init:
+        loss = fg.Loss(lambda p, b, *, model_state: (jnp.sum(p["p"] ** 2), model_state),
+                       has_state=True)
+    elif "seed" in init or "key" in init:
+        loss = fg.Loss(lambda p, b, *, key: jnp.sum(p["p"] ** 2), takes_key=True)
+    return fg.make_train_step(loss, "sgd")
+
+
+def _init(params, **init):
+    """``step.init(params, **init)`` of a `_sgd_step` made for those options."""
+    return _sgd_step(**init).init(params, **init)
+
+
 def _tiny_state(value, step):
     # A state saved without compiling a step: params {"p": value}, SGD (no optimizer state).
-    state = fg.init_train_state({"p": jnp.full((2,), value, jnp.float32)}, optax.sgd(0.1))
+    state = fg.make_train_step(lambda p, b: jnp.sum(p["p"] ** 2), optax.sgd(0.1)).init(
+        {"p": jnp.full((2,), value, jnp.float32)})
     return state._replace(step=jnp.asarray(step, jnp.int32))
 
 
@@ -206,29 +225,33 @@ def test_a_checkpoint_written_by_something_else_is_refused(tmp_path):
 
 def test_a_like_of_another_structure_names_the_first_differing_leaf(tmp_path):
     params = {"p": jnp.ones((2,), jnp.float32)}
-    state = fg.init_train_state(params, "sgd", monitor=fg.grad_monitor())
-    save_checkpoint(tmp_path, state)
-    # Saved: params['p'], step, monitor.values; like without a monitor has params['p'], step.
-    with pytest.raises(ValueError, match=r"leaf 2 is state\.monitor\.values where like has "
-                                         r"nothing .*fields set when saved: params, step, "
-                                         r"monitor; in like: params, step\)\. Build `like`"):
-        restore_checkpoint(tmp_path, fg.init_train_state(params, "sgd"))
+    loss = lambda p, b: jnp.sum(p["p"] ** 2)
+    monitored = fg.make_train_step(loss, optax.chain(fg.grad_monitor(),
+                                                      fg.make_optimizer("sgd")))
+    save_checkpoint(tmp_path, monitored.init(params))
+    # Saved: params['p'], the monitor's values (the first state of the chain, a tuple), step;
+    # like without a monitor has params['p'], step (plain SGD keeps no optimizer state).
+    with pytest.raises(ValueError, match=r"leaf 1 is state\.opt_state\[0\]\.values where like "
+                                         r"has state\.step \(3 saved leaves, 2 in like; fields "
+                                         r"set when saved: params, opt_state, step; in like: "
+                                         r"params, step\)\. Build `like`"):
+        restore_checkpoint(tmp_path, fg.make_train_step(loss, "sgd").init(params))
 
 
 @pytest.mark.parametrize("like, message", [
-    (lambda p: fg.init_train_state(fg.cast_floating(p, jnp.bfloat16), "sgd", seed=0),
+    (lambda p: _init(fg.cast_floating(p, jnp.bfloat16), seed=0),
      r"state\.params\['p'\] was saved as float32 of shape \(2,\), but like has bfloat16 of "
      r"shape \(2,\)"),
-    (lambda p: fg.init_train_state({"p": jnp.ones((3,), jnp.float32)}, "sgd", seed=0),
+    (lambda p: _init({"p": jnp.ones((3,), jnp.float32)}, seed=0),
      r"state\.params\['p'\] was saved as float32 of shape \(2,\), but like has float32 of "
      r"shape \(3,\)"),
-    (lambda p: fg.init_train_state(p, "sgd", key=jax.random.PRNGKey(0)),
+    (lambda p: _init(p, key=jax.random.PRNGKey(0)),
      r"state\.key was saved as a typed PRNG key \(threefry2x32\) with key data uint32 of shape "
      r"\(2,\), but like has uint32 of shape \(2,\)"),
 ], ids=["dtype", "shape", "raw-key-for-typed-key"])
 def test_a_like_with_another_dtype_or_shape_is_refused(tmp_path, like, message):
     params = {"p": jnp.ones((2,), jnp.float32)}
-    save_checkpoint(tmp_path, fg.init_train_state(params, "sgd", seed=0))
+    save_checkpoint(tmp_path, _init(params, seed=0))
     with pytest.raises(ValueError, match=message):
         restore_checkpoint(tmp_path, like(params))
 
@@ -292,10 +315,9 @@ def test_numpy_python_and_empty_leaves_come_back_as_the_kind_like_holds(tmp_path
     # an array of size 0, so its dtype and shape are checked and the leaf is like's.
     model_state = {"seen": 7, "rate": 0.25, "hist": np.arange(3, dtype=np.int32),
                    "empty": jnp.zeros((0, 2), jnp.float32)}
-    state = fg.init_train_state({"p": jnp.ones((2,), jnp.float32)}, "sgd",
-                                model_state=model_state)
+    state = _init({"p": jnp.ones((2,), jnp.float32)}, model_state=model_state)
     save_checkpoint(tmp_path, state)
-    like = fg.init_train_state({"p": jnp.zeros((2,), jnp.float32)}, "sgd", model_state={
+    like = _init({"p": jnp.zeros((2,), jnp.float32)}, model_state={
         "seen": 0, "rate": 0.0, "hist": np.zeros(3, np.int32), "empty": jnp.zeros((0, 2))})
     r = restore_checkpoint(tmp_path, like).state
     assert r.model_state["seen"] == 7 and type(r.model_state["seen"]) is int

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from funcgrad.train.clipping import clip_by_global_norm, global_norm
+from funcgrad.train.clipping import clip_grads, global_norm
 
 
 def test_global_norm_three_four_five():
@@ -76,7 +76,7 @@ def test_clip_three_four_five_by_hand():
     # g = (3, 4), ||g|| = 5 > max_norm 1: g' = g / 5 = (0.6, 0.8), coefficient 0.2, ||g'|| = 1,
     # and g' is parallel to g (cosine 1).
     grads = {"a": jnp.array([3.0]), "b": jnp.array([4.0])}
-    clipped, info = clip_by_global_norm(grads, 1.0)
+    clipped, info = clip_grads(grads, 1.0)
     np.testing.assert_allclose(jnp.concatenate([clipped["a"], clipped["b"]]), [0.6, 0.8], rtol=1e-6)
     np.testing.assert_allclose(info.grad_norm, 5.0, rtol=1e-6)
     np.testing.assert_allclose(info.clip_coef, 0.2, rtol=1e-6)
@@ -84,7 +84,7 @@ def test_clip_three_four_five_by_hand():
     v, w = np.array([3.0, 4.0]), np.array([clipped["a"][0], clipped["b"][0]])
     np.testing.assert_allclose(v @ w / (np.linalg.norm(v) * np.linalg.norm(w)), 1.0, rtol=1e-6)
     # Under the bound (5 <= 10) nothing changes and the coefficient is 1.
-    same, info = clip_by_global_norm(grads, 10.0)
+    same, info = clip_grads(grads, 10.0)
     chex.assert_trees_all_equal(same, grads)
     assert float(info.clip_coef) == 1.0
 
@@ -93,7 +93,7 @@ def test_clip_equals_optax_on_random_trees():
     # Second method: optax.clip_by_global_norm alone gives the same tree.
     keys = jax.random.split(jax.random.key(1), 2)
     grads = [jax.random.normal(keys[0], (20, 30)) * 3, jax.random.normal(keys[1], (30,))]
-    ours, info = clip_by_global_norm(grads, 2.0)
+    ours, info = clip_grads(grads, 2.0)
     ref, _ = optax.clip_by_global_norm(2.0).update(grads, optax.EmptyState())
     chex.assert_trees_all_close(ours, ref, rtol=1e-6)
     np.testing.assert_allclose(info.clip_coef, 2.0 / optax.tree.norm(grads), rtol=1e-6)
@@ -104,11 +104,11 @@ def test_a_given_norm_is_not_taken_again():
     # clipped tree holds no reduction over the gradients (optax's transformation takes the norm
     # again), and the result matches optax's. Hand: norm 5 -> coefficient 1/5.
     grads = {"a": jnp.array([3.0]), "b": jnp.array([[0.0, 4.0]])}
-    jaxpr = jax.make_jaxpr(lambda g, n: clip_by_global_norm(g, 1.0, grad_norm=n)[0])(
+    jaxpr = jax.make_jaxpr(lambda g, n: clip_grads(g, 1.0, grad_norm=n)[0])(
         grads, jnp.float32(5.0))
     names = {e.primitive.name for e in jaxpr.eqns}
     assert not names & {"reduce_sum", "dot_general", "sqrt"}, names
-    clipped, info = clip_by_global_norm(grads, 1.0, grad_norm=jnp.float32(5.0))
+    clipped, info = clip_grads(grads, 1.0, grad_norm=jnp.float32(5.0))
     chex.assert_trees_all_close(clipped, {"a": jnp.array([0.6]), "b": jnp.array([[0.0, 0.8]])})
     ref, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
     chex.assert_trees_all_close(clipped, ref, rtol=1e-6)
@@ -118,9 +118,9 @@ def test_one_nan_leaf_poisons_optax_but_not_zero_nonfinite():
     # optax divides every leaf by the nan norm: all NaN. Zeroing the bad leaf first keeps the
     # other: a = 3, remaining norm 3 > 1 -> a' = 1, coefficient 1/3; b' = 0; one leaf zeroed.
     grads = {"a": jnp.array([3.0]), "b": jnp.array([jnp.nan, 1.0])}
-    poisoned, info = clip_by_global_norm(grads, 1.0)
+    poisoned, info = clip_grads(grads, 1.0)
     assert bool(jnp.all(jnp.isnan(poisoned["a"]))) and int(info.nonfinite_leaves) == 1
-    kept, info = clip_by_global_norm(grads, 1.0, zero_nonfinite=True)
+    kept, info = clip_grads(grads, 1.0, zero_nonfinite=True)
     np.testing.assert_allclose(kept["a"], [1.0], rtol=1e-6)
     np.testing.assert_array_equal(kept["b"], [0.0, 0.0])
     np.testing.assert_allclose(info.clip_coef, 1 / 3, rtol=1e-6)
@@ -129,4 +129,4 @@ def test_one_nan_leaf_poisons_optax_but_not_zero_nonfinite():
 
 def test_clip_rejects_bad_max_norm():
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0, got -1"):
-        clip_by_global_norm({"a": jnp.ones(2)}, -1)
+        clip_grads({"a": jnp.ones(2)}, -1)

@@ -64,7 +64,7 @@ def test_batch_norm_in_training_mode_warns_in_the_accumulating_step_once(jit):
     params = {"w": jax.random.normal(jax.random.key(1), (6, 3))}
     tx = optax.sgd(0.1)
     step = make_train_step(fg.accumulate(batch_norm, 2), tx, jit=jit)
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     mbs = {k: v.reshape(4, 4, *v.shape[1:]) for k, v in _linear_batch(16).items()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -101,7 +101,8 @@ def test_a_per_example_loss_raises_no_false_alarm(m):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jax.jit(lambda p, b: accumulate_grads(per_example, p, b))(params, mbs)
-        make_train_step(fg.accumulate(per_example, 2), tx)(fg.init_train_state(params, tx), mbs)
+        step = make_train_step(fg.accumulate(per_example, 2), tx)
+        step(step.init(params), mbs)
 
 
 def test_dropout_drawn_for_the_whole_batch_is_not_a_coupling():
@@ -216,7 +217,7 @@ def test_the_warning_names_the_users_loss_fn_and_points_at_the_users_call(path):
     mbs = stack_microbatches([{"x": np.float32([0.0, 1.0])}, {"x": np.float32([2.0, 3.0])}])
     tx = optax.sgd(0.1)
     step = make_train_step(fg.accumulate(centred, 2), tx, jit=path == "step")
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if path == "accumulate_grads":

@@ -19,7 +19,7 @@ def test_fit_keeps_the_state_from_before_a_nan_batch():
     tx = optax.adam(1e-2)
     step = fg.make_train_step(loss_fn, tx)
     x, y = np.asarray(batch["x"]), np.asarray(batch["y"])
-    first = fg.fit(step, fg.init_train_state(params, tx), fg.Batches(x, y, batch_size=5), epochs=1,
+    first = fg.fit(step, step.init(params), fg.Batches(x, y, batch_size=5), epochs=1,
                    progress=False)
     bad_x = x.copy()
     bad_x[2, 3] = np.nan
@@ -39,7 +39,7 @@ def test_fit_stops_at_first_overflow_and_keeps_last_finite_state():
     # gradient 2*p_6 ~ 1.3e20 is inf as well: optax.tree.norm squares it (~1.6e40 > 3.4e38).
     tx = optax.sgd(1000.0)
     step = fg.make_train_step(lambda p, b: p["p"] ** 2, tx)
-    state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
+    state = step.init({"p": jnp.float32(1.0)})
     x = np.zeros((8, 1), np.float32)
     with pytest.warns(RuntimeWarning, match="non-finite value at step 6"):
         result = fg.fit(step, state, fg.Batches(x, np.zeros(8), batch_size=1), epochs=2,
@@ -61,7 +61,7 @@ def test_fit_never_returns_params_overflowed_by_an_update():
     step = fg.make_train_step(lambda p, b: -p["w"], tx)
     with pytest.warns(RuntimeWarning, match=r"non-finite value at step 0.*params\['w'\] "
                       r"\(float32\): its update is finite but the new value overflows"):
-        result = fg.fit(step, fg.init_train_state({"w": jnp.float32(3e38)}, tx),
+        result = fg.fit(step, step.init({"w": jnp.float32(3e38)}),
                         fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=1), epochs=1,
                         progress=False)
     assert float(result.state.params["w"]) == pytest.approx(3e38, rel=1e-6)
@@ -71,7 +71,8 @@ def test_fit_never_returns_params_overflowed_by_an_update():
 def test_fit_logs_through_the_progress_bar():
     lines = []
     tx = optax.sgd(0.1)
-    fg.fit(fg.make_train_step(half_squared_norm, tx), fg.init_train_state({"p": jnp.ones(2)}, tx),
+    step = fg.make_train_step(half_squared_norm, tx)
+    fg.fit(step, step.init({"p": jnp.ones(2)}),
            fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=2), epochs=2,
            progress=fg.Progress(lines.append, bar=True))
     # L = |p|^2/2 from p = (1, 1), lr 0.1: step losses 1.0 then 0.81 (p -> 0.9p); mean 0.905.
@@ -87,7 +88,8 @@ def test_fit_reaches_095_on_digits_quickly():
 
     acc = jax.jit(lambda p: fg.accuracy(fg.mlp_apply(p, data.x_test), data.y_test))
     tx = fg.make_optimizer("adam", 1e-3)
-    result = fg.fit(fg.make_train_step(loss_fn, tx), fg.init_train_state(params, tx),
+    step = fg.make_train_step(loss_fn, tx)
+    result = fg.fit(step, step.init(params),
                     fg.Batches(data.x_train, data.y_train, batch_size=32), epochs=8,
                     evaluate=lambda p: {"test_accuracy": acc(p)}, progress=False)
     history = result.history
@@ -115,7 +117,7 @@ def test_fit_with_accumulation_counts_updates_and_the_tail(tail, updates, droppe
 
     tx = optax.adam(1e-3)
     step = fg.make_train_step(fg.accumulate(per_example, 4, tail=tail), tx)
-    result = fg.fit(step, fg.init_train_state(params, tx),
+    result = fg.fit(step, step.init(params),
                     fg.Batches(data.x_train, data.y_train, batch_size=32), epochs=2,
                     progress=False)
     assert len(result.history.step_loss) == updates and int(result.state.step) == updates
@@ -130,7 +132,7 @@ def test_fit_refuses_a_run_whose_every_group_would_be_dropped():
     per_example = lambda p, b: jnp.sum((b["x"] @ p["w"] - b["y"]) ** 2, axis=-1)
     step = fg.make_train_step(fg.accumulate(per_example, 4, tail="drop"), tx)
     x, y = np.ones((50, 3), np.float32), np.zeros((50, 1), np.float32)
-    state = fg.init_train_state({"w": jnp.zeros((3, 1))}, tx)
+    state = step.init({"w": jnp.zeros((3, 1))})
     with pytest.raises(ValueError, match=r"make 2 micro-batches per epoch, fewer than one group "
                                          r"of accumulate=4.*no update would ever be applied"):
         fg.fit(step, state, fg.Batches(x, y, batch_size=32), epochs=1, progress=False)
@@ -151,9 +153,10 @@ def test_a_nan_loss_with_a_finite_gradient_points_at_the_targets():
     y[3] = 10
     tx = optax.adam(1e-3)
     loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
-    state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 8, 10)), tx)
+    step = fg.make_train_step(loss, tx)
+    state = step.init(fg.mlp_init(jax.random.key(0), (64, 8, 10)))
     with pytest.warns(RuntimeWarning):
-        result = fg.fit(fg.make_train_step(loss, tx), state,
+        result = fg.fit(step, state,
                         fg.Batches(data.x_train[:64], y, batch_size=64), epochs=1, progress=False)
     report = result.nonfinite
     assert math.isnan(report.loss) and math.isfinite(report.grad_norm)
@@ -170,10 +173,11 @@ def test_a_label_out_of_range_is_named_by_its_row_and_value():
     y[1000] = 10
     tx = optax.adam(1e-3)
     loss = lambda p, b: fg.softmax_cross_entropy(fg.mlp_apply(p, b["x"]), b["y"])
-    state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 16, 10)), tx)
+    step = fg.make_train_step(loss, tx)
+    state = step.init(fg.mlp_init(jax.random.key(0), (64, 16, 10)))
     with pytest.warns(RuntimeWarning, match=r"The loss of row 1000 \(y=10\) alone is not "
                                             r"finite \(1 of the step's 32 examples"):
-        result = fg.fit(fg.make_train_step(loss, tx), state,
+        result = fg.fit(step, state,
                         fg.Batches(data.x_train, y, batch_size=32), epochs=2, progress=False)
     report = result.nonfinite
     assert 1000 in report.examples and report.bad_count == 1
@@ -194,8 +198,9 @@ def test_labels_numbered_from_one_and_a_nan_input_are_named_with_accumulation():
     tx = optax.adam(1e-3)
     per_example = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
         fg.mlp_apply(p, b["x"]), b["y"])
-    state = fg.init_train_state(fg.mlp_init(jax.random.key(0), (64, 16, 10)), tx)
     step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
+    # The plain step below trains the same optimizer: it takes this state too.
+    state = step.init(fg.mlp_init(jax.random.key(0), (64, 16, 10)))
     with pytest.warns(RuntimeWarning):
         result = fg.fit(step, state, fg.Batches(data.x_train, y, batch_size=16), epochs=1,
                         progress=False)
@@ -225,9 +230,10 @@ def test_a_loss_no_single_example_makes_non_finite_names_no_row():
     tx = optax.sgd(0.1)
     loss = lambda p, b: jnp.sum(p * b["x"]) * 0 + (jnp.inf if b["x"].shape[0] > 1 else 0.0)
     x, y = np.ones((8, 1), np.float32), np.zeros(8, np.int32)
-    state = fg.init_train_state(jnp.float32(1.0), tx)
+    step = fg.make_train_step(loss, tx)
+    state = step.init(jnp.float32(1.0))
     with pytest.warns(RuntimeWarning):
-        result = fg.fit(fg.make_train_step(loss, tx), state, fg.Batches(x, y, batch_size=4),
+        result = fg.fit(step, state, fg.Batches(x, y, batch_size=4),
                         epochs=1, progress=False)
     report = result.nonfinite
     assert math.isinf(report.loss) and report.bad_examples == () and report.bad_count == 0
@@ -239,7 +245,8 @@ def test_fit_takes_python_lists():
     # gradient -2 mean(x (y - w x)) = -2, so w = 1 and the next loss is 0.
     tx = optax.sgd(0.5)
     loss = lambda p, b: jnp.mean((b["x"] * p - b["y"]) ** 2)
-    result = fg.fit(fg.make_train_step(loss, tx), fg.init_train_state(jnp.float32(0.0), tx),
+    step = fg.make_train_step(loss, tx)
+    result = fg.fit(step, step.init(jnp.float32(0.0)),
                     fg.Batches([1.0, 1.0], [1.0, 1.0], batch_size=2), epochs=1, progress=False)
     np.testing.assert_allclose(result.state.params, 1.0)
 
@@ -247,10 +254,11 @@ def test_fit_takes_python_lists():
 def test_fit_names_a_loss_function_passed_as_the_step():
     data = fg.load_digits(seed=0)
     params, tx = fg.mlp_init(jax.random.key(0), (64, 10)), optax.sgd(0.1)
-    state = fg.init_train_state(params, tx)
 
     def loss_fn(params, batch):
         return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
+
+    state = fg.make_train_step(loss_fn, tx).init(params)
 
     # loss_fn(state, batch) fails inside mlp_apply; the note says what fit expected.
     with pytest.raises(ValueError) as error:
@@ -272,7 +280,7 @@ def test_nonfinite_report_with_accumulation_names_the_batches_of_the_update():
     tx = optax.sgd(1000.0)
     step = fg.make_train_step(fg.accumulate(lambda p, b: p["p"] ** 2 * jnp.ones_like(b["x"][:, 0]),
                                             2), tx)
-    state = fg.init_train_state({"p": jnp.float32(1.0)}, tx)
+    state = step.init({"p": jnp.float32(1.0)})
     with pytest.warns(RuntimeWarning, match=r"step 6 \(epoch 1, batches 12-13, accumulated\)"):
         result = fg.fit(step, state,
                         fg.Batches(np.zeros((32, 1), np.float32), np.zeros(32), batch_size=1),
@@ -284,9 +292,8 @@ def test_nonfinite_report_with_accumulation_names_the_batches_of_the_update():
 
 def _quadratic_run(**kwargs):
     """L = |p|^2 / 2 from p = (1, 1), SGD lr 0.1, 4 rows in batches of 2: 2 steps per epoch."""
-    tx = optax.sgd(0.1)
-    return fg.fit(fg.make_train_step(half_squared_norm, tx),
-                  fg.init_train_state({"p": jnp.ones(2)}, tx),
+    step = fg.make_train_step(half_squared_norm, optax.sgd(0.1))
+    return fg.fit(step, step.init({"p": jnp.ones(2)}),
                   fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=2), **kwargs)
 
 
@@ -329,7 +336,7 @@ def test_epochs_are_numbered_from_1_wherever_a_user_sees_them(monkeypatch):
     # epoch 2, step 2 (two steps applied in epoch 1), batch 0.
     tx = optax.sgd(0.1)
     step = fg.make_train_step(lambda p, b: jnp.sum(p["p"] ** 2) / 2 + jnp.sum(b["x"]), tx)
-    state = fg.init_train_state({"p": jnp.ones(2)}, tx)
+    state = step.init({"p": jnp.ones(2)})
 
     def loader(epoch):
         bad = np.nan if epoch == 1 else 0.0
@@ -353,7 +360,7 @@ def test_a_step_whose_metrics_lack_the_global_norm_is_named():
 
     with pytest.raises(TypeError, match=r"metrics have no 'grad_norm' \(keys: 'loss'\).*"
                                         r"optax.global_norm\(grads\).*make_train_step"):
-        fg.fit(my_step, fg.init_train_state({"p": jnp.ones(2)}, tx),
+        fg.fit(my_step, fg.make_train_step(half_squared_norm, tx).init({"p": jnp.ones(2)}),
                fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=2), epochs=1, progress=False)
 
 
@@ -366,9 +373,10 @@ def test_a_step_whose_metrics_lack_the_global_norm_is_named():
 def test_a_string_where_a_function_belongs_is_named(kwargs, match):
     # Each gave "TypeError: 'str' object is not callable" from inside the loop.
     tx = optax.sgd(0.1)
-    args = {"step": fg.make_train_step(half_squared_norm, tx)} | kwargs
+    step = fg.make_train_step(half_squared_norm, tx)
+    args = {"step": step} | kwargs
     with pytest.raises(TypeError, match=match):
-        fg.fit(args.pop("step"), fg.init_train_state({"p": jnp.ones(2)}, tx),
+        fg.fit(args.pop("step"), step.init({"p": jnp.ones(2)}),
                fg.Batches(np.zeros((4, 1)), np.zeros(4), batch_size=2), epochs=1,
                **{"progress": False} | args)
 
@@ -382,15 +390,16 @@ def test_fit_takes_a_dict_of_inputs_and_counts_rows_on_its_leaves():
     loss = lambda p, bt: jnp.mean((bt["x"]["a"] @ p["w"] + bt["x"]["b"][:, 0] * p["c"]
                                    - bt["y"]) ** 2)
     x = {"a": np.ones((64, 3), np.float32), "b": np.full((64, 1), 2.0, np.float32)}
-    state = fg.init_train_state({"w": jnp.zeros(3), "c": jnp.float32(0.0)}, tx)
-    result = fg.fit(fg.make_train_step(loss, tx), state,
+    step = fg.make_train_step(loss, tx)
+    state = step.init({"w": jnp.zeros(3), "c": jnp.float32(0.0)})
+    result = fg.fit(step, state,
                     fg.Batches(x, np.full(64, 5.0, np.float32), batch_size=64), epochs=1,
                     progress=False)
     np.testing.assert_allclose(result.state.params["w"], [0.5] * 3, rtol=1e-6)
     np.testing.assert_allclose(result.state.params["c"], 1.0, rtol=1e-6)
     # Leaves that disagree are named by their paths.
     with pytest.raises(ValueError, match=r"x\['b'\] has 32 rows but x\['a'\] has 64"):
-        fg.fit(fg.make_train_step(loss, tx), state,
+        fg.fit(step, state,
                fg.Batches(x | {"b": x["b"][:32]}, np.zeros(64), batch_size=64), epochs=1,
                progress=False)
 
@@ -401,7 +410,7 @@ def test_an_accumulation_group_larger_than_the_data_is_said():
     tx = optax.sgd(0.1)
     per_example = lambda p, b: (b["x"][:, 0] * p["w"] - b["y"][:, 0]) ** 2
     step = fg.make_train_step(fg.accumulate(per_example, 1000), tx)
-    state = fg.init_train_state({"w": jnp.float32(0.0)}, tx)
+    state = step.init({"w": jnp.float32(0.0)})
     with pytest.warns(UserWarning, match=r"accumulate=1000 micro-batches of 10 \(10000 examples\) "
                                          r"exceed the 100 examples of x.*one update per epoch"):
         result = fg.fit(step, state,
@@ -423,7 +432,7 @@ def test_fit_records_the_learning_rate_each_update_applied():
     tx = fg.make_optimizer("sgd", schedule)
     params = {"w": jnp.ones((1,), jnp.float32)}
     step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
-    result = fg.fit(step, fg.init_train_state(params, tx),
+    result = fg.fit(step, step.init(params),
                     fg.Batches(x, 2.0 * x[:, 0], batch_size=16), epochs=2, progress=False)
     np.testing.assert_allclose(result.history.step_learning_rate, [0.1, 0.05, 0.025, 0.0125],
                                rtol=1e-6)
@@ -432,8 +441,8 @@ def test_fit_records_the_learning_rate_each_update_applied():
     assert result.history.to_dict()["steps"]["learning_rate"] == result.history.step_learning_rate
     # A constant rate given as a number keeps nothing to report.
     tx = fg.make_optimizer("sgd", 0.1)
-    result = fg.fit(fg.make_train_step(fg.accumulate(per_example, 2), tx),
-                    fg.init_train_state(params, tx), fg.Batches(x, 2.0 * x[:, 0], batch_size=16),
+    step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
+    result = fg.fit(step, step.init(params), fg.Batches(x, 2.0 * x[:, 0], batch_size=16),
                     epochs=1, progress=False)
     assert result.history.step_learning_rate == []
     assert "learning_rate" not in result.history.epochs[0]

@@ -26,9 +26,13 @@ def _loss(params, batch):
     return fg.softmax_cross_entropy(fg.mlp_apply(params, batch["x"]), batch["y"])
 
 
-def _setup(monitor=None, clip_norm=None):
+def _setup(monitor=None, max_norm=None):
+    """The step (Adam, after the monitor and the clip when given) and its initial state."""
     params = fg.mlp_init(jax.random.key(0), (F, 16, C))
-    step = fg.make_train_step(_loss, optax.adam(1e-2), monitor=monitor, clip_norm=clip_norm)
+    pieces = ([] if monitor is None else [monitor]) + (
+        [] if max_norm is None else [fg.clip_by_global_norm(max_norm)])
+    tx = optax.chain(*pieces, optax.adam(1e-2)) if pieces else optax.adam(1e-2)
+    step = fg.make_train_step(_loss, tx)
     return step, step.init(params)
 
 
@@ -44,7 +48,7 @@ def _assert_trees(a, b, exact=False, rtol=1e-5):
 
 def test_chunks_of_steps_equal_one_call_per_step_with_the_monitor_and_clipping():
     monitor = fg.grad_monitor(warmup=2)
-    step, state = _setup(monitor=monitor, clip_norm=0.5)
+    step, state = _setup(monitor=monitor, max_norm=0.5)
     data = fg.Batches(X, Y, batch_size=10)  # 48 = 4 x 10 + a tail of 8
     kw = dict(epochs=2, progress=False)
     chunked = fg.fit(step, state, data, **kw)
@@ -224,7 +228,7 @@ def test_accumulation_one_call_per_step_and_a_ctrl_c_at_an_epochs_end():
     params = fg.mlp_init(jax.random.key(0), (F, 16, C))
     tx = optax.adam(1e-2)
     step = fg.make_train_step(fg.accumulate(per_example, 2), tx)
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     single = fg.fit(step, state, fg.Batches(X, Y, batch_size=8), epochs=1, progress=False,
                     options=fg.FitOptions(chunk=1))
     chunked = fg.fit(step, state, fg.Batches(X, Y, batch_size=8), epochs=1, progress=False)
@@ -278,7 +282,7 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
     (lambda s, st: fg.fit(s, st, [], epochs=1, progress=False), ValueError,
      r"the loader yielded no batches in epoch 1"),
     (lambda s, st: fg.fit(s, st.params, fg.Batches(X, Y, batch_size=8), epochs=1), TypeError,
-     r"state must be a TrainState, from funcgrad.init_train_state"),
+     r"state must be a TrainState, from step\.init\(params\)"),
     (lambda s, st: fg.fit(s, st, X, Y, epochs=1), TypeError,
      r"y is no longer an argument: .*fg.Batches\(x, y, batch_size=32\)"),
 ])

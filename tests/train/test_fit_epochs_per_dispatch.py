@@ -37,7 +37,7 @@ def _per_example(params, batch):
 def _setup(loss=_loss):
     params = fg.mlp_init(jax.random.key(0), (F, 16, C))
     tx = fg.make_optimizer("adam", optax.cosine_decay_schedule(1e-2, 100))
-    step = fg.make_train_step(loss, tx, monitor=fg.grad_monitor(warmup=2))
+    step = fg.make_train_step(loss, optax.chain(fg.grad_monitor(warmup=2), tx))
     return step, step.init(params)
 
 

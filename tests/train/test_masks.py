@@ -9,7 +9,7 @@ import pytest
 
 import funcgrad as fg
 from funcgrad._jaxpr import sub_jaxprs
-from funcgrad.train.masks import freeze, requires_grad, trainable_mask, value_and_grad_trainable
+from funcgrad.train.masks import requires_grad, train_only, trainable_mask, value_and_grad_trainable
 
 
 def _mlp(sizes=(6, 8, 3), dtype=jnp.float32):
@@ -175,7 +175,7 @@ def test_integer_trainable_leaf_is_refused():
     assert grads["step"].dtype == jnp.int32 and int(grads["step"]) == 0
 
 
-# --- freeze -----------------------------------------------------------------------------------
+# --- train_only -------------------------------------------------------------------------------
 
 def _train(tx, mask, steps, loss_fn, params, x, y):
     """Runs `steps` updates; returns the params, the opt state and every step's updates."""
@@ -197,7 +197,7 @@ def _train(tx, mask, steps, loss_fn, params, x, y):
 def test_adam_frozen_layer_is_bit_identical_after_ten_steps():
     params, x, y, loss_fn = _mlp()
     mask = trainable_mask(params, freeze="0/*")
-    new, opt_state, all_updates = _train(freeze(optax.adam(1e-2), mask), mask, 10,
+    new, opt_state, all_updates = _train(train_only(optax.adam(1e-2), mask), mask, 10,
                                          loss_fn, params, x, y)
     assert _bits(new[0]) == _bits(params[0])  # frozen: the same bytes
     for updates in all_updates:  # every step's update of a frozen leaf is exactly zero
@@ -223,22 +223,25 @@ def test_adamw_weight_decay_does_not_move_frozen_leaves():
     params, x, y, loss_fn = _mlp()
     mask = trainable_mask(params, freeze="0/*")
     lr, wd = 0.1, 0.5
-    new, _, _ = _train(freeze(optax.adamw(lr, weight_decay=wd), mask), mask, 10,
+    new, _, _ = _train(train_only(optax.adamw(lr, weight_decay=wd), mask), mask, 10,
                        loss_fn, params, x, y)
     assert _bits(new[0]) == _bits(params[0])
-    # Why freeze is needed: plain adamw given the exact zero gradients still decays the frozen
+    # Why train_only is needed: plain adamw given the exact zero gradients still decays the frozen
     # leaves. First step with g = 0: mu = nu = 0, so the Adam part is 0 / (0 + eps) = 0 and the
     # update is -lr * wd * p, giving p * (1 - 0.1 * 0.5) = 0.95 p (float32: one rounding).
     once, _, _ = _train(optax.adamw(lr, weight_decay=wd), mask, 1, loss_fn, params, x, y)
     np.testing.assert_allclose(once[0]["w"], 0.95 * params[0]["w"], rtol=1e-6)
 
 
-def test_freeze_checks_the_mask_and_the_optimizer():
+def test_train_only_checks_the_mask_and_the_optimizer():
     params, *_ = _mlp()
-    with pytest.raises(ValueError, match="freeze: the mask's structure does not match"):
-        freeze(optax.adam(1e-3), [True, True, True]).init(params)
-    with pytest.raises(TypeError, match="optax GradientTransformation"):
-        freeze("adam", [False, True])
+    with pytest.raises(ValueError, match="train_only: the mask's structure does not match"):
+        train_only(optax.adam(1e-3), [True, True, True]).init(params)
+    with pytest.raises(TypeError, match="train_only: optimizer must be an optax "
+                                        "GradientTransformation"):
+        train_only("adam", [False, True])
+    # The public name, with the polarity of every funcgrad mask (True = trained).
+    assert fg.train_only is train_only
 
 
 # --- requires_grad ----------------------------------------------------------------------------
@@ -270,8 +273,8 @@ def test_a_state_made_without_the_steps_mask_says_which_side_lacks_it():
     mask = fg.trainable_mask(params, freeze="a")
     loss = lambda p, b: jnp.sum(p["a"] * p["b"])
     step = fg.make_train_step(loss, optax.adam(0.1), trainable=mask)
-    with pytest.raises(ValueError, match="the state was created without the same mask"):
-        step(fg.init_train_state(params, optax.adam(0.1)), {})
     plain = fg.make_train_step(loss, optax.adam(0.1))
+    with pytest.raises(ValueError, match="the state was created without the same mask"):
+        step(plain.init(params), {})
     with pytest.raises(ValueError, match="that this step does not have"):
-        plain(fg.init_train_state(params, optax.adam(0.1), trainable=mask), {})
+        plain(step.init(params), {})

@@ -66,7 +66,7 @@ def test_padded_micro_batches_carry_their_mask_and_refuse_to_unpack():
     # The accumulating step takes it whole too: one update over the 3 real examples.
     tx = optax.sgd(1.0)
     step = make_train_step(fg.accumulate(loss_fn, 2), tx)
-    state, metrics = step(fg.init_train_state({"w": jnp.float32(1.0)}, tx), mbs)
+    state, metrics = step(step.init({"w": jnp.float32(1.0)}), mbs)
     assert int(metrics["examples"][0]) == 3
     assert float(state.params["w"]) == 1.0 - 2.0  # w - lr * 2
 

@@ -31,8 +31,8 @@ def test_three_sgd_steps_match_hand_iteration():
     ]
     with jax.enable_x64(True):
         tx = fg.make_optimizer("sgd", 0.01)
-        state = fg.init_train_state({"w": jnp.float64(1.0), "b": jnp.float64(0.0)}, tx)
         step = fg.make_train_step(linear_loss, tx)
+        state = step.init({"w": jnp.float64(1.0), "b": jnp.float64(0.0)})
         batch = {"x": jnp.float64(2.0), "y": jnp.float64(10.0)}
         for loss_before, w, b, loss_after in expected:
             state, metrics = step(state, batch)
@@ -52,8 +52,8 @@ def quadratic(params, batch):
 
 def _run(optimizer, steps):
     with jax.enable_x64(True):
-        state = fg.init_train_state({"p": jnp.array([1.0, -2.0], jnp.float64)}, optimizer)
         step = fg.make_train_step(quadratic, optimizer)
+        state = step.init({"p": jnp.array([1.0, -2.0], jnp.float64)})
         out = []
         for _ in range(steps):
             state, _ = step(state, {})

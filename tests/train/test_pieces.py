@@ -36,15 +36,15 @@ def test_the_step_declares_its_pieces_as_fields():
     scale = fg.dynamic_loss_scale()
     loss = fg.accumulate(fg.mixed_precision(fg.Loss(_per_example), jnp.bfloat16,
                                             loss_scale=scale), 2, tail="drop")
-    step = fg.make_train_step(loss, optax.sgd(0.1), clip_norm=1.0)
+    step = fg.make_train_step(loss, optax.chain(fg.clip_by_global_norm(1.0), optax.sgd(0.1)))
     assert (step.compute_dtype, step.loss_scale, step.accumulate, step.tail) == (
         jnp.bfloat16, scale, 2, "drop")
     assert (step.mesh, step.data_axis, step.shard_opt_state, step.detect_anomaly) == (
         None, None, False, False)
-    assert step.clip_norm == 1.0 and step.nonfinite == "skip" and step.jit
+    assert step.clips and step.monitor is None and step.nonfinite == "skip" and step.jit
     assert repr(step) == ("TrainStep(Loss(_per_example, no flags (the plain form), "
                           "mixed_precision(bfloat16, loss_scale), accumulate(2, tail='drop')), "
-                          "clip_norm=1.0)")
+                          "optimizer=chain)")
     # The pieces commute: the same declaration either way round.
     other = fg.mixed_precision(fg.accumulate(_per_example, 2, tail="drop"), jnp.bfloat16,
                                loss_scale=scale)
@@ -57,15 +57,17 @@ def test_the_step_declares_its_pieces_as_fields():
 
 
 def test_init_makes_the_state_its_pieces_need():
-    # The step knows its loss scale and monitor: the state it makes has both, and a call
-    # equals the same step on init_train_state given the same options by hand.
-    scale, monitor = fg.dynamic_loss_scale(), fg.grad_monitor()
-    tx = optax.adam(1e-2)
-    step = fg.make_train_step(fg.mixed_precision(_loss, jnp.bfloat16, loss_scale=scale), tx,
-                              monitor=monitor)
+    # The step knows its loss scale and monitor: the state it makes has both (the monitor's in
+    # the optimizer state), and a call equals the same step on a state built by hand from the
+    # same pieces.
+    scale = fg.dynamic_loss_scale()
+    tx = optax.chain(fg.grad_monitor(), optax.adam(1e-2))
+    step = fg.make_train_step(fg.mixed_precision(_loss, jnp.bfloat16, loss_scale=scale), tx)
     state = step.init(PARAMS)
-    assert state.loss_scale is not None and state.monitor is not None and state.key is None
-    by_hand = fg.init_train_state(PARAMS, tx, loss_scale=scale, monitor=monitor)
+    assert state.loss_scale is not None and state.key is None
+    assert isinstance(fg.recorded(state.opt_state)["monitor_state"], fg.MonitorState)
+    by_hand = fg.TrainState(PARAMS, tx.init(PARAMS), jnp.zeros((), jnp.int32),
+                            loss_scale=scale.init())
     a, b = step(state, BATCH)[0], step(by_hand, BATCH)[0]
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_array_equal(x, y)

@@ -2,7 +2,7 @@
 state as a pytree. Every expected value is derived by hand in a comment (or by PyTorch).
 
 The train steps here are ``make_train_step(fg.mixed_precision(loss, dtype, loss_scale=ls), tx)``,
-their states from ``init_train_state(..., loss_scale=ls)`` (what ``step.init`` builds)."""
+their states from ``step.init(params)`` (which adds the loss scale's state)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 
 import funcgrad as fg
 from funcgrad.train import precision as P
-from funcgrad.train.step import TrainState, init_train_state, make_train_step
+from funcgrad.train.step import TrainState, make_train_step
 
 F, N = True, False  # a finite / a non-finite step in the scripted runs
 
@@ -193,7 +193,7 @@ def test_overflowing_step_is_skipped_and_leaves_state_bit_identical():
     tx = optax.adam(1e-2)
     ls = P.dynamic_loss_scale(init_scale=64.0, growth_interval=1000)
     step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16, loss_scale=ls), tx)
-    state0 = init_train_state({"w": jnp.ones((2,), jnp.float32)}, tx, loss_scale=ls)
+    state0 = step.init({"w": jnp.ones((2,), jnp.float32)})
     small = {"x": np.array([1000.0, 1.0], np.float32)}
     large = {"x": np.array([2000.0, 1.0], np.float32)}
 
@@ -222,7 +222,7 @@ def test_overflowing_step_is_skipped_and_leaves_state_bit_identical():
 
 @pytest.mark.float16
 def test_train_state_with_its_loss_scale_survives_flatten_unflatten_and_jit():
-    # init_train_state(..., loss_scale=ls) keeps the LossScaleState in TrainState.loss_scale:
+    # step.init(params) keeps the LossScaleState of ls in TrainState.loss_scale:
     # its four scalars are leaves of the TrainState, so flatten/unflatten and a jit boundary
     # keep them bit for bit, and the step carries on from them. Scale 64, x = 2000: the scaled
     # float16 gradient 128000 overflows (max 65504), skipped, scale 32. Then from each rebuilt
@@ -232,7 +232,7 @@ def test_train_state_with_its_loss_scale_survives_flatten_unflatten_and_jit():
     ls = P.dynamic_loss_scale(init_scale=64.0, growth_interval=1000)
     step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16, loss_scale=ls), tx)
     batch = {"x": np.array([2000.0], np.float32)}
-    state, m = step(init_train_state({"w": jnp.ones((1,), jnp.float32)}, tx, loss_scale=ls), batch)
+    state, m = step(step.init({"w": jnp.ones((1,), jnp.float32)}), batch)
     assert int(m["skipped"]) == 1 and _as_tuple(state.loss_scale) == (32.0, 0, True, 1)
 
     leaves, treedef = jax.tree.flatten(state)
@@ -254,7 +254,7 @@ def test_nan_in_the_batch_is_skipped_too():
     tx = optax.sgd(0.1)
     ls = P.dynamic_loss_scale(init_scale=64.0)
     step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16, loss_scale=ls), tx)
-    state = init_train_state({"w": jnp.ones((2,), jnp.float32)}, tx, loss_scale=ls)
+    state = step.init({"w": jnp.ones((2,), jnp.float32)})
     new, m = step(state, {"x": np.array([np.nan, 1.0], np.float32)})
     assert int(m["skipped"]) == 1 and float(new.loss_scale.scale) == 32.0
     assert _bits(new.params) == _bits(state.params)
@@ -269,11 +269,10 @@ def test_clipping_sees_the_unscaled_gradient(compute_dtype):
     # exactly. Clip to 1: [3, 4] / 5 = [0.6, 0.8]; SGD with lr 1 from w = 0 gives
     # [-0.6, -0.8]. Clipping the *scaled* gradient (norm 5120) and unscaling afterwards
     # would give [0.6, 0.8] / 1024 instead.
-    tx = optax.sgd(1.0)
+    tx = optax.chain(fg.clip_by_global_norm(1.0), optax.sgd(1.0))
     ls = P.dynamic_loss_scale(init_scale=2.0**10)
-    step = make_train_step(fg.mixed_precision(_linear_loss, compute_dtype, loss_scale=ls), tx,
-                           clip_norm=1.0)
-    state = init_train_state({"w": jnp.zeros((2,), jnp.float32)}, tx, loss_scale=ls)
+    step = make_train_step(fg.mixed_precision(_linear_loss, compute_dtype, loss_scale=ls), tx)
+    state = step.init({"w": jnp.zeros((2,), jnp.float32)})
     new, m = step(state, {"x": np.array([3.0, 4.0], np.float32)})
     assert float(m["grad_norm"]) == 5.0 and float(m["loss_scale"]) == 2.0**10
     # Second method: optax's clipping of the true gradient, then the same SGD step (same ops;
@@ -300,8 +299,8 @@ def test_float32_compute_without_loss_scale_equals_the_plain_step():
     tx = optax.adam(1e-2)
     ours = make_train_step(fg.mixed_precision(loss_fn, jnp.float32), tx)
     theirs = make_train_step(loss_fn, tx)
-    s1, m1 = ours(init_train_state(params, tx), batch)
-    s2, m2 = theirs(init_train_state(params, tx), batch)
+    s1, m1 = ours(ours.init(params), batch)
+    s2, m2 = theirs(theirs.init(params), batch)
     assert set(m1) == set(m2) == {"loss", "grad_norm", "skipped"}
     assert s1.loss_scale is None and int(s1.step) == 1
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
@@ -319,7 +318,7 @@ def test_bfloat16_step_trains_float32_master_params(key):
     tx = optax.adam(3e-2)
     ls = P.dynamic_loss_scale()
     step = make_train_step(fg.mixed_precision(loss_fn, jnp.bfloat16, loss_scale=ls), tx)
-    state = init_train_state(params, tx, loss_scale=ls)
+    state = step.init(params)
     losses = []
     for _ in range(10):
         state, m = step(state, batch)
@@ -369,11 +368,11 @@ def test_errors_name_what_is_wrong():
         make_train_step(fg.mixed_precision(_linear_loss, jnp.int32), tx)
     ls = P.dynamic_loss_scale()
     scaled = fg.mixed_precision(_linear_loss, jnp.bfloat16, loss_scale=ls)
-    with pytest.raises(ValueError, match="clip_norm"):
-        make_train_step(scaled, tx, clip_norm=0.0)
-    with pytest.raises(ValueError, match="nonfinite='zero' with funcgrad.mixed_precision's "
-                                         "loss scale"):
-        make_train_step(scaled, tx, nonfinite="zero")
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+        make_train_step(scaled, optax.chain(fg.clip_by_global_norm(0.0), tx))
+    with pytest.raises(ValueError, match=r"funcgrad.zero_nonfinite\(\) and the loss has "
+                                         "funcgrad.mixed_precision's loss scale"):
+        make_train_step(scaled, optax.chain(fg.zero_nonfinite(), tx))
     # A loss scale where it changes nothing (float32 gradients do not flush to zero at 6e-8).
     with pytest.raises(ValueError, match="loss scale with compute dtype float32 changes "
                                          "nothing"):
@@ -391,15 +390,15 @@ def test_float16_errors_name_what_is_wrong():
     batch = {"x": np.ones((2,), np.float32)}
     half_step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16), tx)
     with pytest.raises(TypeError, match=r"params\['w'\] is float16.*float32 master params"):
-        half_step(init_train_state({"w": jnp.ones((2,), jnp.float16)}, tx), batch)
+        half_step(half_step.init({"w": jnp.ones((2,), jnp.float16)}), batch)
     ls = P.dynamic_loss_scale()
     step = make_train_step(fg.mixed_precision(_linear_loss, jnp.float16, loss_scale=ls), tx)
     with pytest.raises(ValueError, match="no loss-scale state"):
-        step(init_train_state(params, tx), batch)
+        step(half_step.init(params), batch)
     vector_loss = make_train_step(
         fg.mixed_precision(lambda p, b: p["w"] * b["x"], jnp.float16, loss_scale=ls), tx)
     with pytest.raises(ValueError, match="loss_fn must return a scalar"):
-        vector_loss(init_train_state(params, tx, loss_scale=ls), batch)
+        vector_loss(vector_loss.init(params), batch)
 
 
 def test_cast_floating_refuses_an_integer_dtype():

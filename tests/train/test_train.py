@@ -18,7 +18,7 @@ def test_step_equals_hand_written_step():
     params, batch, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     step = fg.make_train_step(loss_fn, tx)
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     ref_params, ref_opt = params, tx.init(params)
     for _ in range(3):
         state, metrics = step(state, batch)
@@ -34,18 +34,20 @@ def test_step_equals_hand_written_step():
     assert int(state.step) == 3
 
 
-@pytest.mark.parametrize("clip_norm, expected", [
+@pytest.mark.parametrize("max_norm, expected", [
     # p = (3, 4): g = p, ||g|| = 5. Clipped to 0.5, g' = g * 0.5/5 = (0.3, 0.4); SGD lr=1 gives
     # p - g' = (2.7, 3.6): the same direction, shortened.
     (0.5, [2.7, 3.6]),
     # ||g|| = 5 <= 10: no clipping, p - g = (0, 0).
     (10.0, [0.0, 0.0]),
 ], ids=["clipped", "under_the_bound"])
-def test_clip_by_global_norm_reports_preclip_norm(clip_norm, expected):
-    tx = optax.sgd(1.0)
-    step = fg.make_train_step(half_squared_norm, tx, clip_norm=clip_norm)
-    state, metrics = step(fg.init_train_state({"p": jnp.array([3.0, 4.0])}, tx), {})
+def test_clip_by_global_norm_reports_preclip_norm(max_norm, expected):
+    tx = optax.chain(fg.clip_by_global_norm(max_norm), optax.sgd(1.0))
+    step = fg.make_train_step(half_squared_norm, tx)
+    state, metrics = step(step.init({"p": jnp.array([3.0, 4.0])}), {})
     assert float(metrics["grad_norm"]) == pytest.approx(5.0, rel=1e-6)
+    # The coefficient: min(1, max_norm / 5) = 0.1 clipped, 1 under the bound.
+    assert float(metrics["clip_coef"]) == pytest.approx(min(1.0, max_norm / 5.0), rel=1e-6)
     np.testing.assert_allclose(state.params["p"], expected, rtol=1e-6, atol=1e-6)
 
 
@@ -73,25 +75,26 @@ def test_optimizers_by_name():
 
 def test_step_errors_are_clear():
     params, batch, loss_fn = mlp_problem()
-    with pytest.raises(ValueError, match="clip_norm must be a positive"):
-        fg.make_train_step(loss_fn, optax.sgd(0.1), clip_norm=0.0)
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+        fg.clip_by_global_norm(0.0)
     per_example = fg.make_train_step(lambda p, b: fg.mlp_apply(p, b["x"]).sum(axis=1),
                                      optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar, got shape \(5,\)"):
-        per_example(fg.init_train_state(params, optax.sgd(0.1)), batch)
+        per_example(per_example.init(params), batch)
     step = fg.make_train_step(loss_fn, optax.adam(1e-3))
+    momentum = fg.make_train_step(loss_fn, optax.sgd(0.1, momentum=0.9))
     with pytest.raises(ValueError, match="not made by this optimizer"):
-        step(fg.init_train_state(params, optax.sgd(0.1, momentum=0.9)), batch)
+        step(momentum.init(params), batch)
     other = fg.mlp_init(jax.random.key(0), (6, 9, 3))  # same structure, other shapes
     with pytest.raises(ValueError, match="leaf shapes differ"):
         step(fg.TrainState(params, optax.adam(1e-3).init(other), jnp.zeros((), jnp.int32)), batch)
+    tupled = fg.make_train_step(lambda p, b: (loss_fn(p, b), 0.0), optax.sgd(0.1))
     with pytest.raises(ValueError, match="loss_fn returned a tuple of 2"):
-        fg.make_train_step(lambda p, b: (loss_fn(p, b), 0.0), optax.sgd(0.1))(
-            fg.init_train_state(params, "sgd"), batch)
+        tupled(tupled.init(params), batch)
     with pytest.raises(TypeError, match="takes a TrainState"):
         step((params, None, 0), batch)
     with pytest.raises(ValueError, match="epochs must be a positive int"):
-        fg.fit(step, fg.init_train_state(params, optax.adam(1e-3)),
+        fg.fit(step, step.init(params),
                fg.Batches(np.zeros((2, 6)), np.zeros(2), batch_size=1), epochs=0)
 
 
@@ -106,9 +109,9 @@ SQRT_PARAMS = {"w": jnp.array([1.0, -2.0]), "v": jnp.array([0.0, 4.0])}
 
 
 def test_nonfinite_skip_leaves_the_state_bit_identical():
-    tx = optax.adam(0.1)
-    state = fg.init_train_state(SQRT_PARAMS, tx)
-    new, metrics = fg.make_train_step(sqrt_problem, tx)(state, {})
+    step = fg.make_train_step(sqrt_problem, optax.adam(0.1))
+    state = step.init(SQRT_PARAMS)
+    new, metrics = step(state, {})
     assert int(metrics["skipped"]) == 1 and math.isinf(float(metrics["grad_norm"]))
     assert fg.train.step_was_skipped(metrics)
     for a, b in zip(jax.tree.leaves((new.params, new.opt_state)),
@@ -117,34 +120,45 @@ def test_nonfinite_skip_leaves_the_state_bit_identical():
     assert int(new.step) == 1                 # the call is counted; the skip is in the metrics
 
 
-@pytest.mark.parametrize("clip_norm", [None, 100.0])
-def test_nonfinite_zero_applies_the_finite_leaves(clip_norm):
+@pytest.mark.parametrize("max_norm", [None, 100.0])
+def test_zero_nonfinite_applies_the_finite_leaves(max_norm):
     # The v leaf's gradient holds an inf: zeroed, so v stays. w's gradient 2w = (2, -4) is
     # applied with SGD lr = 0.1: w' = w - 0.2 w = (0.8, -1.6). ||(2, -4)|| = 4.47 < 100: no clip.
-    tx = optax.sgd(0.1)
-    step = fg.make_train_step(sqrt_problem, tx, nonfinite="zero", clip_norm=clip_norm)
-    new, metrics = step(fg.init_train_state(SQRT_PARAMS, tx), {})
+    clip = [] if max_norm is None else [fg.clip_by_global_norm(max_norm)]
+    step = fg.make_train_step(sqrt_problem,
+                              optax.chain(fg.zero_nonfinite(), *clip, optax.sgd(0.1)))
+    new, metrics = step(step.init(SQRT_PARAMS), {})
     np.testing.assert_allclose(new.params["w"], [0.8, -1.6], rtol=1e-6)
     np.testing.assert_array_equal(new.params["v"], SQRT_PARAMS["v"])
     assert int(metrics["skipped"]) == 0 and int(metrics["nonfinite_leaves"]) == 1
     assert int(new.step) == 1
-    # grad_norm is that of the gradient applied: ||(2, -4)|| = sqrt(20), the v leaf zeroed.
-    np.testing.assert_allclose(metrics["grad_norm"], np.sqrt(20.0), rtol=1e-6)
-    if clip_norm is not None:
+    if max_norm is not None:
+        # With a clip after the zeroing, grad_norm is the pre-clip norm of the gradient
+        # applied: ||(2, -4)|| = sqrt(20), the v leaf zeroed.
+        np.testing.assert_allclose(metrics["grad_norm"], np.sqrt(20.0), rtol=1e-6)
         assert float(metrics["clip_coef"]) == 1.0
+    else:
+        # Without a clip, grad_norm is the raw gradient's: the v leaf's inf makes it inf.
+        assert math.isinf(float(metrics["grad_norm"]))
 
 
 def test_a_state_and_a_step_made_with_different_extras_are_refused():
     # A state carrying a monitor or a loss scale given to a step without one would carry them
-    # along unchanged; a MultiSteps optimizer is pointed to accumulate=.
+    # along unchanged; a MultiSteps optimizer is pointed to accumulate=. The monitor's state is
+    # in the optimizer state now: a monitored step's state fails the optimizer-state check.
     tx = optax.sgd(0.1)
     params = {"w": jnp.ones(2)}
     loss = lambda p, b: jnp.sum(p["w"] ** 2)
     plain = fg.make_train_step(loss, tx)
-    with pytest.raises(ValueError, match="has a gradient-monitor state but this step has no"):
-        plain(fg.init_train_state(params, tx, monitor=fg.grad_monitor()), {})
+    monitored = fg.make_train_step(loss, optax.chain(fg.grad_monitor(), tx))
+    with pytest.raises(ValueError, match="not made by this optimizer"):
+        plain(monitored.init(params), {})
+    with pytest.raises(ValueError, match="not made by this optimizer"):
+        monitored(plain.init(params), {})
+    scaled = fg.make_train_step(
+        fg.mixed_precision(loss, jnp.bfloat16, loss_scale=fg.dynamic_loss_scale()), tx)
     with pytest.raises(ValueError, match="has a loss-scale state but this step scales no loss"):
-        plain(fg.init_train_state(params, tx, loss_scale=fg.dynamic_loss_scale()), {})
+        plain(scaled.init(params), {})
     with pytest.raises(TypeError, match=r"MultiSteps.*accumulate=K.*gradient_transformation\(\)"):
         fg.make_train_step(loss, optax.MultiSteps(tx, 4))
 
@@ -155,9 +169,9 @@ def test_nonfinite_raise_makes_fit_raise():
                               nonfinite="raise")
     x, y = np.ones((4, 2), np.float32), np.zeros(4, np.int32)
     with pytest.raises(FloatingPointError, match="non-finite value at step 0"):
-        fg.fit(step, fg.init_train_state(SQRT_PARAMS, tx), fg.Batches(x, y, batch_size=2),
+        fg.fit(step, step.init(SQRT_PARAMS), fg.Batches(x, y, batch_size=2),
                epochs=1, progress=False)
-    with pytest.raises(ValueError, match=r"nonfinite must be one of \('skip', 'zero', 'raise'\)"):
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \('skip', 'raise'\)"):
         fg.make_train_step(sqrt_problem, tx, nonfinite="ignore")
 
 
@@ -168,7 +182,7 @@ def test_trainable_mask_in_the_step_freezes_exactly():
     tx = optax.adam(1e-2)
     mask = fg.trainable_mask(params, freeze="0/*")
     step = fg.make_train_step(loss_fn, tx, trainable=mask)
-    state = fg.init_train_state(params, tx, trainable=mask)
+    state = step.init(params)
     top, top_opt = params[1], tx.init(params[1])
     top_loss = lambda top: loss_fn([params[0], top], batch)
     for _ in range(10):
@@ -183,7 +197,7 @@ def test_trainable_mask_in_the_step_freezes_exactly():
     # A state made without the mask is refused with a hint.
     with pytest.raises(ValueError, match=r"without the same mask: create it with this "
                                          r"step's step\.init\(params\)"):
-        step(fg.init_train_state(params, tx), batch)
+        step(fg.make_train_step(loss_fn, tx).init(params), batch)
 
 
 def test_detect_anomaly_names_the_line_and_costs_nothing_when_off():
@@ -196,13 +210,14 @@ def test_detect_anomaly_names_the_line_and_costs_nothing_when_off():
     # off: a call goes straight to the plain jitted step
     assert isinstance(plain._built.call, type(jax.jit(lambda s, b: s)))
     step = fg.detect_anomaly(fg.make_train_step(loss_fn, tx))
-    _, metrics = step(fg.init_train_state(params, tx), batch)
+    _, metrics = step(step.init(params), batch)
     report = metrics["anomaly"]
     assert (report.phase, report.primitive) == ("forward", "sqrt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        result = fg.fit(step, fg.init_train_state(params, tx),
-                        fg.Batches(batch["x"], batch["y"], batch_size=2), epochs=1, progress=False)
+        result = fg.fit(step, step.init(params),
+                        fg.Batches(batch["x"], batch["y"], batch_size=2), epochs=1,
+                        progress=False)
     assert result.nonfinite.anomaly.primitive == "sqrt" and "sqrt" in str(result.nonfinite)
     assert result.nonfinite.to_dict()["anomaly"]["phase"] == "forward"
 
@@ -219,7 +234,7 @@ def test_detect_anomaly_evaluates_in_the_compute_dtype_and_skips_routine_overflo
     scale = fg.dynamic_loss_scale(init_scale=2.0**4)
     step = fg.detect_anomaly(fg.make_train_step(fg.mixed_precision(loss_fn, jnp.float16,
                                                                    loss_scale=scale), tx))
-    state = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx, loss_scale=scale)
+    state = step.init({"w": jnp.ones((), jnp.float32)})
     _, metrics = step(state, {"x": jnp.array([12.0, 0.0])})
     report = metrics["anomaly"]
     assert (report.phase, report.primitive) == ("forward", "exp")
@@ -232,7 +247,7 @@ def test_detect_anomaly_evaluates_in_the_compute_dtype_and_skips_routine_overflo
     big = fg.dynamic_loss_scale(init_scale=2.0**15)
     step = fg.detect_anomaly(fg.make_train_step(fg.mixed_precision(loss_fn, jnp.float16,
                                                                    loss_scale=big), tx))
-    state = fg.init_train_state({"w": jnp.ones((), jnp.float32)}, tx, loss_scale=big)
+    state = step.init({"w": jnp.ones((), jnp.float32)})
     new_state, metrics = step(state, {"x": jnp.array([8.0, 0.0])})
     assert int(metrics["skipped"]) == 1 and "anomaly" not in metrics
     assert float(new_state.loss_scale.scale) == 2.0**14
@@ -250,25 +265,12 @@ def test_detect_anomaly_locates_a_backward_nan_once_the_scale_cannot_back_off():
     floor = fg.dynamic_loss_scale(init_scale=1.0, min_scale=1.0)
     step = fg.detect_anomaly(fg.make_train_step(fg.mixed_precision(loss_fn, jnp.float16,
                                                                    loss_scale=floor), tx))
-    state = fg.init_train_state({"w": jnp.ones(()), "b": jnp.zeros(2)}, tx, loss_scale=floor)
+    state = step.init({"w": jnp.ones(()), "b": jnp.zeros(2)})
     new_state, metrics = step(state, {"x": jnp.ones(4)})
     assert int(metrics["skipped"]) == 1 and float(new_state.loss_scale.scale) == 1.0
     report = metrics["anomaly"]
     assert (report.phase, report.primitive) == ("backward", "sqrt")
     assert report.file.endswith("test_train.py")
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"monitor": True}, r"monitor must be a GradMonitor, e\.g\. "
-                        r"monitor=funcgrad\.grad_monitor\(\) \(called\), got bool"),
-    ({"monitor": fg.grad_monitor}, "monitor must be a GradMonitor.*got function"),
-], ids=["monitor_true", "uncalled_monitor"])
-def test_monitor_and_loss_scale_of_the_wrong_kind_are_named(kwargs, match):
-    params, tx = fg.mlp_init(jax.random.key(0), (4, 3)), optax.sgd(0.1)
-    with pytest.raises(TypeError, match=match):
-        fg.make_train_step(lambda p, b: 0.0, tx, **kwargs)
-    with pytest.raises(TypeError, match=match):
-        fg.init_train_state(params, tx, **kwargs)
 
 
 def test_half_precision_params_without_compute_dtype_warn_once():
@@ -277,7 +279,7 @@ def test_half_precision_params_without_compute_dtype_warn_once():
     tx = optax.sgd(1e-4)
     params = {"w": jnp.ones(3, jnp.bfloat16)}
     step = fg.make_train_step(lambda p, b: jnp.sum(p["w"].astype(jnp.float32) ** 2), tx)
-    state = fg.init_train_state(params, tx)
+    state = step.init(params)
     with pytest.warns(RuntimeWarning, match=r"params\['w'\] is bfloat16.*train "
                                              r"funcgrad\.mixed_precision\(loss_fn, "
                                              r"jnp\.bfloat16\)"):

@@ -81,7 +81,7 @@ def _funcgrad_run(steps, batches, *, seed=0, state=None, step=None, lr=0.05):
     step = step or fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True),
                                       opt)
     if state is None:
-        state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=seed)
+        state = step.init(_params(), model_state=_model_state(), seed=seed)
     keeps = []
     for _ in range(steps):
         s = int(state.step)
@@ -126,7 +126,7 @@ def test_accumulation_threads_the_state_and_draws_one_key_per_micro_batch():
     mbs = fg.stack_microbatches([_data(4, seed=i) for i in range(4)])  # 4 micro-batches of 4
     contract = fg.Loss(per_example_loss, has_aux=True, has_state=True, takes_key=True)
     step = fg.make_train_step(fg.accumulate(contract, k), opt)
-    state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=3)
+    state = step.init(_params(), model_state=_model_state(), seed=3)
     # The batch-normalising loss couples a micro-batch's examples, and funcgrad says so.
     with pytest.warns(fg.CoupledExamplesWarning, match=r"per_example_loss \(test_train_contract"):
         new, metrics = step(state, mbs)
@@ -159,7 +159,7 @@ def test_accumulation_threads_the_state_and_draws_one_key_per_micro_batch():
 def test_a_skipped_step_keeps_the_model_state_and_a_nonfinite_state_skips():
     opt = optax.sgd(0.1)
     step = fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True), opt)
-    state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0)
+    state = step.init(_params(), model_state=_model_state(), seed=0)
     bad = _data()
     bad["x"][0, 0] = np.nan
     new, metrics = step(state, bad)
@@ -172,7 +172,7 @@ def test_a_skipped_step_keeps_the_model_state_and_a_nonfinite_state_skips():
         return value, {"mean": model_state["mean"] + jnp.inf, "count": model_state["count"]}
 
     step = fg.make_train_step(fg.Loss(inf_state_loss, has_state=True), opt)
-    state = fg.init_train_state(_params(), opt, model_state=_model_state())
+    state = step.init(_params(), model_state=_model_state())
     new, metrics = step(state, _data())
     assert int(metrics["skipped"]) == 1 and np.isfinite(float(metrics["loss"]))
     np.testing.assert_array_equal(new.params["w"], state.params["w"])
@@ -184,8 +184,7 @@ def test_mixed_precision_keeps_the_model_state_in_its_dtype():
     contract = fg.Loss(loss, has_aux=True, has_state=True, takes_key=True)
     step = fg.make_train_step(
         fg.mixed_precision(contract, jnp.bfloat16, loss_scale=fg.dynamic_loss_scale()), opt)
-    state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0,
-                                loss_scale=fg.dynamic_loss_scale())
+    state = step.init(_params(), model_state=_model_state(), seed=0)
     new, metrics = step(state, _data())
     assert new.model_state["mean"].dtype == jnp.float32
     assert new.params["w"].dtype == jnp.float32
@@ -197,12 +196,10 @@ def test_mixed_precision_keeps_the_model_state_in_its_dtype():
 
 
 def test_monitor_and_detect_anomaly_work_with_state_and_key():
-    opt = optax.sgd(0.1)
-    monitor = fg.grad_monitor()
+    opt = optax.chain(fg.grad_monitor(), optax.sgd(0.1))
     step = fg.detect_anomaly(fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True,
-                                                        takes_key=True), opt, monitor=monitor))
-    state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0,
-                                monitor=monitor)
+                                                        takes_key=True), opt))
+    state = step.init(_params(), model_state=_model_state(), seed=0)
     new, metrics = step(state, _data())
     assert metrics["monitor"].leaf_names == ("params['w']",)
     np.testing.assert_allclose(float(metrics["monitor"].grad_norm), float(metrics["grad_norm"]),
@@ -217,7 +214,7 @@ def test_monitor_and_detect_anomaly_work_with_state_and_key():
 def test_fit_evaluates_with_the_running_statistics():
     opt = optax.sgd(0.1)
     step = fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True), opt)
-    state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0)
+    state = step.init(_params(), model_state=_model_state(), seed=0)
     data = _data(16)
     seen = []
 
@@ -233,8 +230,16 @@ def test_fit_evaluates_with_the_running_statistics():
 
 def test_contract_errors_are_clear():
     opt = optax.sgd(0.1)
-    state = fg.init_train_state(_params(), opt, model_state=_model_state(), seed=0)
-    plain = fg.init_train_state(_params(), opt)
+    contract = fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True),
+                                  opt)
+    # States made by other steps: each is what the step it is given to does not declare.
+    state = contract.init(_params(), model_state=_model_state(), seed=0)  # model state and key
+    plain = fg.make_train_step(lambda p, b: jnp.sum(b["x"] @ p["w"]), opt).init(_params())
+    keyed_only = fg.make_train_step(fg.Loss(lambda p, b, *, key: jnp.sum(b["x"] @ p["w"]),
+                                            takes_key=True), opt).init(_params(), seed=0)
+    stateful_only = fg.make_train_step(
+        fg.Loss(lambda p, b, *, model_state: (jnp.sum(b["x"] @ p["w"]), model_state),
+                has_state=True), opt).init(_params(), model_state=_model_state())
     batch = _data()
 
     def returns_state(params, batch):
@@ -243,28 +248,26 @@ def test_contract_errors_are_clear():
     with pytest.raises(ValueError, match="declare has_state=True"):
         fg.make_train_step(returns_state, opt)(plain, batch)
     with pytest.raises(ValueError, match=r"model_state=\.\.\."):
-        fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True), opt)(
-            fg.init_train_state(_params(), opt, seed=0), batch)
+        contract(keyed_only, batch)
     with pytest.raises(ValueError, match="not declared with has_state=True"):
         fg.make_train_step(lambda p, b: jnp.sum(b["x"] @ p["w"]), opt)(state, batch)
     with pytest.raises(ValueError, match="seed=0"):
-        fg.make_train_step(fg.Loss(loss, has_aux=True, has_state=True, takes_key=True), opt)(
-            fg.init_train_state(_params(), opt, model_state=_model_state()), batch)
+        contract(stateful_only, batch)
 
     def drops_count(params, batch, *, model_state):
         return jnp.sum(batch["x"] @ params["w"]), {"mean": model_state["mean"]}
 
+    step = fg.make_train_step(fg.Loss(drops_count, has_state=True), opt)
     with pytest.raises(ValueError, match=r"model_state\['count'\]: missing"):
-        fg.make_train_step(fg.Loss(drops_count, has_state=True), opt)(
-            fg.init_train_state(_params(), opt, model_state=_model_state()), batch)
+        step(step.init(_params(), model_state=_model_state()), batch)
 
     def reshapes(params, batch, *, model_state):
         return (jnp.sum(batch["x"] @ params["w"]),
                 {**model_state, "mean": model_state["mean"][None]})
 
+    step = fg.make_train_step(fg.Loss(reshapes, has_state=True), opt)
     with pytest.raises(ValueError, match=r"model_state\['mean'\]: \(5,\) float32 -> \(1, 5\)"):
-        fg.make_train_step(fg.Loss(reshapes, has_state=True), opt)(
-            fg.init_train_state(_params(), opt, model_state=_model_state()), batch)
+        step(step.init(_params(), model_state=_model_state()), batch)
 
     def string_aux(params, batch):
         return jnp.sum(batch["x"] @ params["w"]), {"note": "hello"}
@@ -275,9 +278,9 @@ def test_contract_errors_are_clear():
         fg.make_train_step(fg.Loss(lambda p, b: jnp.sum(b["x"] @ p["w"]), has_aux=True),
                            opt)(plain, batch)
     with pytest.raises(ValueError, match="not both"):
-        fg.init_train_state(_params(), opt, seed=0, key=jax.random.key(0))
+        contract.init(_params(), model_state=_model_state(), seed=0, key=jax.random.key(0))
     with pytest.raises(TypeError, match="one PRNG key"):
-        fg.init_train_state(_params(), opt, key=jnp.zeros((3,), jnp.float32))
+        contract.init(_params(), model_state=_model_state(), key=jnp.zeros((3,), jnp.float32))
     # The contract is declared once: a Loss is not wrapped in another.
     with pytest.raises(TypeError, match="fn is already a funcgrad.Loss"):
         fg.Loss(fg.Loss(lambda p, b, **kw: loss(p, b, **kw), has_aux=True), has_state=True)
@@ -322,4 +325,4 @@ def test_an_accumulating_step_given_one_batch_says_it_takes_stacked_micro_batche
     with pytest.raises(ValueError, match=r"accumulates \(funcgrad.accumulate\(loss, 2\)\): it "
                                          r"takes micro-batches "
                                          r"stacked.*microbatches\['y'\] has shape \(8,\)"):
-        step(fg.init_train_state(_params(), opt), _data())
+        step(step.init(_params()), _data())
