@@ -109,18 +109,26 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
     def checked(state: Any, microbatches: PyTree, mask: jax.Array | None = None):
         new_state, metrics = step(state, microbatches, mask)
         microbatches, mask = unpack_microbatches(microbatches, mask)
-        loss_value, norm, examples = (float(v) for v in jax.device_get(
-            (metrics["loss"], metrics["grad_norm"], metrics["examples"])))
-        bad = not (np.isfinite(loss_value) and np.isfinite(norm)) and examples > 0
-        if bad and state.loss_scale is not None:  # leave routine overflows alone (see above)
-            used = float(jax.device_get(metrics["loss_scale"]))
-            bad = not _routine_overflow(loss_value, used, float(new_state.loss_scale.scale))
-        if not bad:  # one update per call (funcgrad.accumulate): this call's
+        losses, norms, examples = jax.device_get(
+            (metrics["loss"], metrics["grad_norm"], metrics["examples"]))
+        bad = ~(np.isfinite(losses) & np.isfinite(norms)) & (examples > 0)
+        if state.loss_scale is not None:  # leave routine overflows alone (see above)
+            used = np.asarray(jax.device_get(metrics["loss_scale"]))
+            after = np.append(used[1:], float(new_state.loss_scale.scale))  # _scale_of
+            bad &= ~np.array([_routine_overflow(float(loss), float(a), float(b))
+                              for loss, a, b in zip(losses, used, after)], bool)
+        bad = np.flatnonzero(bad)
+        if not bad.size:
             return new_state, metrics
+        u = int(bad[0])
         num, size = leading_axes(microbatches)
         mask = checked_mask(mask, num, size)
         before = state
-        group = [j for j in range(num) if mask is None or np.asarray(mask[j]).any()]
+        if u:  # the params update u started from: the same step on the groups before it
+            head = jax.tree.map(lambda a: a[:u * k], microbatches)
+            before = step(state, head, None if mask is None else mask[:u * k])[0]
+        group = [j for j in range(u * k, min((u + 1) * k, num))
+                 if mask is None or np.asarray(mask[j]).any()]
         mean_pass = compute_dtype is not None or before.loss_scale is not None
 
         def micro_loss(params, microbatch, real, model_state, key):
@@ -134,8 +142,8 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
         # The model state each micro-batch of the update saw: it threads through them in order
         # (padded micro-batches included, as in the step's scan).
         states, model_state = {}, before.model_state
-        for j in range(num):
-            key = None if update_key is None else jax.random.fold_in(update_key, j)
+        for j in range(u * k, min((u + 1) * k, num)):
+            key = None if update_key is None else jax.random.fold_in(update_key, j - u * k)
             states[j] = (model_state, key)
             if loss.has_state:
                 model_state = loss(before.params, jax.tree.map(lambda a, j=j: a[j], microbatches),
@@ -151,8 +159,8 @@ def _detecting_anomalies_per_micro_batch(step: Callable, loss: Loss,
                     jax.tree.map(lambda a, j=j: a[j], microbatches), trainable, compute_dtype,
                     scale)
                 report = dataclasses.replace(report, context=(
-                    f"micro-batch {j} (0-based) of the {num} of the update",
-                    *report.context))
+                    f"micro-batch {j - u * k} (0-based) of the {min(k, num - u * k)} of "
+                    f"update {u} (micro-batch {j} of the call)", *report.context))
                 if not report.ok:
                     return report
             return report

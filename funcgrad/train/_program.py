@@ -110,10 +110,9 @@ def _build(spec: TrainStep) -> _Built:
             warn_unreported_schedule(state.opt_state)
 
     def build_accumulating(apply: Callable, accumulate: int) -> Callable:
-        """`build`'s step under accumulation: one update per call, over a group of at most
-        K micro-batches (`make_accumulating_step` with one group)."""
+        """`build`'s step under accumulation: one update per group of micro-batches."""
         accumulating = make_accumulating_step(
-            plain, apply, accumulate=accumulate, tail="apply",
+            plain, apply, accumulate=accumulate, tail=spec.tail or "apply",
             value_and_grad=value_and_grad, compute_dtype=compute_dtype,
             loss_scale_of=None if loss_scale is None else lambda s: s.loss_scale.scale,
             jit=False, mesh=mesh, data_axis=data_axis)
@@ -121,10 +120,7 @@ def _build(spec: TrainStep) -> _Built:
         def step(state: TrainState, microbatches: PyTree, mask: jax.Array | None = None):
             entry_checks(state)
             _check_stacked(microbatches, mask, accumulate)
-            state, metrics = accumulating(state, microbatches, mask)
-            del metrics["dropped_examples"]  # one group, never dropped: always 0
-            return state, {k: v if k == "aux" else jax.tree.map(lambda a: a[0], v)
-                           for k, v in metrics.items()}
+            return accumulating(state, microbatches, mask)
         return step
 
     def build(apply: Callable) -> Callable:
@@ -221,14 +217,13 @@ def _warn_half_params(params: PyTree) -> None:
             RuntimeWarning, stacklevel=4)
 
 
-def _check_stacked(microbatches: PyTree, mask: Any, k: int) -> int:
-    """The number of micro-batches of one call, at most `k`; the accumulation shape error,
-    saying first that this step takes stacked micro-batches (a plain batch passed to an
-    accumulating step is the usual cause)."""
+def _check_stacked(microbatches: PyTree, mask: Any, k: int) -> None:
+    """The accumulation shape error, saying first that this step takes stacked micro-batches
+    (a plain batch passed to an accumulating step is the usual cause)."""
     from funcgrad.train.microbatches import leading_axes, unpack_microbatches
 
     try:
-        num, _ = leading_axes(unpack_microbatches(microbatches, mask)[0])
+        leading_axes(unpack_microbatches(microbatches, mask)[0])
     except ValueError as error:
         raise ValueError(
             f"this step's loss accumulates (funcgrad.accumulate(loss, {k})): it takes "
@@ -236,10 +231,3 @@ def _check_stacked(microbatches: PyTree, mask: Any, k: int) -> int:
             "leading axis, (num_micro_batches, micro_batch_size, ...), e.g. "
             "fg.stack_microbatches([mb0, mb1, ...]) or fg.group_microbatches(...), not one "
             f"batch (fit stacks them for you). {error}") from None
-    if num > k:
-        raise ValueError(
-            f"this step's loss accumulates {k} micro-batches per update "
-            f"(funcgrad.accumulate(loss, {k})) and a call is one update, but it was given "
-            f"{num}. Call it once per group: for group in fg.group_microbatches(batches, {k}): "
-            "state, metrics = step(state, group).")
-    return num

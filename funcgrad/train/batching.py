@@ -96,10 +96,7 @@ class Batches:
       seed: seeds the order with the epoch, an int >= 0.
       shuffle: False takes the examples in order every epoch.
       drop_last: True leaves out each epoch's last batch when it is smaller than
-        `batch_size` (every batch then has one shape); for `funcgrad.fit` with a step whose
-        loss accumulates K micro-batches (`funcgrad.accumulate`), also the last group of
-        fewer than K, so that every update averages K full micro-batches (PyTorch's
-        ``DataLoader(drop_last=True)`` with ``optimizer.step()`` every K batches).
+        `batch_size` (every batch then has one shape).
       n: the number of examples (read only).
     Raises:
       ValueError: at construction: leaves with different numbers of rows (named by their

@@ -58,9 +58,10 @@ class Precision(NamedTuple):
 class Accumulation(NamedTuple):
     """A loss's accumulation over micro-batches (`funcgrad.accumulate`)."""
     k: int
+    tail: str = "apply"
 
     def __repr__(self) -> str:
-        return f"accumulate({self.k})"
+        return f"accumulate({self.k}, tail={self.tail!r})"
 
 
 class LossOutput(NamedTuple):

@@ -124,23 +124,19 @@ def _padded_stack(leaves: Sequence[Any], size: int):
 
 
 def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
-                       size: int | None = None,
-                       drop_last: bool = False) -> Iterator[Microbatches]:
-    """Yields ``stack_microbatches`` of each `accumulate` consecutive micro-batches: one group
-    per update of a step whose loss is `accumulate`-d.
+                       size: int | None = None) -> Iterator[Microbatches]:
+    """Yields ``stack_microbatches`` of each `accumulate` consecutive micro-batches.
 
     The last group holds the remaining 1 .. accumulate - 1 micro-batches when their number is
-    not a multiple of `accumulate`: yielded (one more update over its examples), or left out
-    with `drop_last` (PyTorch's DataLoader name: the examples that do not fill a whole update
-    are not used this epoch). All groups pad to one size, so a jitted step compiles at most
-    twice (full groups, and the shorter last one).
+    not a multiple of `accumulate`; it is yielded, never dropped here, so that the step's
+    `tail` policy decides. All groups pad to one size, so a jitted step compiles at most twice
+    (full groups, and the shorter last one).
 
     Args:
       microbatches: an iterable of micro-batches, e.g. ``funcgrad.Batches(x, y,
         batch_size=m).epoch(e)``, whose last one may be smaller.
       accumulate: micro-batches per group, a positive int.
       size: the padded micro-batch size; default the size of the first micro-batch.
-      drop_last: leave out a last group of fewer than `accumulate` micro-batches.
     Yields:
       a `Microbatches` per group, as `stack_microbatches` returns it, leading axis
       `accumulate` (fewer for the last group).
@@ -165,26 +161,26 @@ def group_microbatches(microbatches: Iterable[PyTree], accumulate: int, *,
             if len(group) == k:
                 yield stack_microbatches(group, size=size)
                 group = []
-        if group and not drop_last:
+        if group:
             yield stack_microbatches(group, size=size)
     return groups(size)
 
 
-def accumulate(loss_fn: Any, k: int, **moved: Any) -> Any:
+#: What a final group of fewer than K micro-batches does (`accumulate`).
+TAIL_POLICIES = ("apply", "drop")
+
+
+def accumulate(loss_fn: Any, k: int, *, tail: str = "apply") -> Any:
     """The loss, marked to give one update per K micro-batches with the mean gradient over
     their examples (a piece of `funcgrad.make_train_step`; PyTorch's ``loss.backward()`` K
     times before ``optimizer.step()``, but equal to the full batch's gradient).
 
-    The step then takes one group per call, ``step(state, microbatches, mask=None)``: leaves
-    of shape ``(M, m, ...)`` with M <= K (M micro-batches of m examples, padded; `mask` bool
-    ``(M, m)`` marks the real ones) or one `Microbatches` (`group_microbatches`,
-    `stack_microbatches`), and the loss returns one loss per example, shape ``(m,)``. Each
-    call is one update: the norm, the optimizer's chain and the guard run once, over the mean
-    gradient of the group's real examples (a group of M < K, an epoch's last, is one update
-    over its examples; leaving it out is the data's choice: ``fg.Batches(...,
-    drop_last=True)``, ``fg.group_microbatches(..., drop_last=True)``). The metrics are the
-    step's, plus ``"examples"`` (int32, the real examples averaged) and ``"aux"`` per
-    micro-batch, shape ``(M, ...)``. The mean
+    The step then takes ``step(state, microbatches, mask=None)``: leaves of shape
+    ``(M, m, ...)`` (M micro-batches of m examples, padded; `mask` bool ``(M, m)`` marks the
+    real ones) or one `Microbatches` (`group_microbatches`, `stack_microbatches`), and the loss
+    returns one loss per example, shape ``(m,)``. The norm, clipping, guard and optimizer run
+    once per group of K, inside one ``lax.scan``; the metrics gain a leading axis of length U
+    (updates in the call) plus ``"examples": (U,)`` and ``"dropped_examples": ()``. The mean
     is the full-batch gradient only if each example's loss depends on that example alone: a
     loss coupled through the micro-batch (BatchNorm in training mode) warns at the first call
     (`funcgrad.CoupledExamplesWarning`). Derivation and measurements:
@@ -193,11 +189,13 @@ def accumulate(loss_fn: Any, k: int, **moved: Any) -> Any:
     Args:
       loss_fn: the per-example loss: a function or a `funcgrad.Loss`.
       k: micro-batches per update, an int >= 1.
+      tail: a final group of fewer than K micro-batches: "apply" (one more update over its
+        examples) or "drop" (counted in "dropped_examples").
     Returns:
-      a `funcgrad.Loss` whose ``accumulation`` is ``Accumulation(k)``.
+      a `funcgrad.Loss` whose ``accumulation`` is ``Accumulation(k, tail)``.
     Raises:
-      ValueError: if `k` is not a positive int, or the loss already accumulates.
-      TypeError: for ``tail=`` (the data's now: the message says where).
+      ValueError: if `k` is not a positive int, `tail` is not "apply" or "drop", or the loss
+        already accumulates.
     Example:
       >>> step = fg.make_train_step(fg.accumulate(per_example_loss, 4), optax.sgd(0.1))
     """
@@ -207,16 +205,11 @@ def accumulate(loss_fn: Any, k: int, **moved: Any) -> Any:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"accumulate: k must be a positive int (micro-batches per update), "
                          f"got {k!r}.")
-    if "tail" in moved:
-        raise TypeError(
-            "accumulate: tail= is no longer a keyword; the examples that do not fill a whole "
-            "update are the data's: fg.Batches(x, y, batch_size=m, drop_last=True) in fit, "
-            "fg.group_microbatches(microbatches, k, drop_last=True) in your own loop.")
-    if moved:
-        raise TypeError(f"accumulate() got an unexpected keyword argument {next(iter(moved))!r}.")
+    if tail not in TAIL_POLICIES:
+        raise ValueError(f"accumulate: tail must be one of {TAIL_POLICIES}, got {tail!r}.")
     if loss.accumulation is not None:
         raise ValueError(f"accumulate: {loss!r} already accumulates; apply accumulate once.")
-    return loss._marked(accumulation=Accumulation(int(k)))
+    return loss._marked(accumulation=Accumulation(int(k), tail))
 
 
 def unpack_microbatches(microbatches, mask) -> tuple[PyTree, Any]:

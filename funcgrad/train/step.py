@@ -44,8 +44,7 @@ _MOVED_KEYWORDS = {
     "loss_scale": "transform the loss: funcgrad.mixed_precision(loss_fn, jnp.float16, "
                   "loss_scale=funcgrad.dynamic_loss_scale())",
     "accumulate": "transform the loss: funcgrad.accumulate(per_example_loss, k)",
-    "tail": "the examples that do not fill a whole update are the data's: "
-            "funcgrad.Batches(x, y, batch_size=m, drop_last=True)",
+    "tail": "transform the loss: funcgrad.accumulate(per_example_loss, k, tail='drop')",
     "detect_anomaly": "wrap the step: funcgrad.detect_anomaly(step)",
     "mesh": "wrap the step: funcgrad.data_parallel(step, mesh)",
     "data_axis": "wrap the step: funcgrad.data_parallel(step, mesh, data_axis='data')",
@@ -129,6 +128,11 @@ class TrainStep:
     def accumulate(self) -> int | None:
         """K, micro-batches per update (`funcgrad.accumulate`), or None."""
         return None if self.loss.accumulation is None else self.loss.accumulation.k
+
+    @property
+    def tail(self) -> str | None:
+        """What a short final group does (`funcgrad.accumulate`), or None."""
+        return None if self.loss.accumulation is None else self.loss.accumulation.tail
 
     @property
     def mesh(self) -> Any:

@@ -26,6 +26,7 @@ class ForeignStep:
     nonfinite: str | None = None
     detect_anomaly: bool = False
     accumulate: int | None = None
+    tail: str | None = None
     unjitted: Callable | None = None
     unguarded: Callable | None = None
     mesh: Any = None
@@ -44,15 +45,15 @@ def as_step(step: Any) -> TrainStep | ForeignStep:
     return step if isinstance(step, (TrainStep, ForeignStep)) else ForeignStep(step)
 
 
-def check_accumulation(n: int, batch_size: int, accumulate: int, drop_last: bool) -> None:
+def check_accumulation(n: int, batch_size: int, accumulate: int, tail: str | None) -> None:
     n_batches = math.ceil(n / batch_size)
-    if accumulate > 1 and drop_last and n_batches < accumulate:
+    if accumulate > 1 and tail == "drop" and n_batches < accumulate:
         raise ValueError(
             f"fit: {n} examples in batches of {batch_size} make {n_batches} micro-batch"
             f"{'es' if n_batches > 1 else ''} per epoch, fewer than one group of "
-            f"accumulate={accumulate}, and the data drops a partial group (drop_last=True): no "
+            f"accumulate={accumulate}, and the step drops a partial group (tail='drop'): no "
             "update would ever be applied. Use a smaller batch_size or accumulate, or "
-            "drop_last=False.")
+            "tail='apply'.")
     if accumulate > 1 and accumulate * batch_size > n:
         warnings.warn(
             f"fit: accumulate={accumulate} micro-batches of {batch_size} "

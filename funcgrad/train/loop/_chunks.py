@@ -154,8 +154,9 @@ class ChunkRunner:
         """One step and its metrics in the chunks' layout (see the class docstring)."""
         new_state, metrics = self.step(state, self._split_rows(batch))
         (new_state,) = self._placed(new_state)
-        if self.accumulate is not None:  # one update per call; its aux is per micro-batch
-            metrics = {k: v for k, v in metrics.items() if k not in ("aux", "examples")}
+        if self.accumulate is not None:  # one update: its metrics without the update axis
+            metrics = {k: jax.tree.map(lambda a: a[0], v) for k, v in metrics.items()
+                       if k not in ("aux", "examples", "dropped_examples")}
         loss, norm = metrics["loss"], metrics["grad_norm"]
         skipped = metrics.get("skipped", ~(jnp.isfinite(loss) & jnp.isfinite(norm)))
         skipped = jnp.asarray(skipped).astype(bool)

@@ -113,8 +113,8 @@ class _Run(Recorder, Dispatches):
         done = skip
         if self.runner is not None:
             dropped = 0
-            if k > 1 and tail and batches.drop_last:
-                tail, dropped = 0, tail  # a partial group is the data's to drop, not run
+            if k > 1 and tail and self.step.tail == "drop":
+                tail, dropped = 0, tail  # a partial group is dropped, not run
             length = self.chunk or max(1, min(full, MAX_CHUNK))
             shape = (full, size, tail, b)
             got = self._from_group(epoch, shape, stopper) if done == 0 else None
@@ -282,8 +282,15 @@ class _Run(Recorder, Dispatches):
         old = self.state
         new_state, metrics = called(self.step, old, call, first=self.first_call)
         self.first_call = False
-        if self.accumulate > 1:  # one group per call: the metrics of its one update
+        if self.accumulate > 1:  # one group per call: metrics of 1 update, or 0 if dropped
+            self.history.dropped_examples += int(metrics.pop("dropped_examples"))
             metrics.pop("examples")
+            if metrics["loss"].shape[0] == 0:
+                self.state = new_state
+                self.bar.update(1)
+                return None
+            metrics = {k: v if k == "anomaly" else jax.tree.map(lambda a: a[0], v)
+                       for k, v in metrics.items()}
         ys = host_row(metrics, new_state)
         bad = bool(ys["bad"][0])
         if not bad or self.skip_bad:

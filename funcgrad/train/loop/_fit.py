@@ -153,12 +153,12 @@ def fit(step: Callable, state: TrainState, data: Any, *, epochs: int, evaluate: 
         something other than ``(TrainState, metrics)`` with "loss" and "grad_norm".
       ValueError: a non-positive `epochs`; a pytree of arrays without a `Batches`; empty
         data; a loader batch whose structure or row counts differ from the first (named); an
-        iterator (used up after one pass) with more than one epoch; an accumulating step
-        whose ``Batches(..., drop_last=True)`` would drop every group; a resumed run whose
-        batching differs from the checkpointed one's; with a data-parallel step on several
-        processes, loaders that disagree across the processes (batches per epoch, structure,
-        shapes, dtypes: on every process, naming each process's batches and the fix), or a
-        global batch (P times a loader's rows) that does not divide among the mesh's devices.
+        iterator (used up after one pass) with more than one epoch; an accumulating step with
+        ``tail="drop"`` that would drop every group; a resumed run whose batching differs
+        from the checkpointed one's; with a data-parallel step on several processes, loaders
+        that disagree across the processes (batches per epoch, structure, shapes, dtypes: on
+        every process, naming each process's batches and the fix), or a global batch (P times
+        a loader's rows) that does not divide among the mesh's devices.
       FloatingPointError: at a non-finite step, when `step` was made with ``nonfinite="raise"``.
       Exception: any exception of the step, the loader or `evaluate` propagates with the run
         so far as its ``fit_result`` attribute (a `FitResult`), after a checkpoint of the last
@@ -198,7 +198,7 @@ def fit(step: Callable, state: TrainState, data: Any, *, epochs: int, evaluate: 
     step = as_step(step)  # a TrainStep's fields, or a hand-written step's defaults
     accumulate = step.accumulate or 1
     if batches is not None:
-        check_accumulation(batches.used, batches.batch_size, accumulate, batches.drop_last)
+        check_accumulation(batches.used, batches.batch_size, accumulate, step.tail)
     evaluator = evaluator_of(evaluate, step, source.batch_size)
     raw = step.unjitted
     chunked = raw is not None and chunk != 1

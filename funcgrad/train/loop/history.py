@@ -153,8 +153,7 @@ class History:
         updates: under `funcgrad.accumulate` one per K batches, and a skipped step does not count.
       skipped_steps: run-wide indices (0-based, every batch counted) of the steps a loss scale
         skipped; each epoch's row then also has "skipped" and "loss_scale".
-      dropped_examples: examples left out as a last group of fewer than K micro-batches
-        (``fg.Batches(..., drop_last=True)`` with `funcgrad.accumulate`).
+      dropped_examples: examples left out by an accumulating step's ``tail="drop"`` policy.
       layer_names, step_layer_norm: with a monitored step (``make_train_step(monitor=)``),
         the layers (``params[0]``, ...) and, per applied step, each layer's gradient norm.
       alerts: the monitor's `funcgrad.train.monitor.Alert`s, in step order.
