@@ -18,7 +18,8 @@ import optax
 from _check import Check
 
 import funcgrad as fg
-from funcgrad.train.monitor import GradMonitor, monitor_alerts, with_dead_relu
+from funcgrad.train.alerts import monitor_alerts
+from funcgrad.train.monitor import GradMonitor, with_dead_relu
 
 STEPS = 30
 

@@ -148,7 +148,7 @@ def _build(spec: TrainStep) -> _Built:
     if spec.parallel is not None:  # the same step jitted with the state replicated, the rows
         out = spec.parallel.jit(step, accumulate)  # split (funcgrad.data_parallel)
     jitted = out
-    if accumulate is None:
+    if accumulate is None and _may_monitor(optimizer):
         out = _attach_monitor(out)
     if spec.detect_anomaly:
         out = (_detecting_anomalies(out, loss, trainable, compute_dtype) if accumulate is None
@@ -182,6 +182,17 @@ def _attach_monitor(step: Callable) -> Callable:
         return new_state, metrics
 
     return functools.wraps(step)(stepped)
+
+
+def _may_monitor(optimizer: Any) -> bool:
+    """Whether `optimizer`'s chain may hold a `funcgrad.grad_monitor` (its state for a one-leaf
+    params has a `funcgrad.MonitorState`; True where that state cannot be made): only then
+    does a call go through `_attach_monitor`'s host wrapper."""
+    try:
+        state = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
+    except Exception:  # noqa: BLE001 - a chain that needs the real params (fg.train_only)
+        return True
+    return any(isinstance(r, MonitorState) for r in records(state))
 
 
 def _wants_dead_relu(opt_state: Any) -> bool:

@@ -6,17 +6,24 @@ Second method: the same training check fed a loader of batches built here by han
 documented order (``permutation(fold_in(key(seed), epoch), n)`` cut into full runs)."""
 import jax
 import numpy as np
+import optax
 import pytest
 
 import funcgrad as fg
-from funcgrad.doctor import ModelFileError, doctor
+from funcgrad.doctor import DoctorOptions, ModelFileError, doctor
 
 from . import _small
 
 
+def _step_and_state():
+    step = fg.make_train_step(_small.loss, optax.adam(1e-3))
+    return step, step.init(_small.params())
+
+
 def _training_losses(data, **kwargs):
-    report = doctor(_small.loss, _small.params(), data, classes=_small.K, checks=["training"],
-                    steps=8, **kwargs)
+    step, state = _step_and_state()
+    report = doctor(step, state, data, checks=["training"],
+                    options=DoctorOptions(classes=_small.K, steps=8, **kwargs))
     return report.curves["loss"]
 
 
@@ -38,7 +45,7 @@ def test_the_doctor_batches_arrays_as_fit_does():
 
 def test_bad_data_is_a_model_file_error_with_fits_words():
     with pytest.raises(ModelFileError, match=r"data\['y'\] has 9 rows but data\['x'\] has 10"):
-        doctor(_small.loss, _small.params(), {"x": np.zeros((10, 8), np.float32),
-                                              "y": np.zeros(9, np.int32)})
+        doctor(*_step_and_state(), {"x": np.zeros((10, 8), np.float32),
+                                    "y": np.zeros(9, np.int32)})
     with pytest.raises(ModelFileError, match="data must be a pytree of arrays"):
-        doctor(_small.loss, _small.params(), {"x": 1.0})
+        doctor(*_step_and_state(), {"x": 1.0})

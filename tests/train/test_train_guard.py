@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import funcgrad as fg
+import funcgrad.train.masks
 
 # --- point 1: a non-finite update from a finite gradient is never applied ---------------------
 
@@ -208,8 +209,8 @@ def test_train_only_carries_its_mask():
     params, _, mask = _frozen_problem()
     frozen = fg.train_only(optax.adam(1e-3), mask)
     assert isinstance(frozen, optax.GradientTransformation) and frozen.trainable is mask
-    assert fg.masks.frozen_masks(fg.train_only(frozen, True)) == (True, mask)
-    assert fg.masks.frozen_masks(optax.chain(frozen)) == ()  # hidden inside a chain
+    assert funcgrad.train.masks.frozen_masks(fg.train_only(frozen, True)) == (True, mask)
+    assert funcgrad.train.masks.frozen_masks(optax.chain(frozen)) == ()  # hidden inside a chain
 
 
 # --- point 10: integer leaves --------------------------------------------------------------

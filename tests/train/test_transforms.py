@@ -94,7 +94,9 @@ def test_recorded_finds_the_records_at_any_depth_of_a_chain():
     assert fg.recorded(optax.chain(optax.sgd(1.0)).init(grads)) == {}
     updates, state = _update(tx, grads)
     got = fg.recorded(state)
-    assert set(got) == {"grad_norm", "clip_coef", "nonfinite_leaves", "monitor_state"}
+    assert set(got) == {"grad_norm", "clip_coef", "max_norm", "nonfinite_leaves",
+                        "monitor_state"}
+    assert float(got["max_norm"]) == 1.0
     assert float(got["grad_norm"]) == 5.0
     assert float(got["clip_coef"]) == pytest.approx(0.2, rel=1e-7)
     assert int(got["nonfinite_leaves"]) == 1
