@@ -100,8 +100,8 @@ class Progress:
     Example:
       >>> lines = []
       >>> _ = fg.fit(step, state, data, epochs=2, progress=fg.Progress(lines.append))
-      >>> [line.split()[:2] for line in lines]
-      [['epoch', '1'], ['epoch', '2']]
+      >>> len(lines), lines[0].split()[1]           # "epoch   1  loss ..."
+      (2, '1')
     """
     lines: Callable[[str], None] | None = None
     bar: bool = False
