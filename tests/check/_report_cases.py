@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import funcgrad as fg
 
 
-def _dense(scale_at=None, factor=1.0):
+def make_dense(scale_at=None, factor=1.0):
     """y = x @ w + b with a custom_vjp whose dW is multiplied by `factor` at `scale_at`."""
     @jax.custom_vjp
     def dense(w, b, x):
@@ -33,12 +33,12 @@ def _mlp():
 
 
 def _loss(params, x, y, dense=None):
-    h = jnp.tanh((dense or _dense())(params[0]["w"], params[0]["b"], x))
-    return fg.softmax_cross_entropy(_dense()(params[1]["w"], params[1]["b"], h), y)
+    h = jnp.tanh((dense or make_dense())(params[0]["w"], params[0]["b"], x))
+    return fg.softmax_cross_entropy(make_dense()(params[1]["w"], params[1]["b"], h), y)
 
 
 def _wrong_loss(params, x, y):
-    return _loss(params, x, y, _dense((1, 2), 1.5))
+    return _loss(params, x, y, make_dense((1, 2), 1.5))
 
 
 def _vector(w, x):

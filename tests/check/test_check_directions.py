@@ -5,26 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _report_cases import make_dense  # the custom_vjp dense layer the recorded cases use
 
 import funcgrad as fg
 from funcgrad.check import _directions
-
-
-def make_dense(scale_at=None, factor=1.0):
-    """y = x @ w + b with a custom_vjp whose dW is multiplied by `factor` at `scale_at`."""
-    @jax.custom_vjp
-    def dense(w, b, x):
-        return x @ w + b[None, :]
-
-    def bwd(res, g):
-        w, x = res
-        dw = x.T @ g
-        if scale_at is not None:
-            dw = dw.at[scale_at].multiply(factor)
-        return dw, g.sum(axis=0), g @ w.T
-
-    dense.defvjp(lambda w, b, x: (dense(w, b, x), (w, x)), bwd)
-    return dense
 
 
 def _model():
