@@ -34,7 +34,13 @@ from funcgrad.train.masks import _leaf_flags, check_differentiable, value_and_gr
 from funcgrad.train.optimizers import applied_learning_rate, warn_unreported_schedule
 from funcgrad.train.precision import LossScaleState, first_half_leaf
 from funcgrad.train.state import TrainState, _check_state
-from funcgrad.train.transforms import MonitorState, check_records, recorded, records
+from funcgrad.train.transforms import (
+    MonitorState,
+    check_records,
+    recorded,
+    records,
+    records_of_optimizer,
+)
 
 if TYPE_CHECKING:
     from funcgrad.train.step import TrainStep
@@ -188,11 +194,8 @@ def _may_monitor(optimizer: Any) -> bool:
     """Whether `optimizer`'s chain may hold a `funcgrad.grad_monitor` (its state for a one-leaf
     params has a `funcgrad.MonitorState`; True where that state cannot be made): only then
     does a call go through `_attach_monitor`'s host wrapper."""
-    try:
-        state = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
-    except Exception:  # noqa: BLE001 - a chain that needs the real params (fg.train_only)
-        return True
-    return any(isinstance(r, MonitorState) for r in records(state))
+    found = records_of_optimizer(optimizer)
+    return found is None or any(isinstance(r, MonitorState) for r in found)
 
 
 def _wants_dead_relu(opt_state: Any) -> bool:

@@ -6,7 +6,6 @@ hands them to an optax optimizer, so nothing accumulates between steps unless yo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,7 +24,7 @@ from funcgrad.train.optimizers import (
 )
 from funcgrad.train.precision import LossScale
 from funcgrad.train.state import TrainState, _initial_state, _trainable_of, _watch_trainable
-from funcgrad.train.transforms import ClipState, check_records
+from funcgrad.train.transforms import ClipState, check_records, records_of_optimizer
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -252,24 +251,9 @@ def _optimizer_name(optimizer: Any) -> str:
     return "optimizer=" + name.split(".<locals>")[0]
 
 
-@functools.lru_cache(maxsize=64)
-def _records_cached(optimizer: Any) -> tuple:
-    from funcgrad.train.transforms import records
-
-    try:
-        state = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((1,), np.float32)})
-    except Exception:  # noqa: BLE001 - a chain that needs the real params: unknown here
-        return ()
-    return tuple(records(state))
-
-
 def _records_of(optimizer: Any) -> tuple:
-    """The records (`funcgrad.train.transforms.records`) of `optimizer`'s state for a
-    one-leaf params, () where that cannot be made."""
-    try:
-        return _records_cached(optimizer)
-    except TypeError:  # an optimizer that cannot be hashed
-        return ()
+    """`funcgrad.train.transforms.records_of_optimizer`, () where they cannot be known."""
+    return records_of_optimizer(optimizer) or ()
 
 
 def make_train_step(loss: LossFn | Loss, optimizer: str | optax.GradientTransformation, *,

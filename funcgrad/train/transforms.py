@@ -25,6 +25,7 @@ the gradient the loss gave::
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -208,6 +209,26 @@ def records(opt_state: PyTree) -> list[Any]:
     optimizer state, in ``jax.tree.leaves`` order (works on abstract states too)."""
     nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, RECORD_TYPES))
     return [n for n in nodes if isinstance(n, RECORD_TYPES)]
+
+
+@functools.lru_cache(maxsize=64)
+def _records_cached(optimizer: Any) -> tuple | None:
+    try:
+        state = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
+    except Exception:  # noqa: BLE001 - a chain that needs the real params (fg.train_only)
+        return None
+    return tuple(records(state))
+
+
+def records_of_optimizer(optimizer: Any) -> tuple | None:
+    """The records `optimizer`'s state would hold (`records` of its abstract state for a
+    one-leaf params, cached per optimizer), or None where that state cannot be made (a
+    `funcgrad.train_only` whose mask needs the real params) or the optimizer is unhashable.
+    What a step knows of its chain before it sees params."""
+    try:
+        return _records_cached(optimizer)
+    except TypeError:  # an optimizer that cannot be hashed
+        return None
 
 
 def recorded(opt_state: PyTree) -> dict[str, Any]:
